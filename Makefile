@@ -1,0 +1,30 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Each creates the
+# virtual environment it needs. constraints.txt keeps pip on the CPU build of torch.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q --disable-pip-version-check -c constraints.txt
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test install bench clean
+
+$(STAMP): pyproject.toml constraints.txt Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/unbroken demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_save_load.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info src/*.egg-info

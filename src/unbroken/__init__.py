@@ -1,0 +1,43 @@
+"""unbroken: PyTorch training that survives interruption and resumes bitwise identically.
+
+The public API::
+
+    ckpt = unbroken.Checkpointer("runs/exp1", save_every=500, keep_last=3)
+    state = {"model": model, "optimizer": opt, "scheduler": sched, "scaler": scaler}
+    ckpt.restore(state)              # newest valid checkpoint, or a fresh start
+    while ckpt.progress.step < total_steps:
+        ...one optimizer step...
+        ckpt.step(state, loss=loss)  # saves when due
+
+``save``/``load``/``verify`` work on a single checkpoint folder; ``Stateful`` is the
+protocol user objects implement; ``Progress`` and ``Gradients`` are small helpers.
+"""
+
+__version__ = "0.1.0"
+
+from .errors import (  # noqa: E402
+    CorruptCheckpointError,
+    NoCheckpointError,
+    StateMismatchError,
+    UnbrokenError,
+    UnsupportedStateError,
+)
+from .state.stateful import Gradients, Progress, Stateful  # noqa: E402
+from .api import CheckpointInfo, load, save, verify  # noqa: E402
+from .manager import Checkpointer  # noqa: E402
+
+__all__ = [
+    "Checkpointer",
+    "CheckpointInfo",
+    "Stateful",
+    "Progress",
+    "Gradients",
+    "save",
+    "load",
+    "verify",
+    "UnbrokenError",
+    "CorruptCheckpointError",
+    "UnsupportedStateError",
+    "StateMismatchError",
+    "NoCheckpointError",
+]

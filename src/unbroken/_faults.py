@@ -1,0 +1,36 @@
+"""Deterministic fault injection for the end-to-end tests (not public API).
+
+``UNBROKEN_FAULTS="save.mid_file=2,save.before_commit=1"`` makes this process
+SIGKILL itself the 2nd time it reaches ``save.mid_file``, and so on. The points sit
+at the dangerous moments of a save: half-way through a tensor file, after the data
+files but before the manifest, and after the manifest but before the commit.
+Unset (the normal case), a point costs one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections import Counter
+
+POINTS = ("save.mid_file", "save.before_manifest", "save.before_commit", "save.after_commit")
+
+
+def _parse(spec: str) -> dict[str, int]:
+    out = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, _, nth = part.partition("=")
+        out[name] = int(nth or 1)
+    return out
+
+
+_SPEC = _parse(os.environ.get("UNBROKEN_FAULTS", ""))
+_hits: Counter[str] = Counter()
+
+
+def point(name: str) -> None:
+    """Mark a fault point; kill the process here if the environment asks for it."""
+    if name in _SPEC:
+        _hits[name] += 1
+        if _hits[name] == _SPEC[name]:
+            os.kill(os.getpid(), signal.SIGKILL)

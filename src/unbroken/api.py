@@ -1,0 +1,101 @@
+"""Single-checkpoint functions: ``save``, ``load`` and ``verify`` a checkpoint folder.
+
+These work on one folder and add nothing to the state; :class:`unbroken.Checkpointer`
+builds runs on top of them (progress, RNG, discovery, retention).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import NoCheckpointError
+from .format.manifest import MANIFEST, Manifest
+from .persist import write_snapshot
+from .reader import LoadedCheckpoint, read_checkpoint
+from .snapshot import Snapshotter
+from .state.apply import apply_state
+from .state.codec import StatefulValue
+from .storage.local import LocalStorage
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What is known about one committed checkpoint (from its manifest)."""
+
+    name: str
+    path: str
+    step: int
+    seq: int
+    created: float
+    size_bytes: int
+    metrics: dict[str, Any] = field(default_factory=dict)
+    progress: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, path: str, name: str, m: Manifest) -> "CheckpointInfo":
+        return cls(name=name, path=path, step=m.step, seq=m.seq, created=m.created,
+                   size_bytes=m.total_bytes, metrics=dict(m.metrics), progress=dict(m.progress))
+
+
+def _split(path: str | os.PathLike[str]) -> tuple[LocalStorage, str]:
+    p = Path(path)
+    return LocalStorage(p.parent), p.name
+
+
+def save(path: str | os.PathLike[str], state: Mapping[str, Any], *, step: int = 0,
+         metrics: dict[str, Any] | None = None) -> CheckpointInfo:
+    """Write ``state`` atomically as the checkpoint folder ``path`` (which must not exist).
+
+    Saves exactly what is given: use :class:`Checkpointer` to include RNG and progress.
+    """
+    storage, name = _split(path)
+    if Path(path).exists():
+        raise FileExistsError(f"{path} already exists; choose a new checkpoint path")
+    snap = Snapshotter().capture(state)
+    final, manifest = write_snapshot(snap, storage, name, step=step, seq=0, metrics=metrics)
+    return CheckpointInfo.of(storage.describe(final), final, manifest)
+
+
+def _read(path: str | os.PathLike[str]) -> LoadedCheckpoint:
+    storage, name = _split(path)
+    if not (Path(path) / MANIFEST).exists() and not Path(path).is_dir():
+        raise NoCheckpointError(f"no checkpoint at {path}")
+    return read_checkpoint(storage, name)
+
+
+def verify(path: str | os.PathLike[str]) -> CheckpointInfo:
+    """Fully verify a checkpoint (checksums, headers, state tree); raise if anything is wrong."""
+    loaded = _read(path)
+    return CheckpointInfo.of(str(path), loaded.name, loaded.manifest)
+
+
+def load(path: str | os.PathLike[str], state: MutableMapping[str, Any] | None = None, *,
+         strict: bool = True) -> dict[str, Any]:
+    """Verify and load a checkpoint folder.
+
+    With ``state``, restore into its objects in place (``load_state_dict`` for
+    ``Stateful`` objects) and return it. Without, return the saved tree as plain
+    Python values and CPU tensors. Never unpickles anything.
+    """
+    loaded = _read(path)
+    if state is None:
+        return unwrap(loaded.state)
+    apply_state(state, loaded.state, strict=strict)
+    return dict(state)
+
+
+def unwrap(x: Any) -> Any:
+    """Replace saved ``Stateful`` markers by their plain state dicts, recursively."""
+    if isinstance(x, StatefulValue):
+        return unwrap(x.value)
+    if isinstance(x, dict):
+        for k in list(x):
+            x[k] = unwrap(x[k])
+        return x
+    if isinstance(x, list):
+        return [unwrap(v) for v in x]
+    return x

@@ -1,0 +1,130 @@
+"""The ``unbroken`` command line: demo, list, verify, inspect."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Checkpoints that survive anything, and resume bitwise identically.")
+console = Console()
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000  # type: ignore[assignment]
+    return str(n)
+
+
+@app.command()
+def demo(
+    workdir: Optional[Path] = typer.Option(None, help="Keep all files in this folder (emptied first)."),
+    steps: int = typer.Option(150, help="Training steps."),
+    kills: int = typer.Option(3, help="External SIGKILLs at random steps (each followed by one inside a save)."),
+    seed: Optional[int] = typer.Option(None, help="Seed for the kill schedule and the data (random if unset)."),
+) -> None:
+    """Train, kill with SIGKILL at random steps and inside saves, resume, compare bitwise."""
+    from .demo import run_demo
+
+    ok = run_demo(str(workdir) if workdir else None, steps=steps, kills=kills, seed=seed)
+    raise typer.Exit(0 if ok else 1)
+
+
+@app.command("list")
+def list_(run: Path = typer.Argument(..., help="Run folder.")) -> None:
+    """List the committed checkpoints of a run, newest first (manifests only, not verified)."""
+    from .manager import Checkpointer
+
+    infos = Checkpointer(run, keep_last=None).checkpoints() if run.is_dir() else []
+    if not infos:
+        console.print(f"no checkpoints in {run}")
+        raise typer.Exit(1)
+    table = Table()
+    for col in ("name", "step", "seq", "saved at", "size", "metrics"):
+        table.add_column(col)
+    for c in infos:
+        when = _dt.datetime.fromtimestamp(c.created).isoformat(sep=" ", timespec="seconds")
+        table.add_row(c.name, str(c.step), str(c.seq), when, _size(c.size_bytes), json.dumps(c.metrics))
+    console.print(table)
+    q = run / "quarantine"
+    if q.is_dir():
+        names = sorted(p.name for p in q.iterdir() if p.is_dir())
+        if names:
+            console.print(f"quarantined: {', '.join(names)}")
+
+
+@app.command()
+def verify(path: Path = typer.Argument(..., help="A checkpoint folder, or a run folder to verify all.")) -> None:
+    """Verify checksums, headers and the state tree; exit 1 if anything is wrong."""
+    from .api import verify as verify_one
+    from .errors import UnbrokenError
+    from .storage.local import LocalStorage
+
+    targets = [path] if (path / "manifest.json").exists() or not path.is_dir() else \
+        [path / n for n in LocalStorage(path).list_committed()]
+    bad = 0
+    for t in targets:
+        try:
+            info = verify_one(t)
+            console.print(f"[green]ok[/]   {t}  step {info.step}, {_size(info.size_bytes)}")
+        except UnbrokenError as e:
+            bad += 1
+            console.print(f"[red]BAD[/]  {t}: {e}")
+    if not targets:
+        console.print(f"no checkpoints in {path}")
+    raise typer.Exit(1 if bad or not targets else 0)
+
+
+@app.command()
+def inspect(path: Path = typer.Argument(..., help="A checkpoint folder.")) -> None:
+    """Show a checkpoint's manifest and every tensor (name, dtype, shape) without loading data."""
+    from .errors import UnbrokenError
+    from .format.tensorfile import parse_header
+    from .reader import read_manifest
+    from .storage.local import LocalStorage
+
+    storage, name = LocalStorage(path.parent), path.name
+    try:
+        m = read_manifest(storage, name)
+    except UnbrokenError as e:
+        console.print(f"[red]{e}[/]")
+        raise typer.Exit(1)
+    console.print(f"[bold]{path}[/]: step {m.step}, seq {m.seq}, format v{m.format_version}, "
+                  f"{_size(m.total_bytes)}, saved {_dt.datetime.fromtimestamp(m.created).isoformat(sep=' ')}")
+    console.print(f"metrics: {json.dumps(m.metrics)}   progress: {json.dumps(m.progress)}")
+    env = m.environment
+    console.print("environment: " + ", ".join(f"{k} {env[k]}" for k in ("python", "torch", "host") if k in env))
+    table = Table()
+    for col in ("file", "tensor", "dtype", "shape"):
+        table.add_column(col)
+    for fname, entry in sorted(m.files.items()):
+        if not fname.endswith(".safetensors"):
+            continue
+        try:
+            header, _ = parse_header(memoryview(storage.read(name, fname, entry.size)), fname)
+        except UnbrokenError as e:
+            table.add_row(fname, f"[red]{e}[/]", "", "")
+            continue
+        for key, info in header.items():
+            table.add_row(fname, key, info["dtype"], str(info["shape"]))
+    console.print(table)
+
+
+def main() -> None:
+    """Entry point of the ``unbroken`` script."""
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""``unbroken demo``: kill a training run again and again, resume it, prove it bitwise identical.
+
+Runs :mod:`unbroken.demo_train` once without interruption, then again as a series
+of attempts, each ended by a real SIGKILL: some sent from outside at a random step,
+some delivered inside a save (half-way through a tensor file, between the data files
+and the manifest, between the manifest and the commit). Each attempt resumes from
+the newest valid checkpoint. At the end it compares the final parameters, optimizer
+state, scheduler and scaler, and every logged per-step loss (including the losses
+of steps that were recomputed after a kill) with the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+
+@dataclass
+class Attempt:
+    """One process of the interrupted run and how it ended."""
+
+    plan: str
+    started: str = ""
+    ended: str = ""
+    last_step: int = 0
+    seconds: float = 0.0
+
+
+def make_plan(rng: random.Random, steps: int, kills: int) -> list[tuple[str, str]]:
+    """Alternate external SIGKILLs at random steps with SIGKILLs inside saves."""
+    save_points = ["save.mid_file", "save.before_manifest", "save.before_commit"]
+    plan: list[tuple[str, str]] = []
+    targets = sorted(rng.sample(range(3, max(4, steps - 10)), k=max(1, kills)))
+    for i, step in enumerate(targets):
+        plan.append(("step", str(step)))
+        point = save_points[i % len(save_points)]
+        nth = 1 if step > steps - 25 else rng.randint(1, 2)
+        plan.append(("save", f"{point}={nth}"))
+    return plan
+
+
+_WHERE = {"save.mid_file": "half-way through a tensor file", "save.before_manifest": "before the manifest",
+          "save.before_commit": "before the commit rename"}
+
+
+def _describe_fault(spec: str) -> str:
+    point, _, nth = spec.partition("=")
+    return f"SIGKILL in save #{nth or 1}, {_WHERE.get(point, point)}"
+
+
+def run_attempt(cmd: list[str], kind: str, arg: str, env: dict[str, str]) -> Attempt:
+    """Start one attempt and kill it as planned; return how it went."""
+    att = Attempt(plan=f"SIGKILL after step {arg}" if kind == "step" else _describe_fault(arg))
+    child_env = dict(env)
+    if kind == "save":
+        child_env["UNBROKEN_FAULTS"] = arg
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        line = line.strip()
+        if line.startswith("resumed") or line.startswith("fresh"):
+            att.started = line
+        elif line.startswith("step "):
+            att.last_step = int(line.split()[1])
+            if kind == "step" and att.last_step >= int(arg):
+                proc.send_signal(signal.SIGKILL)
+    rc = proc.wait()
+    stderr = proc.stderr.read() if proc.stderr else ""
+    att.seconds = time.monotonic() - t0
+    if rc == 0:
+        att.ended = "finished"
+    elif rc == -signal.SIGKILL:
+        att.ended = f"killed after step {att.last_step}" if kind == "step" else \
+            f"killed in a save after step {att.last_step}"
+    else:
+        raise RuntimeError(f"training attempt failed with exit code {rc}:\n{stderr[-3000:]}")
+    return att
+
+
+def compare(ref: Path, got: Path) -> dict[str, bool]:
+    """Bitwise comparison of two runs' outputs."""
+    a, b = load_file(str(ref / "final.safetensors")), load_file(str(got / "final.safetensors"))
+    same_tensors = lambda prefix: a.keys() == b.keys() and all(  # noqa: E731
+        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
+        and torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8))
+        for k in a if k.startswith(prefix))
+    ref_other = json.loads((ref / "final.json").read_text())
+    got_other = json.loads((got / "final.json").read_text())
+    ref_losses = {r["step"]: r["loss"] for r in map(json.loads, (ref / "losses.jsonl").read_text().split("\n")[:-1])}
+    got_records = [json.loads(x) for x in (got / "losses.jsonl").read_text().split("\n")[:-1]]
+    losses_ok = bool(got_records) and {r["step"] for r in got_records} == set(ref_losses) and all(
+        r["loss"] == ref_losses[r["step"]] for r in got_records)
+    return {
+        "parameters": same_tensors("model/"),
+        "optimizer state": same_tensors("optimizer/") and ref_other["param_groups"] == got_other["param_groups"],
+        "scheduler + scaler": ref_other["scheduler"] == got_other["scheduler"]
+        and ref_other["scaler"] == got_other["scaler"],
+        "per-step losses": losses_ok,
+    }
+
+
+def run_demo(workdir: str | None = None, steps: int = 150, kills: int = 3, seed: int | None = None,
+             keep: bool = False) -> bool:
+    """Run the whole demo, print the report, return whether the runs are bitwise identical."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    seed = random.SystemRandom().randrange(10_000) if seed is None else seed
+    rng = random.Random(seed)
+    base = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="unbroken-demo-"))
+    if base.exists():
+        shutil.rmtree(base)
+    base.mkdir(parents=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+
+    def cmd(name: str) -> list[str]:
+        return [sys.executable, "-m", "unbroken.demo_train", "--run-dir", str(base / name / "run"),
+                "--out", str(base / name / "out"), "--steps", str(steps), "--seed", str(seed % 97)]
+
+    console.print(f"[bold]unbroken demo[/] (seed {seed}): {steps} steps of an MLP with dropout, shuffled "
+                  "data, random augmentation, AdamW, warmup+cosine, 2-step gradient accumulation, GradScaler")
+    t0 = time.monotonic()
+    ref = run_attempt(cmd("reference"), "none", "", env)
+    console.print(f"uninterrupted run: {ref.last_step} steps in {ref.seconds:.1f} s")
+
+    attempts: list[Attempt] = []
+    for kind, arg in make_plan(rng, steps, kills) + [("none", "")]:
+        att = run_attempt(cmd("interrupted"), kind, arg, env)
+        if kind == "none":
+            att.plan = "run to the end"
+        attempts.append(att)
+        if att.ended == "finished":
+            break
+    table = Table(title="interrupted run: one row per process")
+    for col in ("#", "plan", "started from", "ended", "seconds"):
+        table.add_column(col)
+    for i, a in enumerate(attempts, 1):
+        table.add_row(str(i), a.plan, a.started, a.ended, f"{a.seconds:.1f}")
+    console.print(table)
+    quarantined = base / "interrupted" / "run" / "quarantine"
+    if quarantined.exists():
+        console.print(f"quarantined checkpoints: {sorted(p.name for p in quarantined.iterdir())}")
+
+    results = compare(base / "reference" / "out", base / "interrupted" / "out")
+    check = Table(title="compared with the uninterrupted run")
+    check.add_column("what")
+    check.add_column("bitwise equal")
+    for what, ok in results.items():
+        check.add_row(what, "[green]yes[/]" if ok else "[red]NO[/]")
+    console.print(check)
+    ok = all(results.values())
+    console.print(f"total {time.monotonic() - t0:.1f} s, {len(attempts) - 1} kills")
+    console.print(f"bitwise identical: {'yes' if ok else 'no'}", style="bold green" if ok else "bold red")
+    if keep or not ok:
+        console.print(f"files kept in {base}")
+    elif workdir is None:
+        shutil.rmtree(base, ignore_errors=True)
+    return ok

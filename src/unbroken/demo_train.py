@@ -1,0 +1,164 @@
+"""The demo's training job: a small but complete training loop made resumable by unbroken.
+
+It has everything that makes exact resumption hard: dropout (global torch RNG),
+shuffled data (a per-epoch permutation), random augmentation (per-sample generators
+keyed by seed, epoch and sample index), AdamW, a warmup + cosine LR schedule,
+gradient accumulation over micro-batches, and a GradScaler. Run it, kill it at any
+moment, run it again with the same arguments: it continues from the newest valid
+checkpoint and ends with exactly the same parameters as a run that was never
+killed.
+
+    python -m unbroken.demo_train --run-dir runs/demo --out out/ --steps 150
+
+Outputs in ``--out``: ``losses.jsonl`` (one line per completed step, appended by
+every attempt), ``final.safetensors`` (parameters and optimizer tensors) and
+``final.json`` (scheduler and scaler state), written when the run completes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import unbroken
+
+N_SAMPLES, N_FEATURES, N_CLASSES = 4096, 64, 10
+MICRO_BATCH, ACCUM = 32, 2
+
+
+def make_dataset(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fixed synthetic classification problem (a function of the seed only)."""
+    g = torch.Generator().manual_seed(seed)
+    centers = torch.randn(N_CLASSES, N_FEATURES, generator=g) * 2
+    y = torch.randint(0, N_CLASSES, (N_SAMPLES,), generator=g)
+    x = centers[y] + torch.randn(N_SAMPLES, N_FEATURES, generator=g)
+    return x, y
+
+
+class Data:
+    """Sample order and augmentation as pure functions of (seed, epoch, position)."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.x, self.y = make_dataset(seed)
+        self._perm_epoch = -1
+        self._perm = torch.empty(0, dtype=torch.long)
+
+    def perm(self, epoch: int) -> torch.Tensor:
+        if epoch != self._perm_epoch:
+            g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+            self._perm, self._perm_epoch = torch.randperm(N_SAMPLES, generator=g), epoch
+        return self._perm
+
+    def augment(self, x: torch.Tensor, epoch: int, index: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) * 10_000_019 + index)
+        noise = torch.randn(x.shape, generator=g) * 0.3
+        sign = 1.0 if torch.rand((), generator=g).item() < 0.5 else -1.0
+        return sign * x + noise
+
+    def batch(self, position: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``size`` samples starting at global sample ``position``."""
+        xs, ys = [], []
+        for p in range(position, position + size):
+            epoch, i = divmod(p, N_SAMPLES)
+            idx = int(self.perm(epoch)[i])
+            xs.append(self.augment(self.x[idx], epoch, idx))
+            ys.append(self.y[idx])
+        return torch.stack(xs), torch.stack(ys)
+
+
+def make_model(hidden: int) -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Linear(N_FEATURES, hidden), torch.nn.GELU(), torch.nn.Dropout(0.1),
+        torch.nn.Linear(hidden, hidden), torch.nn.GELU(), torch.nn.Dropout(0.1),
+        torch.nn.Linear(hidden, N_CLASSES),
+    )
+
+
+def warmup_cosine(total: int, warmup: int):
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+    return factor
+
+
+def train(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)  # model init; the checkpoint restores everything after it
+    torch.use_deterministic_algorithms(True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    data = Data(args.seed)
+    model = make_model(args.hidden)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.steps, warmup=args.steps // 10))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=20)
+
+    # --- unbroken: four lines ---------------------------------------------------
+    ckpt = unbroken.Checkpointer(args.run_dir, save_every=args.save_every, keep_last=3)
+    state = {"model": model, "optimizer": opt, "scheduler": sched, "scaler": scaler}
+    info = ckpt.restore(state)
+    print(f"resumed from step {info.step}" if info else "fresh start", flush=True)
+    # -----------------------------------------------------------------------------
+
+    with open(out / "losses.jsonl", "a") as log:
+        while ckpt.progress.step < args.steps:
+            model.train()
+            total = 0.0
+            for _ in range(ACCUM):
+                x, y = data.batch(ckpt.progress.samples, MICRO_BATCH)
+                loss = F.cross_entropy(model(x), y) / ACCUM
+                scaler.scale(loss).backward()
+                total += loss.item()
+                ckpt.progress.samples += MICRO_BATCH
+                ckpt.progress.micro_step += 1
+            ckpt.progress.epoch = ckpt.progress.samples // N_SAMPLES
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+            log.write(json.dumps({"step": ckpt.progress.step + 1, "loss": total}) + "\n")
+            log.flush()
+            ckpt.step(state, loss=total)  # saves every --save-every steps
+            print(f"step {ckpt.progress.step}", flush=True)
+
+    write_final(out, model, opt, sched, scaler)
+    print("done", flush=True)
+    return 0
+
+
+def write_final(out: Path, model, opt, sched, scaler) -> None:
+    """Final state in formats independent of unbroken, for the bitwise comparison."""
+    from safetensors.torch import save_file
+
+    tensors = {f"model/{k}": v.contiguous() for k, v in model.state_dict().items()}
+    for pid, st in opt.state_dict()["state"].items():
+        for k, v in st.items():
+            tensors[f"optimizer/{pid}/{k}"] = v.reshape(v.shape).contiguous()
+    save_file(tensors, str(out / "final.safetensors"))
+    other = {"scheduler": sched.state_dict(), "scaler": scaler.state_dict(),
+             "param_groups": opt.state_dict()["param_groups"]}
+    (out / "final.json").write_text(json.dumps(other, sort_keys=True, default=repr))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--save-every", type=int, default=10)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    return train(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

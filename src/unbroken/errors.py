@@ -1,0 +1,29 @@
+"""The few exceptions unbroken raises. Each message says what to do next."""
+
+from __future__ import annotations
+
+
+class UnbrokenError(Exception):
+    """Base class of every error raised by unbroken."""
+
+
+class UnsupportedStateError(UnbrokenError, TypeError):
+    """The state holds an object unbroken cannot save without pickle.
+
+    The message names the object's path in the state tree, e.g.
+    ``state["optimizer"]["param_groups"][0]["foo"]``, and how to make it savable.
+    """
+
+
+class CorruptCheckpointError(UnbrokenError):
+    """A checkpoint failed verification: a file is missing, truncated, altered,
+    or the manifest or a tensor header is malformed. Nothing from it was loaded."""
+
+
+class StateMismatchError(UnbrokenError):
+    """The checkpoint does not fit the live state passed to ``restore``/``load``
+    (missing or unexpected keys, a Stateful object where a plain value was saved)."""
+
+
+class NoCheckpointError(UnbrokenError, FileNotFoundError):
+    """No checkpoint exists at the given path."""

@@ -1,0 +1,1 @@
+"""Bytes on disk: the manifest and the tensor file format."""

@@ -1,0 +1,136 @@
+"""``manifest.json``: the single source of truth about a checkpoint, written last.
+
+A checkpoint folder is valid only if its manifest parses, names a format version this
+code can read, and every file it lists exists with the recorded size and xxh3-128
+checksum. File names are single, plain path components (no ``/``, no ``..``, no
+absolute paths), so a manifest can never make a reader touch a file outside the
+checkpoint folder.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from ..errors import CorruptCheckpointError
+
+FORMAT_NAME = "unbroken"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+STATE_FILE = "state.json"
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+_HEX128 = re.compile(r"^[0-9a-f]{32}$")
+
+
+def new_hasher() -> "xxhash.xxh3_128":
+    """The checksum used for every file: xxh3-128 (fast, non-cryptographic)."""
+    return xxhash.xxh3_128()
+
+
+def check_file_name(name: Any) -> str:
+    """Return ``name`` if it is a safe file name inside a checkpoint, else raise."""
+    if not isinstance(name, str) or not _SAFE_NAME.match(name) or name in (".", "..") or name == MANIFEST:
+        raise CorruptCheckpointError(f"manifest lists an unsafe or invalid file name {name!r}")
+    return name
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """Size and checksum of one file of a checkpoint."""
+
+    size: int
+    xxh3_128: str
+
+
+@dataclass
+class Manifest:
+    """Everything recorded about one checkpoint. ``seq`` orders commits within a run."""
+
+    step: int
+    seq: int
+    files: dict[str, FileEntry]
+    created: float = field(default_factory=time.time)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    progress: dict[str, int] = field(default_factory=dict)
+    environment: dict[str, Any] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files.values())
+
+    def to_json(self) -> bytes:
+        doc = {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "step": self.step,
+            "seq": self.seq,
+            "created": self.created,
+            "metrics": self.metrics,
+            "progress": self.progress,
+            "files": {k: {"size": v.size, "xxh3_128": v.xxh3_128} for k, v in sorted(self.files.items())},
+            "environment": self.environment,
+        }
+        return json.dumps(doc, indent=1, allow_nan=False).encode("utf-8")
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "Manifest":
+        """Parse and validate a manifest; any problem raises :class:`CorruptCheckpointError`."""
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise CorruptCheckpointError("manifest.json is implausibly large")
+        try:
+            doc = json.loads(raw.decode("utf-8"), object_pairs_hook=strict_object)
+        except (UnicodeDecodeError, ValueError) as e:
+            raise CorruptCheckpointError(f"manifest.json does not parse ({e})") from None
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+            raise CorruptCheckpointError("manifest.json is not an unbroken manifest")
+        version = doc.get("format_version")
+        if type(version) is not int or version < 1:
+            raise CorruptCheckpointError(f"manifest.json has an invalid format_version {version!r}")
+        if version > FORMAT_VERSION:
+            raise CorruptCheckpointError(
+                f"checkpoint format version {version} is newer than this unbroken reads "
+                f"({FORMAT_VERSION}); upgrade unbroken to load it"
+            )
+        try:
+            files_doc = doc["files"]
+            if not isinstance(files_doc, dict):
+                raise TypeError("files is not an object")
+            files = {}
+            for name, entry in files_doc.items():
+                check_file_name(name)
+                size, digest = entry["size"], entry["xxh3_128"]
+                if type(size) is not int or size < 0 or not isinstance(digest, str) or not _HEX128.match(digest):
+                    raise TypeError(f"bad size or checksum for {name!r}")
+                files[name] = FileEntry(size, digest)
+            step, seq = doc["step"], doc["seq"]
+            if type(step) is not int or type(seq) is not int or step < 0 or seq < 0:
+                raise TypeError("step and seq must be non-negative integers")
+            created = float(doc["created"])
+            metrics, progress, env = doc.get("metrics", {}), doc.get("progress", {}), doc.get("environment", {})
+            if not all(isinstance(x, dict) for x in (metrics, progress, env)):
+                raise TypeError("metrics, progress and environment must be objects")
+        except CorruptCheckpointError:
+            raise
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptCheckpointError(f"manifest.json is malformed ({e})") from None
+        if STATE_FILE not in files:
+            raise CorruptCheckpointError(f"manifest.json does not list {STATE_FILE}")
+        return cls(step=step, seq=seq, files=files, created=created, metrics=metrics,
+                   progress=progress, environment=env, format_version=version)
+
+
+def strict_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads`` hook that rejects duplicate keys (a classic parser-confusion trick)."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out

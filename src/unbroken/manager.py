@@ -1,0 +1,251 @@
+"""``Checkpointer``: the run-level API — restore, step, save, discover, retain.
+
+One run folder holds committed checkpoints ``step-000000500/`` (each a folder with a
+``manifest.json``), a ``quarantine/`` folder for checkpoints that failed
+verification, and transient hidden staging folders. The newest checkpoint is the one
+committed last (highest ``seq`` in its manifest), so resuming from an older
+checkpoint and training on makes the new branch the newest.
+
+Besides the user's state, every checkpoint holds the loop :class:`Progress` and the
+global RNGs under the reserved key ``__unbroken__``; RNGs are restored last.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import warnings
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+import torch
+
+from .api import CheckpointInfo
+from .environment import fingerprint
+from .errors import CorruptCheckpointError, NoCheckpointError, UnbrokenError
+from .persist import write_snapshot
+from .reader import read_checkpoint, read_manifest
+from .snapshot import Snapshotter
+from .state.apply import apply_state
+from .state.rng import GlobalRNG
+from .state.stateful import Gradients, Progress
+from .storage.local import LocalStorage
+
+log = logging.getLogger("unbroken")
+RESERVED = "__unbroken__"
+
+
+class UnbrokenWarning(UserWarning):
+    """Something in the state will probably make a resumed run diverge."""
+
+
+class Checkpointer:
+    """Saves and restores the complete training state of one run.
+
+    Args:
+        directory: the run folder (created on the first save).
+        save_every: save from :meth:`step` every this many optimizer steps (``None``:
+            only when :meth:`save` is called).
+        keep_last: how many committed checkpoints to keep (``None``: all). Older ones
+            are deleted only after a newer one has committed.
+        rng: also capture and restore the global python/numpy/torch/CUDA RNGs.
+        strict: refuse a checkpoint whose top-level keys differ from the state's.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], *, save_every: int | None = None,
+                 keep_last: int | None = 3, rng: bool = True, strict: bool = True) -> None:
+        if save_every is not None and save_every < 1:
+            raise ValueError("save_every must be a positive number of steps or None")
+        if keep_last is not None and keep_last < 1:
+            raise ValueError("keep_last must be at least 1 (or None to keep everything)")
+        self.directory = os.fspath(directory)
+        self.storage = LocalStorage(self.directory)
+        self.save_every = save_every
+        self.keep_last = keep_last
+        self.rng = rng
+        self.strict = strict
+        self.progress = Progress()
+        self.metrics: dict[str, Any] = {}
+        self._snapshotter = Snapshotter(copy=False)
+        self._checked_state = False
+        self._next_seq: int | None = None
+        for name in self.storage.clean_stale():
+            log.info("removed leftover %s of an interrupted save", name)
+
+    # ----------------------------------------------------------------- discovery
+    def checkpoints(self) -> list[CheckpointInfo]:
+        """Committed checkpoints with a readable manifest, newest first (not verified)."""
+        out = []
+        for name in self.storage.list_committed():
+            try:
+                m = read_manifest(self.storage, name)
+            except (CorruptCheckpointError, OSError):
+                continue
+            out.append(CheckpointInfo.of(self.storage.describe(name), name, m))
+        return sorted(out, key=lambda c: (c.seq, c.step), reverse=True)
+
+    def latest(self) -> CheckpointInfo | None:
+        """The newest committed checkpoint (not verified), or ``None``."""
+        found = self.checkpoints()
+        return found[0] if found else None
+
+    # ------------------------------------------------------------------- restore
+    def restore(self, state: MutableMapping[str, Any], path: str | os.PathLike[str] | None = None,
+                ) -> CheckpointInfo | None:
+        """Load the newest valid checkpoint into ``state`` in place; return what was loaded.
+
+        Checkpoints that fail verification are moved to ``quarantine/`` with the reason
+        logged, and the previous one is tried. Returns ``None`` (a fresh start) when the
+        run has no valid checkpoint. With ``path``, load exactly that checkpoint and
+        raise :class:`CorruptCheckpointError` if it is invalid.
+        """
+        self._check_reserved(state)
+        if path is not None:
+            p = os.fspath(path)
+            storage = LocalStorage(os.path.dirname(os.path.abspath(p)))
+            name = os.path.basename(os.path.abspath(p))
+            if not os.path.isdir(p):
+                raise NoCheckpointError(f"no checkpoint at {p}")
+            loaded = read_checkpoint(storage, name)
+            return self._apply(state, loaded, storage.describe(name))
+        candidates: list[tuple[int, int, str]] = []
+        for name in self.storage.list_committed():
+            try:
+                m = read_manifest(self.storage, name)
+            except CorruptCheckpointError as e:
+                self._quarantine(name, str(e))
+                continue
+            candidates.append((m.seq, m.step, name))
+        bad = 0
+        for _, _, name in sorted(candidates, reverse=True):
+            try:
+                loaded = read_checkpoint(self.storage, name)
+            except CorruptCheckpointError as e:
+                bad += 1
+                self._quarantine(name, str(e))
+                continue
+            if bad:
+                log.warning("resuming from %s after skipping %d corrupt newer checkpoint(s)", name, bad)
+            return self._apply(state, loaded, self.storage.describe(name))
+        if candidates:
+            log.error("none of the %d checkpoints in %s is valid (all quarantined); starting from scratch",
+                      len(candidates), self.directory)
+        else:
+            log.info("no checkpoint in %s; starting from scratch", self.directory)
+        return None
+
+    def _apply(self, state: MutableMapping[str, Any], loaded: Any, where: str) -> CheckpointInfo:
+        saved = dict(loaded.state)
+        extra = saved.pop(RESERVED, None)
+        apply_state(state, saved, strict=self.strict)
+        if isinstance(extra, dict):
+            if "progress" in extra:
+                self.progress.load_state_dict(getattr(extra["progress"], "value", extra["progress"]))
+            if self.rng and "rng" in extra:  # last: nothing may draw from an RNG after this
+                GlobalRNG().load_state_dict(getattr(extra["rng"], "value", extra["rng"]))
+        self.metrics = dict(loaded.manifest.metrics)
+        log.info("resumed from %s (step %d)", where, loaded.manifest.step)
+        return CheckpointInfo.of(where, loaded.name, loaded.manifest)
+
+    def _quarantine(self, name: str, reason: str) -> None:
+        moved = self.storage.quarantine(name, reason)
+        log.warning("checkpoint %s is invalid and was quarantined to %s: %s", name, moved, reason)
+
+    # ---------------------------------------------------------------------- save
+    def step(self, state: Mapping[str, Any], **metrics: Any) -> CheckpointInfo | None:
+        """Mark one optimizer step done; save if it is due. Metrics go into the manifest."""
+        self.progress.step += 1
+        self.progress.micro_step = 0
+        self.metrics.update(metrics)
+        if self.save_every and self.progress.step % self.save_every == 0:
+            return self.save(state)
+        return None
+
+    def save(self, state: Mapping[str, Any], metrics: dict[str, Any] | None = None) -> CheckpointInfo:
+        """Save ``state`` (plus progress and RNG) now, synchronously, then apply retention."""
+        self._check_reserved(state)
+        if metrics:
+            self.metrics.update(metrics)
+        if not self._checked_state:
+            self._checked_state = True
+            for message in find_forgotten_state(state):
+                warnings.warn(message, UnbrokenWarning, stacklevel=2)
+        if self.progress.micro_step and not any(isinstance(v, Gradients) for v in state.values()):
+            warnings.warn(
+                f"saving in the middle of gradient accumulation (micro_step={self.progress.micro_step}) "
+                "without the accumulated gradients; add unbroken.Gradients(model) to the state",
+                UnbrokenWarning, stacklevel=2)
+        full: dict[str, Any] = dict(state)
+        full[RESERVED] = {"progress": self.progress}
+        if self.rng:
+            full[RESERVED]["rng"] = GlobalRNG()
+        snapshot = self._snapshotter.capture(full)
+        seq = self._seq()
+        final, manifest = write_snapshot(
+            snapshot, self.storage, f"step-{self.progress.step:09d}", step=self.progress.step, seq=seq,
+            metrics=clean_metrics(self.metrics), progress=self.progress.state_dict(),
+            environment=fingerprint())
+        self._next_seq = seq + 1
+        info = CheckpointInfo.of(self.storage.describe(final), final, manifest)
+        log.info("saved %s (%.1f MB)", info.path, info.size_bytes / 1e6)
+        self.prune(keep=final)
+        return info
+
+    def _seq(self) -> int:
+        if self._next_seq is None:
+            self._next_seq = max((c.seq for c in self.checkpoints()), default=-1) + 1
+        return self._next_seq
+
+    def prune(self, keep: str | None = None) -> list[str]:
+        """Apply ``keep_last``: delete the oldest committed checkpoints beyond it."""
+        if self.keep_last is None:
+            return []
+        removed = []
+        for info in self.checkpoints()[self.keep_last:]:
+            if info.name == keep:
+                continue
+            self.storage.delete(info.name)
+            removed.append(info.name)
+            log.info("retention: deleted %s", info.name)
+        return removed
+
+    @staticmethod
+    def _check_reserved(state: Mapping[str, Any]) -> None:
+        if RESERVED in state:
+            raise UnbrokenError(f"the state key {RESERVED!r} is reserved for unbroken; rename it")
+
+
+def clean_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Metrics as JSON-safe scalars: tensors and numpy scalars become floats, nan a string."""
+    out: dict[str, Any] = {}
+    for k, v in metrics.items():
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            v = v.item()
+        elif hasattr(v, "item") and callable(v.item):
+            v = v.item()
+        if isinstance(v, float) and not math.isfinite(v):
+            v = repr(v)
+        if v is None or isinstance(v, (bool, int, float, str)):
+            out[str(k)] = v
+        else:
+            out[str(k)] = repr(v)
+    return out
+
+
+def find_forgotten_state(state: Mapping[str, Any]) -> list[str]:
+    """Warnings about state that is commonly forgotten and makes a resume diverge."""
+    values = list(state.values())
+    has = lambda cls: any(isinstance(v, cls) for v in values)  # noqa: E731
+    out = []
+    if has(torch.nn.Module) and not has(torch.optim.Optimizer):
+        out.append("the state holds a model but no optimizer: a resumed run would restart the "
+                   "optimizer's moments and diverge; add it, e.g. state['optimizer'] = opt")
+    sched_cls = torch.optim.lr_scheduler.LRScheduler
+    for k, v in state.items():
+        if isinstance(v, torch.optim.Optimizer) and any("initial_lr" in g for g in v.param_groups) \
+                and not has(sched_cls) and not has(torch.optim.lr_scheduler.ReduceLROnPlateau):
+            out.append(f"state[{k!r}] is driven by an LR scheduler (its param groups carry "
+                       "'initial_lr') but no scheduler is in the state: a resumed run would restart "
+                       "the schedule; add it, e.g. state['scheduler'] = scheduler")
+    return out

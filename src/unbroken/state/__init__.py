@@ -1,0 +1,1 @@
+"""State capture: what a training state is made of and how it becomes JSON + tensors."""

@@ -1,0 +1,94 @@
+"""Putting a decoded checkpoint back into the live training state, in place.
+
+The live state is the dict the user passes to ``restore``/``load``. Its objects keep
+their identity: ``Stateful`` objects get ``load_state_dict``, dicts and lists are
+updated in place, tensors are copied into (same shape and dtype) or replaced,
+generators get their state set. Plain values are replaced in their container.
+Before anything is touched, the top-level keys are compared, so a mismatch fails
+without half-restoring the state.
+"""
+
+from __future__ import annotations
+
+from typing import Any, MutableMapping
+
+import numpy as np
+import torch
+
+from ..errors import StateMismatchError
+from .codec import PathT, StatefulValue, render_path
+from .stateful import is_stateful
+
+
+def check_keys(live: MutableMapping[str, Any], saved: dict[str, Any], strict: bool) -> None:
+    """Refuse (when ``strict``) a checkpoint whose top-level keys differ from the state's."""
+    missing = [k for k in live if k not in saved]
+    unexpected = [k for k in saved if k not in live]
+    if strict and (missing or unexpected):
+        parts = []
+        if missing:
+            parts.append(f"in the state but not in the checkpoint: {missing}")
+        if unexpected:
+            parts.append(f"in the checkpoint but not in the state: {unexpected}")
+        raise StateMismatchError(
+            "the checkpoint does not match the state (" + "; ".join(parts) + "). Pass the same keys "
+            "that were saved, or strict=False to restore only the keys both have."
+        )
+
+
+def apply_state(live: MutableMapping[str, Any], saved: dict[str, Any], strict: bool = True) -> None:
+    """Load ``saved`` into ``live`` in place (see the module docstring)."""
+    check_keys(live, saved, strict)
+    for key, value in saved.items():
+        if key in live:
+            live[key] = _apply(live[key], value, (key,))
+
+
+def _apply(live: Any, saved: Any, path: PathT) -> Any:
+    if is_stateful(live):
+        value = saved.value if isinstance(saved, StatefulValue) else saved
+        try:
+            live.load_state_dict(value)
+        except Exception as e:
+            raise StateMismatchError(
+                f"{render_path(path)}.load_state_dict() rejected the checkpoint: {type(e).__name__}: {e}"
+            ) from e
+        return live
+    if isinstance(saved, StatefulValue):
+        raise StateMismatchError(
+            f"{render_path(path)} was saved from a {saved.cls} but the state now holds a "
+            f"{type(live).__name__}; pass the object itself (it must have load_state_dict)."
+        )
+    if isinstance(live, torch.Tensor) and isinstance(saved, torch.Tensor):
+        if live.shape == saved.shape and live.dtype == saved.dtype and not live.is_inference():
+            with torch.no_grad():
+                live.copy_(saved)
+            return live
+        return saved.to(live.device)
+    if type(live) is dict and type(saved) is dict or (
+        isinstance(live, dict) and isinstance(saved, dict)
+    ):
+        for k in [k for k in live if k not in saved]:
+            del live[k]
+        for k, v in saved.items():
+            live[k] = _apply(live[k], v, path + (k,)) if k in live else v
+        return live
+    if type(live) is list and type(saved) is list:
+        if len(live) == len(saved):
+            live[:] = [_apply(a, b, path + (i,)) for i, (a, b) in enumerate(zip(live, saved))]
+        else:
+            live[:] = saved
+        return live
+    if type(live) is torch.Generator and type(saved) is torch.Generator:
+        live.set_state(saved.get_state())
+        return live
+    if type(live) is np.random.Generator and type(saved) is np.random.Generator:
+        live.bit_generator.state = saved.bit_generator.state
+        return live
+    if type(live) is np.random.RandomState and type(saved) is np.random.RandomState:
+        live.set_state(saved.get_state())
+        return live
+    if hasattr(live, "setstate") and type(live) is type(saved) and hasattr(saved, "getstate"):
+        live.setstate(saved.getstate())  # random.Random
+        return live
+    return saved

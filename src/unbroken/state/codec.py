@@ -1,0 +1,423 @@
+"""Pickle-free encoding of a state tree: JSON nodes with explicit type tags.
+
+Every leaf that is not a tensor becomes JSON. Anything JSON cannot say exactly
+(tuples, non-string dict keys, bytes, nan/inf, numpy scalars, dtypes, generators,
+``Stateful`` objects) becomes an object ``{"@": tag, ...}``. Tensors and numpy
+arrays are handed to a :class:`TensorSink`, which stores them in safetensors files
+and returns the reference written into the tree.
+
+Decoding is the mirror image and is strict: an unknown tag, a malformed node or a
+reference to a tensor that does not exist raises :class:`CorruptCheckpointError`.
+Decoding never imports, calls or instantiates anything named by the checkpoint
+except from fixed allow-lists (dtypes, numpy bit generators).
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import pathlib
+import random
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import numpy as np
+import torch
+
+from ..errors import CorruptCheckpointError, UnsupportedStateError
+from .stateful import is_stateful
+
+TAG = "@"
+_MAX_JSON_INT_BITS = 8192
+_CANONICAL_NAN = struct.pack(">d", float("nan")).hex()
+PathT = tuple[Any, ...]
+
+_TORCH_DTYPES: dict[str, torch.dtype] = {
+    str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)
+}
+_NP_BITGENS = {
+    name: getattr(np.random, name)
+    for name in ("PCG64", "PCG64DXSM", "MT19937", "Philox", "SFC64")
+    if hasattr(np.random, name)
+}
+SUPPORTED_TYPES = (
+    "None, bool, int, float, str, bytes, complex, list, tuple, dict, set, torch.Tensor, "
+    "numpy arrays and scalars, torch/numpy dtypes, torch.device, torch.Generator, "
+    "numpy Generator/RandomState, random.Random, pathlib paths, and any object with "
+    "state_dict()/load_state_dict()"
+)
+
+
+def render_path(path: PathT) -> str:
+    """``("optimizer", "param_groups", 0)`` -> ``state["optimizer"]["param_groups"][0]``."""
+    out = ["state"]
+    for k in path:
+        out.append(f'["{k}"]' if isinstance(k, str) else f"[{k!r}]")
+    return "".join(out)
+
+
+class TensorSink(Protocol):
+    """Receives the tensors of a tree being encoded."""
+
+    def add(self, tensor: torch.Tensor, path: PathT) -> dict[str, Any]:
+        """Store ``tensor`` and return the JSON reference (``file``, ``key``)."""
+        ...
+
+
+@dataclass(frozen=True)
+class StatefulValue:
+    """Decoded form of a saved ``Stateful`` object: its class name and state dict."""
+
+    cls: str
+    value: Any
+
+
+def _qualname(obj: Any) -> str:
+    t = type(obj)
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+class Encoder:
+    """Turns a state tree into JSON nodes, sending tensors to ``sink``."""
+
+    def __init__(self, sink: TensorSink) -> None:
+        self.sink = sink
+        self._stack: set[int] = set()
+
+    def encode(self, obj: Any, path: PathT = ()) -> Any:
+        t = type(obj)
+        if obj is None or t is bool or t is str:
+            return obj
+        if t is int:
+            # Past ~4300 digits Python refuses to print or parse a decimal int
+            # (sys.get_int_max_str_digits), so very large ints go as hex.
+            return obj if obj.bit_length() <= _MAX_JSON_INT_BITS else {TAG: "int", "hex": hex(obj)}
+        if t is float:
+            if math.isfinite(obj):
+                return obj
+            node = {TAG: "float", "v": repr(obj)}
+            bits = struct.pack(">d", obj).hex()
+            if obj != obj and bits != _CANONICAL_NAN:
+                node["bits"] = bits  # keep the sign and payload of a NaN (inf - inf is -nan on x86)
+            return node
+        if isinstance(obj, torch.Tensor):
+            return self._tensor(obj, path)
+        if isinstance(obj, np.ndarray):
+            return self._ndarray(obj, path)
+        if isinstance(obj, np.generic):
+            return self._np_scalar(obj, path)
+        if isinstance(obj, (dict, list, tuple, set, frozenset)) and t not in (
+            dict, OrderedDict, list, tuple, set, frozenset, torch.Size
+        ):
+            # A subclass (namedtuple, defaultdict, ...) would come back as its base
+            # class: refuse rather than silently change the type.
+            self._unsupported(obj, path)
+        if id(obj) in self._stack:
+            raise UnsupportedStateError(f"{render_path(path)} contains itself (a reference cycle).")
+        self._stack.add(id(obj))
+        try:
+            return self._container_or_object(obj, path)
+        finally:
+            self._stack.discard(id(obj))
+
+    def _container_or_object(self, obj: Any, path: PathT) -> Any:
+        t = type(obj)
+        if t is list:
+            return [self.encode(v, path + (i,)) for i, v in enumerate(obj)]
+        if t is tuple:
+            return {TAG: "tuple", "v": [self.encode(v, path + (i,)) for i, v in enumerate(obj)]}
+        if t is torch.Size:
+            return {TAG: "size", "v": list(obj)}
+        if t in (dict, OrderedDict):
+            return self._dict(obj, path)
+        if t in (set, frozenset):
+            items = [self.encode(v, path + ("<item>",)) for v in obj]
+            return {TAG: t.__name__, "v": items}
+        if t in (bytes, bytearray):
+            return {TAG: t.__name__, "b64": base64.b64encode(obj).decode("ascii")}
+        if t is complex:
+            return {TAG: "complex", "v": [self.encode(obj.real), self.encode(obj.imag)]}
+        if t is torch.dtype:
+            return {TAG: "dtype", "v": str(obj).removeprefix("torch.")}
+        if t is torch.device:
+            return {TAG: "device", "v": str(obj)}
+        if isinstance(obj, np.dtype):
+            self._check_np_dtype(obj, path)
+            return {TAG: "np_dtype", "v": obj.str}
+        if t is torch.Generator:
+            state = obj.get_state()
+            return {TAG: "torch_generator", "device": str(obj.device),
+                    "state": self.encode(state, path + ("<generator state>",))}
+        if t is np.random.Generator:
+            return {TAG: "np_generator", "state": self.encode(obj.bit_generator.state, path)}
+        if t is np.random.RandomState:
+            return {TAG: "np_randomstate", "state": self.encode(obj.get_state(legacy=False), path)}
+        if t is random.Random:
+            return {TAG: "py_random", "state": self.encode(obj.getstate(), path)}
+        if isinstance(obj, pathlib.PurePath):
+            return {TAG: "path", "posix": isinstance(obj, pathlib.PurePosixPath), "v": str(obj)}
+        if is_stateful(obj):
+            return {TAG: "stateful", "class": _qualname(obj), "v": self.encode(obj.state_dict(), path)}
+        self._unsupported(obj, path)
+
+    def _dict(self, obj: dict, path: PathT) -> dict[str, Any]:
+        node: dict[str, Any] = {TAG: "dict"}
+        if all(type(k) is str for k in obj):
+            node["v"] = {k: self.encode(v, path + (k,)) for k, v in obj.items()}
+        else:
+            node["items"] = [
+                [self.encode(k, path + ("<key>",)), self.encode(v, path + (k,))] for k, v in obj.items()
+            ]
+        if type(obj) is OrderedDict:
+            node["ordered"] = True
+        meta = getattr(obj, "_metadata", None)  # nn.Module.state_dict() version info
+        if meta is not None:
+            node["meta"] = self.encode(meta, path + ("<_metadata>",))
+        return node
+
+    def _tensor(self, t: torch.Tensor, path: PathT) -> dict[str, Any]:
+        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+            raise UnsupportedStateError(
+                f"{render_path(path)} is a tensor subclass {_qualname(t)}; save a plain "
+                "tensor instead (e.g. t.full_tensor() for a DTensor)."
+            )
+        if t.layout != torch.strided:
+            raise UnsupportedStateError(
+                f"{render_path(path)} is a {t.layout} tensor; convert it with .to_dense() first."
+            )
+        if t.is_quantized or t.is_nested or t.device.type == "meta":
+            raise UnsupportedStateError(
+                f"{render_path(path)} is a quantized, nested or meta tensor, which cannot be saved."
+            )
+        ref = dict(self.sink.add(t, path))
+        ref[TAG] = "tensor"
+        ref["device"] = str(t.device)
+        if t.requires_grad:
+            ref["requires_grad"] = True
+        return ref
+
+    def _ndarray(self, a: np.ndarray, path: PathT) -> dict[str, Any]:
+        self._check_np_dtype(a.dtype, path)
+        if a.dtype.kind not in "biufc":
+            raise UnsupportedStateError(
+                f"{render_path(path)} is a numpy array of dtype {a.dtype}; only numeric and "
+                "bool arrays can be saved (convert strings to a list)."
+            )
+        native = a.astype(a.dtype.newbyteorder("="), copy=False)
+        if not native.flags.c_contiguous or not native.flags.writeable:
+            # (np.ascontiguousarray would turn a 0-d array into shape (1,); torch warns
+            # about read-only arrays, which are only read here but copied to stay quiet)
+            native = native.copy(order="C")
+        ref = dict(self.sink.add(torch.from_numpy(native), path))
+        ref[TAG] = "ndarray"
+        ref["dtype"] = a.dtype.str
+        return ref
+
+    def _np_scalar(self, x: np.generic, path: PathT) -> dict[str, Any]:
+        self._check_np_dtype(x.dtype, path)
+        if x.dtype.kind not in "biufc":
+            self._unsupported(x, path)
+        return {TAG: "np_scalar", "dtype": x.dtype.str, "hex": x.tobytes().hex()}
+
+    @staticmethod
+    def _check_np_dtype(dt: np.dtype, path: PathT) -> None:
+        if dt.kind not in "biufcSU" or dt.fields is not None or dt.subdtype is not None:
+            raise UnsupportedStateError(f"{render_path(path)} has numpy dtype {dt!r}, which cannot be saved.")
+
+    @staticmethod
+    def _unsupported(obj: Any, path: PathT) -> None:
+        raise UnsupportedStateError(
+            f"{render_path(path)} is a {_qualname(obj)}, which unbroken cannot save without pickle. "
+            "Give its class state_dict() (returning plain values and tensors) and "
+            "load_state_dict(d) so it is Stateful, or convert it to a supported type: "
+            f"{SUPPORTED_TYPES}."
+        )
+
+
+def _corrupt(msg: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"state tree: {msg}")
+
+
+class Decoder:
+    """Turns JSON nodes back into Python objects; ``resolve`` looks up tensors."""
+
+    def __init__(self, resolve: Callable[[dict[str, Any]], torch.Tensor]) -> None:
+        self.resolve = resolve
+        self._depth = 0
+
+    def decode(self, node: Any) -> Any:
+        self._depth += 1
+        if self._depth > 500:
+            raise _corrupt("nesting deeper than 500 levels")
+        try:
+            return self._decode(node)
+        except (KeyError, TypeError, ValueError, IndexError, OverflowError, AttributeError, RuntimeError) as e:
+            if isinstance(e, CorruptCheckpointError):
+                raise
+            raise _corrupt(f"malformed node ({type(e).__name__}: {e})") from None
+        finally:
+            self._depth -= 1
+
+    def _decode(self, node: Any) -> Any:
+        t = type(node)
+        if node is None or t in (bool, int, float, str):
+            return node
+        if t is list:
+            return [self.decode(v) for v in node]
+        if t is not dict or TAG not in node:
+            raise _corrupt(f"untagged object {str(node)[:80]!r}")
+        tag = node[TAG]
+        handler = getattr(self, f"_d_{tag}", None) if isinstance(tag, str) else None
+        if handler is None:
+            raise _corrupt(f"unknown tag {tag!r}")
+        return handler(node)
+
+    def _d_float(self, n: dict) -> float:
+        if n["v"] not in ("nan", "inf", "-inf"):
+            raise _corrupt(f"bad float {n['v']!r}")
+        if "bits" in n:
+            raw = bytes.fromhex(_str(n["bits"]))
+            x = struct.unpack(">d", raw)[0] if len(raw) == 8 else 0.0
+            if n["v"] != "nan" or x == x:
+                raise _corrupt(f"bad NaN bits {n['bits']!r}")
+            return x
+        return float(n["v"])
+
+    def _d_int(self, n: dict) -> int:
+        return int(_str(n["hex"]), 16)
+
+    def _d_tuple(self, n: dict) -> tuple:
+        return tuple(self.decode(v) for v in _list(n["v"]))
+
+    def _d_size(self, n: dict) -> torch.Size:
+        return torch.Size([_int(v) for v in _list(n["v"])])
+
+    def _d_dict(self, n: dict) -> dict:
+        out: dict = OrderedDict() if n.get("ordered") else {}
+        if "v" in n:
+            if type(n["v"]) is not dict:
+                raise _corrupt("dict node without an object")
+            for k, v in n["v"].items():
+                out[k] = self.decode(v)
+        else:
+            for pair in _list(n["items"]):
+                k, v = _list(pair)
+                out[self.decode(k)] = self.decode(v)
+        if "meta" in n:
+            meta = self.decode(n["meta"])
+            if isinstance(out, OrderedDict):
+                out._metadata = meta  # type: ignore[attr-defined]
+        return out
+
+    def _d_set(self, n: dict) -> set:
+        return {self.decode(v) for v in _list(n["v"])}
+
+    def _d_frozenset(self, n: dict) -> frozenset:
+        return frozenset(self.decode(v) for v in _list(n["v"]))
+
+    def _d_bytes(self, n: dict) -> bytes:
+        return base64.b64decode(_str(n["b64"]), validate=True)
+
+    def _d_bytearray(self, n: dict) -> bytearray:
+        return bytearray(self._d_bytes(n))
+
+    def _d_complex(self, n: dict) -> complex:
+        re, im = (self.decode(v) for v in _list(n["v"]))
+        return complex(float(re), float(im))
+
+    def _d_dtype(self, n: dict) -> torch.dtype:
+        if n["v"] not in _TORCH_DTYPES:
+            raise _corrupt(f"unknown torch dtype {n['v']!r}")
+        return _TORCH_DTYPES[n["v"]]
+
+    def _d_device(self, n: dict) -> torch.device:
+        return torch.device(_str(n["v"]))
+
+    def _d_np_dtype(self, n: dict) -> np.dtype:
+        return _np_dtype(n["v"], "biufcSU")
+
+    def _d_np_scalar(self, n: dict) -> np.generic:
+        dt = _np_dtype(n["dtype"], "biufc")
+        raw = bytes.fromhex(_str(n["hex"]))
+        if len(raw) != dt.itemsize:
+            raise _corrupt("numpy scalar of the wrong size")
+        return np.frombuffer(raw, dtype=dt)[0]
+
+    def _d_tensor(self, n: dict) -> torch.Tensor:
+        t = self.resolve(n)
+        if n.get("requires_grad"):
+            t.requires_grad_(True)
+        return t
+
+    def _d_ndarray(self, n: dict) -> np.ndarray:
+        dt = _np_dtype(n["dtype"], "biufc")
+        arr = self.resolve(n).numpy()
+        if arr.dtype.itemsize != dt.itemsize or arr.dtype.kind != dt.kind:
+            raise _corrupt(f"array stored as {arr.dtype} but recorded as {dt}")
+        return arr.astype(dt, copy=False)
+
+    def _d_torch_generator(self, n: dict) -> torch.Generator:
+        device = torch.device(_str(n["device"]))
+        g = torch.Generator(device=device) if device.type != "cuda" or torch.cuda.is_available() \
+            else torch.Generator()
+        g.set_state(self.decode(n["state"]))
+        return g
+
+    def _d_np_generator(self, n: dict) -> np.random.Generator:
+        state = self.decode(n["state"])
+        name = state.get("bit_generator") if isinstance(state, dict) else None
+        if name not in _NP_BITGENS:
+            raise _corrupt(f"unknown numpy bit generator {name!r}")
+        bg = _NP_BITGENS[name]()
+        bg.state = state
+        return np.random.Generator(bg)
+
+    def _d_np_randomstate(self, n: dict) -> np.random.RandomState:
+        rs = np.random.RandomState()
+        rs.set_state(self.decode(n["state"]))
+        return rs
+
+    def _d_py_random(self, n: dict) -> random.Random:
+        r = random.Random()
+        r.setstate(_to_tuples(self.decode(n["state"])))
+        return r
+
+    def _d_path(self, n: dict) -> pathlib.PurePath:
+        if n.get("posix"):
+            return pathlib.Path(_str(n["v"])) if isinstance(pathlib.Path(), pathlib.PurePosixPath) \
+                else pathlib.PurePosixPath(_str(n["v"]))
+        return pathlib.PureWindowsPath(_str(n["v"]))
+
+    def _d_stateful(self, n: dict) -> StatefulValue:
+        return StatefulValue(_str(n["class"]), self.decode(n["v"]))
+
+
+def _to_tuples(x: Any) -> Any:
+    return tuple(_to_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def _list(x: Any) -> list:
+    if type(x) is not list:
+        raise _corrupt(f"expected a list, got {type(x).__name__}")
+    return x
+
+
+def _str(x: Any) -> str:
+    if type(x) is not str:
+        raise _corrupt(f"expected a string, got {type(x).__name__}")
+    return x
+
+
+def _int(x: Any) -> int:
+    if type(x) is not int:
+        raise _corrupt(f"expected an integer, got {type(x).__name__}")
+    return x
+
+
+def _np_dtype(s: Any, kinds: str) -> np.dtype:
+    dt = np.dtype(_str(s)) if len(_str(s)) <= 8 else None
+    if dt is None or dt.kind not in kinds or dt.fields is not None or dt.subdtype is not None:
+        raise _corrupt(f"numpy dtype {s!r} not allowed")
+    return dt

@@ -1,0 +1,1 @@
+"""Where bytes go: storage backends with an atomic commit."""
