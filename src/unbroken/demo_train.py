@@ -102,8 +102,10 @@ def train(args: argparse.Namespace) -> int:
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=20)
 
     # --- unbroken: four lines ---------------------------------------------------
-    ckpt = unbroken.Checkpointer(args.run_dir, save_every=args.save_every, keep_last=3)
+    ckpt = unbroken.Checkpointer(args.run_dir, save_every=args.save_every, keep_last=3, rng="rng" not in args.omit)
     state = {"model": model, "optimizer": opt, "scheduler": sched, "scaler": scaler}
+    for part in args.omit:  # negative controls for the tests: forget part of the state
+        state.pop(part, None)
     info = ckpt.restore(state)
     print(f"resumed from step {info.step}" if info else "fresh start", flush=True)
     # -----------------------------------------------------------------------------
@@ -157,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--omit", action="append", default=[], choices=["rng", "scheduler", "scaler"],
+                   help="leave this out of the checkpoint (to show that the comparison catches it)")
     return train(p.parse_args(argv))
 
 
