@@ -157,7 +157,8 @@ class Checkpointer:
         """Mark one optimizer step done; save if it is due. Metrics go into the manifest."""
         self.progress.step += 1
         self.progress.micro_step = 0
-        self.metrics.update(metrics)
+        # keep tensors as they are (no .item(): that would sync a GPU every step), minus the graph
+        self.metrics.update({k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()})
         if self.save_every and self.progress.step % self.save_every == 0:
             return self.save(state)
         return None

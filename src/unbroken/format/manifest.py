@@ -86,7 +86,7 @@ class Manifest:
             raise CorruptCheckpointError("manifest.json is implausibly large")
         try:
             doc = json.loads(raw.decode("utf-8"), object_pairs_hook=strict_object)
-        except (UnicodeDecodeError, ValueError) as e:
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: absurd nesting
             raise CorruptCheckpointError(f"manifest.json does not parse ({e})") from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
             raise CorruptCheckpointError("manifest.json is not an unbroken manifest")

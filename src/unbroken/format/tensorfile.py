@@ -127,7 +127,7 @@ def parse_header(buf: memoryview, name: str) -> tuple[dict[str, dict[str, Any]],
         raise _bad(name, f"header claims {n} bytes but the file has {len(buf)}")
     try:
         header = json.loads(bytes(buf[8 : 8 + n]).decode("utf-8"), object_pairs_hook=strict_object)
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: absurd nesting
         raise _bad(name, f"unreadable header ({e})") from None
     if not isinstance(header, dict):
         raise _bad(name, "header is not a JSON object")
@@ -138,19 +138,21 @@ def parse_header(buf: memoryview, name: str) -> tuple[dict[str, dict[str, Any]],
         if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
             raise _bad(name, f"tensor {key!r}: malformed entry")
         dtype, shape, offs = info["dtype"], info["shape"], info["data_offsets"]
-        if dtype not in ST_TO_DTYPE:
+        if not isinstance(dtype, str) or dtype not in ST_TO_DTYPE:
             raise _bad(name, f"tensor {key!r}: unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-            raise _bad(name, f"tensor {key!r}: bad shape {shape!r}")
+        if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 2**63 for d in shape):
+            raise _bad(name, f"tensor {key!r}: bad shape {str(shape)[:80]}")
         if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)):
             raise _bad(name, f"tensor {key!r}: bad data_offsets {offs!r}")
         begin, end = offs
-        numel = 1
-        for d in shape:
+        numel = 0 if 0 in shape else 1
+        for d in shape:  # stop once it cannot fit: a million-dim shape must not cost minutes
+            if numel > data_len:
+                break
             numel *= d
         nbytes = numel * torch.empty((), dtype=ST_TO_DTYPE[dtype]).element_size()
         if not (0 <= begin <= end <= data_len) or end - begin != nbytes:
-            raise _bad(name, f"tensor {key!r}: shape {shape} {dtype} does not fit bytes [{begin}, {end}) "
+            raise _bad(name, f"tensor {key!r}: shape {str(shape)[:80]} {dtype} does not fit bytes [{begin}, {end}) "
                              f"of a {data_len}-byte data section")
         spans.append((begin, end))
     spans.sort()

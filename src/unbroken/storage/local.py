@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ..errors import CorruptCheckpointError
-from ..format.manifest import MANIFEST, check_file_name
+from ..format.manifest import MANIFEST, MAX_MANIFEST_BYTES, check_file_name
 
 _HIDDEN = re.compile(r"^\.(staging|trash)-(?P<host>[^_]+)_(?P<pid>\d+)_")
 QUARANTINE = "quarantine"
@@ -149,7 +149,9 @@ class LocalStorage:
     def read(self, name: str, file: str, size: int | None = None) -> bytearray:
         path = self.root / name / (MANIFEST if file == MANIFEST else check_file_name(file))
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+            # O_NONBLOCK: opening a FIFO planted in a checkpoint must not hang (it is refused below).
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+                         | getattr(os, "O_NONBLOCK", 0))
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{file} is missing") from None
         except OSError as e:
@@ -160,6 +162,9 @@ class LocalStorage:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise CorruptCheckpointError(f"{file} is not a regular file")
+            os.set_blocking(fd, True)
+            if size is None and st.st_size > MAX_MANIFEST_BYTES:  # refuse before allocating
+                raise CorruptCheckpointError(f"{file} is implausibly large ({st.st_size} bytes)")
             if size is not None and st.st_size != size:
                 raise CorruptCheckpointError(f"{file} has {st.st_size} bytes, the manifest says {size}")
             buf = bytearray(st.st_size)
@@ -179,17 +184,23 @@ class LocalStorage:
 
     def quarantine(self, name: str, reason: str) -> str | None:
         qdir = self.root / QUARANTINE
+        if qdir.is_symlink():  # a planted link would move checkpoints (and write) outside the run
+            return None
         qdir.mkdir(exist_ok=True)
         target = qdir / name
         n = 1
-        while target.exists():
+        while os.path.lexists(target) or os.path.lexists(qdir / f"{target.name}.reason.txt"):
             n += 1
             target = qdir / f"{name}.{n}"
         try:
             os.rename(self.root / name, target)
         except OSError:
             return None
-        (qdir / f"{target.name}.reason.txt").write_text(reason + "\n")
+        # O_EXCL|O_NOFOLLOW: never write through a link planted under the reason file's name.
+        fd = os.open(qdir / f"{target.name}.reason.txt", os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                     | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), 0o644)
+        with os.fdopen(fd, "w") as f:
+            f.write(reason + "\n")
         fsync_dir(self.root)
         return str(target)
 
