@@ -43,9 +43,10 @@ def demo(
 @app.command("list")
 def list_(run: Path = typer.Argument(..., help="Run folder.")) -> None:
     """List the committed checkpoints of a run, newest first (manifests only, not verified)."""
-    from .manager import Checkpointer
+    from .manager import discover
+    from .storage.local import LocalStorage
 
-    infos = Checkpointer(run, keep_last=None).checkpoints() if run.is_dir() else []
+    infos = discover(LocalStorage(run)) if run.is_dir() else []
     if not infos:
         console.print(f"no checkpoints in {run}")
         raise typer.Exit(1)

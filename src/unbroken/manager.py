@@ -76,14 +76,7 @@ class Checkpointer:
     # ----------------------------------------------------------------- discovery
     def checkpoints(self) -> list[CheckpointInfo]:
         """Committed checkpoints with a readable manifest, newest first (not verified)."""
-        out = []
-        for name in self.storage.list_committed():
-            try:
-                m = read_manifest(self.storage, name)
-            except (CorruptCheckpointError, OSError):
-                continue
-            out.append(CheckpointInfo.of(self.storage.describe(name), name, m))
-        return sorted(out, key=lambda c: (c.seq, c.step), reverse=True)
+        return discover(self.storage)
 
     def latest(self) -> CheckpointInfo | None:
         """The newest committed checkpoint (not verified), or ``None``."""
@@ -194,9 +187,9 @@ class Checkpointer:
         return info
 
     def _seq(self) -> int:
-        if self._next_seq is None:
-            self._next_seq = max((c.seq for c in self.checkpoints()), default=-1) + 1
-        return self._next_seq
+        # re-read every time: cheap (manifests only), and right even if the folder changed
+        on_disk = max((c.seq for c in self.checkpoints()), default=-1) + 1
+        return max(on_disk, self._next_seq or 0)
 
     def prune(self, keep: str | None = None) -> list[str]:
         """Apply ``keep_last``: delete the oldest committed checkpoints beyond it."""
@@ -215,6 +208,18 @@ class Checkpointer:
     def _check_reserved(state: Mapping[str, Any]) -> None:
         if RESERVED in state:
             raise UnbrokenError(f"the state key {RESERVED!r} is reserved for unbroken; rename it")
+
+
+def discover(storage: LocalStorage) -> list[CheckpointInfo]:
+    """Committed checkpoints of a run with a readable manifest, newest first; read-only."""
+    out = []
+    for name in storage.list_committed():
+        try:
+            m = read_manifest(storage, name)
+        except (CorruptCheckpointError, OSError):
+            continue
+        out.append(CheckpointInfo.of(storage.describe(name), name, m))
+    return sorted(out, key=lambda c: (c.seq, c.step), reverse=True)
 
 
 def clean_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
