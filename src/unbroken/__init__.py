@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 
 from .errors import (  # noqa: E402
     CorruptCheckpointError,
+    NewerFormatError,
     NoCheckpointError,
     StateMismatchError,
     UnbrokenError,
@@ -40,4 +41,5 @@ __all__ = [
     "UnsupportedStateError",
     "StateMismatchError",
     "NoCheckpointError",
+    "NewerFormatError",
 ]

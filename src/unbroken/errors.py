@@ -27,3 +27,11 @@ class StateMismatchError(UnbrokenError):
 
 class NoCheckpointError(UnbrokenError, FileNotFoundError):
     """No checkpoint exists at the given path."""
+
+
+class NewerFormatError(UnbrokenError):
+    """The checkpoint was written by a newer unbroken whose format this version cannot read.
+
+    Not corruption: the checkpoint is left in place, and ``restore`` raises instead of
+    silently falling back to an older checkpoint. Upgrade unbroken to load it.
+    """

@@ -89,7 +89,9 @@ class Checkpointer:
         """Load the newest valid checkpoint into ``state`` in place; return what was loaded.
 
         Checkpoints that fail verification are moved to ``quarantine/`` with the reason
-        logged, and the previous one is tried. Returns ``None`` (a fresh start) when the
+        logged, and the previous one is tried. A checkpoint written by a newer unbroken
+        raises :class:`NewerFormatError` (it is not corrupt, and falling back past it
+        would silently lose progress); I/O errors other than damage propagate too. Returns ``None`` (a fresh start) when the
         run has no valid checkpoint. With ``path``, load exactly that checkpoint and
         raise :class:`CorruptCheckpointError` if it is invalid.
         """
@@ -143,7 +145,10 @@ class Checkpointer:
 
     def _quarantine(self, name: str, reason: str) -> None:
         moved = self.storage.quarantine(name, reason)
-        log.warning("checkpoint %s is invalid and was quarantined to %s: %s", name, moved, reason)
+        if moved:
+            log.warning("checkpoint %s is invalid and was quarantined to %s: %s", name, moved, reason)
+        else:
+            log.warning("checkpoint %s is invalid (and could not be moved to quarantine/): %s", name, reason)
 
     # ---------------------------------------------------------------------- save
     def step(self, state: Mapping[str, Any], **metrics: Any) -> CheckpointInfo | None:
@@ -216,7 +221,7 @@ def discover(storage: LocalStorage) -> list[CheckpointInfo]:
     for name in storage.list_committed():
         try:
             m = read_manifest(storage, name)
-        except (CorruptCheckpointError, OSError):
+        except (UnbrokenError, OSError):
             continue
         out.append(CheckpointInfo.of(storage.describe(name), name, m))
     return sorted(out, key=lambda c: (c.seq, c.step), reverse=True)

@@ -17,7 +17,7 @@ from typing import Any
 
 import xxhash
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, NewerFormatError
 
 FORMAT_NAME = "unbroken"
 FORMAT_VERSION = 1
@@ -94,7 +94,7 @@ class Manifest:
         if type(version) is not int or version < 1:
             raise CorruptCheckpointError(f"manifest.json has an invalid format_version {version!r}")
         if version > FORMAT_VERSION:
-            raise CorruptCheckpointError(
+            raise NewerFormatError(
                 f"checkpoint format version {version} is newer than this unbroken reads "
                 f"({FORMAT_VERSION}); upgrade unbroken to load it"
             )
