@@ -19,7 +19,7 @@ from .errors import CorruptCheckpointError
 from .format.manifest import MANIFEST, STATE_FILE, Manifest, new_hasher, strict_object
 from .format.tensorfile import load_tensor_file
 from .snapshot import TOP
-from .state.codec import Decoder
+from .state.decoder import Decoder
 from .storage.base import Storage
 
 
