@@ -85,20 +85,21 @@ def test_sigkill_inside_a_save(reference: Path, tmp_path: Path, point: str, nth:
     assert all(results.values()), results
 
 
-def test_many_kills_mixed(reference: Path, tmp_path: Path) -> None:
-    """External kills and save kills interleaved in one run, as `unbroken demo` does."""
+def test_many_kills_mixed_with_changing_worker_counts(reference: Path, tmp_path: Path) -> None:
+    """External kills and save kills interleaved, each attempt with another DataLoader worker count."""
     rng = random.Random(7)
     plan = [("step", str(rng.randint(3, 15))), ("save", "save.mid_file=2"), ("step", str(rng.randint(30, 40))),
             ("save", "save.before_commit=1"), ("step", str(rng.randint(45, 55)))]
-    for kind, arg in plan:
-        att = run_attempt(cmd(tmp_path), kind, arg, ENV)
+    for (kind, arg), workers in zip(plan, [0, 2, 4, 0, 2]):
+        att = run_attempt(cmd(tmp_path, "--workers", str(workers)), kind, arg, ENV)
         assert att.ended != "finished", (kind, arg, att)
-    finish(tmp_path)
+    finish(tmp_path, "--workers", "1")
     results = compare(reference, tmp_path / "out")
     assert all(results.values()), results
 
 
-@pytest.mark.parametrize("omit,broken", [("rng", "parameters"), ("scheduler", "scheduler + scaler")])
+@pytest.mark.parametrize("omit,broken", [("rng", "parameters"), ("scheduler", "scheduler + scaler"),
+                                         ("data", "parameters")])
 def test_comparison_catches_forgotten_state(reference: Path, tmp_path: Path, omit: str, broken: str) -> None:
     """Negative control: the same kill/resume with part of the state left out must NOT compare equal."""
     att = run_attempt(cmd(tmp_path, "--omit", omit), "step", "23", ENV)

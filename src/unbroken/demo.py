@@ -36,6 +36,7 @@ class Attempt:
     ended: str = ""
     last_step: int = 0
     seconds: float = 0.0
+    workers: int = 0
 
 
 def make_plan(rng: random.Random, steps: int, kills: int) -> list[tuple[str, str]]:
@@ -51,13 +52,13 @@ def make_plan(rng: random.Random, steps: int, kills: int) -> list[tuple[str, str
     return plan
 
 
-_WHERE = {"save.mid_file": "half-way through a tensor file", "save.before_manifest": "before the manifest",
-          "save.before_commit": "before the commit rename"}
+_WHERE = {"save.mid_file": "mid tensor file", "save.before_manifest": "before manifest",
+          "save.before_commit": "before rename"}
 
 
 def _describe_fault(spec: str) -> str:
     point, _, nth = spec.partition("=")
-    return f"SIGKILL in save #{nth or 1}, {_WHERE.get(point, point)}"
+    return f"SIGKILL in save #{nth or 1} ({_WHERE.get(point, point)})"
 
 
 def run_attempt(cmd: list[str], kind: str, arg: str, env: dict[str, str]) -> Attempt:
@@ -118,7 +119,7 @@ def run_demo(workdir: str | None = None, steps: int = 150, kills: int = 3, seed:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=max(Console().width, 110))
     seed = random.SystemRandom().randrange(10_000) if seed is None else seed
     rng = random.Random(seed)
     base = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="unbroken-demo-"))
@@ -127,29 +128,33 @@ def run_demo(workdir: str | None = None, steps: int = 150, kills: int = 3, seed:
     base.mkdir(parents=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
 
-    def cmd(name: str) -> list[str]:
+    def cmd(name: str, workers: int = 0) -> list[str]:
         return [sys.executable, "-m", "unbroken.demo_train", "--run-dir", str(base / name / "run"),
-                "--out", str(base / name / "out"), "--steps", str(steps), "--seed", str(seed % 97)]
+                "--out", str(base / name / "out"), "--steps", str(steps), "--seed", str(seed % 97),
+                "--workers", str(workers)]
 
     console.print(f"[bold]unbroken demo[/] (seed {seed}): {steps} steps of an MLP with dropout, shuffled "
-                  "data, random augmentation, AdamW, warmup+cosine, 2-step gradient accumulation, GradScaler")
+                  "data, random augmentation, AdamW, warmup+cosine, 2-step gradient accumulation, GradScaler; "
+                  "each attempt uses a different number of DataLoader workers")
     t0 = time.monotonic()
     ref = run_attempt(cmd("reference"), "none", "", env)
     console.print(f"uninterrupted run: {ref.last_step} steps in {ref.seconds:.1f} s")
 
     attempts: list[Attempt] = []
-    for kind, arg in make_plan(rng, steps, kills) + [("none", "")]:
-        att = run_attempt(cmd("interrupted"), kind, arg, env)
+    for i, (kind, arg) in enumerate(make_plan(rng, steps, kills) + [("none", "")]):
+        workers = (0, 2, 1)[i % 3]  # the data position does not depend on the worker count
+        att = run_attempt(cmd("interrupted", workers), kind, arg, env)
+        att.workers = workers
         if kind == "none":
             att.plan = "run to the end"
         attempts.append(att)
         if att.ended == "finished":
             break
     table = Table(title="interrupted run: one row per process")
-    for col in ("#", "plan", "started from", "ended", "seconds"):
+    for col in ("#", "plan", "workers", "started from", "ended", "seconds"):
         table.add_column(col)
     for i, a in enumerate(attempts, 1):
-        table.add_row(str(i), a.plan, a.started, a.ended, f"{a.seconds:.1f}")
+        table.add_row(str(i), a.plan, str(a.workers), a.started, a.ended, f"{a.seconds:.1f}")
     console.print(table)
     quarantined = base / "interrupted" / "run" / "quarantine"
     if quarantined.exists():

@@ -1,8 +1,8 @@
 """The demo's training job: a small but complete training loop made resumable by unbroken.
 
 It has everything that makes exact resumption hard: dropout (global torch RNG),
-shuffled data (a per-epoch permutation), random augmentation (per-sample generators
-keyed by seed, epoch and sample index), AdamW, a warmup + cosine LR schedule,
+shuffled data and random augmentation through ``unbroken.data.ResumableLoader``
+(optionally with worker processes), AdamW, a warmup + cosine LR schedule,
 gradient accumulation over micro-batches, and a GradScaler. Run it, kill it at any
 moment, run it again with the same arguments: it continues from the newest valid
 checkpoint and ends with exactly the same parameters as a run that was never
@@ -25,8 +25,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.utils.data import Dataset
 
 import unbroken
+import unbroken.data
 
 N_SAMPLES, N_FEATURES, N_CLASSES = 4096, 64, 10
 MICRO_BATCH, ACCUM = 32, 2
@@ -41,36 +43,20 @@ def make_dataset(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-class Data:
-    """Sample order and augmentation as pure functions of (seed, epoch, position)."""
+class Augmented(Dataset):
+    """Map-style dataset with random augmentation drawn from the sample's own generator."""
 
     def __init__(self, seed: int) -> None:
-        self.seed = seed
         self.x, self.y = make_dataset(seed)
-        self._perm_epoch = -1
-        self._perm = torch.empty(0, dtype=torch.long)
 
-    def perm(self, epoch: int) -> torch.Tensor:
-        if epoch != self._perm_epoch:
-            g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
-            self._perm, self._perm_epoch = torch.randperm(N_SAMPLES, generator=g), epoch
-        return self._perm
+    def __len__(self) -> int:
+        return N_SAMPLES
 
-    def augment(self, x: torch.Tensor, epoch: int, index: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) * 10_000_019 + index)
-        noise = torch.randn(x.shape, generator=g) * 0.3
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = i.generator()  # keyed by (seed, epoch, index): same with any num_workers, after any resume
+        noise = torch.randn(N_FEATURES, generator=g) * 0.3
         sign = 1.0 if torch.rand((), generator=g).item() < 0.5 else -1.0
-        return sign * x + noise
-
-    def batch(self, position: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ``size`` samples starting at global sample ``position``."""
-        xs, ys = [], []
-        for p in range(position, position + size):
-            epoch, i = divmod(p, N_SAMPLES)
-            idx = int(self.perm(epoch)[i])
-            xs.append(self.augment(self.x[idx], epoch, idx))
-            ys.append(self.y[idx])
-        return torch.stack(xs), torch.stack(ys)
+        return sign * self.x[i] + noise, self.y[i]
 
 
 def make_model(hidden: int) -> torch.nn.Module:
@@ -95,7 +81,8 @@ def train(args: argparse.Namespace) -> int:
     torch.use_deterministic_algorithms(True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    data = Data(args.seed)
+    loader = unbroken.data.ResumableLoader(Augmented(args.seed), batch_size=MICRO_BATCH, seed=args.seed,
+                                           num_workers=args.workers)
     model = make_model(args.hidden)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.steps, warmup=args.steps // 10))
@@ -103,25 +90,35 @@ def train(args: argparse.Namespace) -> int:
 
     # --- unbroken: four lines ---------------------------------------------------
     ckpt = unbroken.Checkpointer(args.run_dir, save_every=args.save_every, keep_last=3, rng="rng" not in args.omit)
-    state = {"model": model, "optimizer": opt, "scheduler": sched, "scaler": scaler}
+    state = {"model": model, "optimizer": opt, "scheduler": sched, "scaler": scaler, "data": loader}
     for part in args.omit:  # negative controls for the tests: forget part of the state
         state.pop(part, None)
     info = ckpt.restore(state)
     print(f"resumed from step {info.step}" if info else "fresh start", flush=True)
     # -----------------------------------------------------------------------------
 
+    batches = iter(loader)  # continues mid-epoch after a restore, nothing replayed
+
+    def next_batch():
+        nonlocal batches
+        for _ in range(2):
+            try:
+                return next(batches)
+            except StopIteration:
+                batches = iter(loader)  # next epoch
+        raise RuntimeError("empty dataset")
+
     with open(out / "losses.jsonl", "a") as log:
         while ckpt.progress.step < args.steps:
             model.train()
             total = 0.0
             for _ in range(ACCUM):
-                x, y = data.batch(ckpt.progress.samples, MICRO_BATCH)
+                x, y = next_batch()
                 loss = F.cross_entropy(model(x), y) / ACCUM
                 scaler.scale(loss).backward()
                 total += loss.item()
-                ckpt.progress.samples += MICRO_BATCH
                 ckpt.progress.micro_step += 1
-            ckpt.progress.epoch = ckpt.progress.samples // N_SAMPLES
+            ckpt.progress.epoch, ckpt.progress.samples = loader.epoch, loader.samples_seen
             scaler.step(opt)
             scaler.update()
             opt.zero_grad(set_to_none=True)
@@ -159,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--omit", action="append", default=[], choices=["rng", "scheduler", "scaler"],
+    p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
+    p.add_argument("--omit", action="append", default=[], choices=["rng", "scheduler", "scaler", "data"],
                    help="leave this out of the checkpoint (to show that the comparison catches it)")
     return train(p.parse_args(argv))
 

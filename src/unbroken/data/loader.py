@@ -1,0 +1,172 @@
+"""``ResumableLoader``: a DataLoader whose position is exact, O(1) to restore, and
+independent of ``num_workers`` and of the world size.
+
+The position is the number of *global* samples the training loop has consumed in
+the current epoch, counted when a batch is handed to the loop (never when a worker
+prefetches it). Each global batch covers positions ``[p, p + world_size * batch_size)``
+of the epoch's order (:class:`~unbroken.data.order.GlobalOrder`); rank ``r`` takes
+the ``r``-th slice of ``batch_size``. Resuming builds the order from that position
+directly, so nothing is replayed, and a different world size continues from the same
+global sample: nothing repeated, nothing skipped.
+
+End of an epoch: with ``drop_last=True`` the trailing ``n mod (world_size * batch_size)``
+samples of the epoch's order are skipped; otherwise the last global batch is padded by
+wrapping around to the start of the same epoch's order (like ``DistributedSampler``),
+so every rank gets a full batch. With one process, ``drop_last=False`` instead gives a
+short last batch (no padding is needed). After a resume with a different global batch,
+global batches are counted from the resumed position, so the epoch still ends on a whole
+global batch: fewer than one global batch of samples is dropped or padded.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from .order import GlobalOrder, mix_ints
+from .sample import SampleIndex
+
+_FORBIDDEN = ("sampler", "batch_sampler", "shuffle", "generator")
+
+
+def _world() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+class _RankBatches:
+    """Batch sampler: this rank's slice of each global batch, from the loader's position."""
+
+    def __init__(self, owner: "ResumableLoader") -> None:
+        self.owner = owner
+
+    def __iter__(self) -> Iterator[list[SampleIndex]]:
+        o = self.owner
+        epoch, pos, end = o.epoch, o.position, o.epoch_length
+        g, b, lo = o.global_batch, o.batch_size, o.rank * o.batch_size
+        while pos < end:
+            stop = min(pos + g, end)
+            first, last = pos + lo, min(pos + lo + b, stop)
+            idx = o.order.indices(epoch, first, last) if last > first else []
+            yield [SampleIndex(int(i), o.seed, epoch) for i in idx]
+            pos = stop
+
+    def __len__(self) -> int:
+        o = self.owner
+        return -(-(o.epoch_length - o.position) // o.global_batch)
+
+
+class ResumableLoader:
+    """A ``DataLoader`` for map-style datasets whose data position is saved and restored.
+
+    Put it in the checkpointed state (``state["data"] = loader``). Iterating yields
+    the rest of the current epoch; the next ``iter()`` starts the next epoch. The
+    dataset receives :class:`~unbroken.data.SampleIndex` indices (plain ``int`` s
+    with ``.generator()`` for per-sample augmentation randomness).
+
+    Args:
+        dataset: a map-style dataset (``__len__`` and ``__getitem__``).
+        batch_size: samples per batch *per rank* (a micro-batch with accumulation).
+        seed: shuffle seed; also keys per-sample randomness and worker base seeds.
+        shuffle: shuffle each epoch (a different order per epoch) or keep dataset order.
+        drop_last: drop the epoch's incomplete last global batch instead of padding it.
+        rank, world_size: this process's slice; default from ``torch.distributed``
+            when initialized, else ``RANK``/``WORLD_SIZE``, else 0 and 1.
+        **loader_kwargs: passed to ``torch.utils.data.DataLoader`` (``num_workers``,
+            ``collate_fn``, ``pin_memory``, ``persistent_workers``, ...). ``sampler``,
+            ``batch_sampler``, ``shuffle`` and ``generator`` are owned by this class.
+    """
+
+    def __init__(self, dataset: Dataset, batch_size: int, *, seed: int = 0, shuffle: bool = True,
+                 drop_last: bool = False, rank: int | None = None, world_size: int | None = None,
+                 **loader_kwargs: Any) -> None:
+        bad = [k for k in _FORBIDDEN if k in loader_kwargs]
+        if bad:
+            raise TypeError(f"ResumableLoader owns {bad}; pass seed=/shuffle= instead")
+        if batch_size < 1:
+            raise ValueError("batch_size must be at least 1")
+        r, w = _world()
+        self.rank = r if rank is None else rank
+        self.world_size = w if world_size is None else world_size
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.seed = seed
+        self.drop_last = drop_last
+        self.order = GlobalOrder(len(dataset), seed, shuffle)  # type: ignore[arg-type]
+        self.epoch = 0
+        self.position = 0
+        self.samples_seen = 0
+        self._generator = torch.Generator()
+        self._loader = DataLoader(dataset, batch_sampler=_RankBatches(self), generator=self._generator,
+                                  **loader_kwargs)
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.world_size
+
+    @property
+    def epoch_length(self) -> int:
+        """Where the current epoch ends: ``n`` rounded down (drop_last) or up (padding) to
+        whole global batches counted from the current position, so that after a resume with
+        another global batch (position not a multiple of it) every rank still gets a full
+        last batch (with one process and padding, the epoch ends at ``n``: a short batch)."""
+        n, g = self.order.n, self.global_batch
+        if self.world_size == 1 and not self.drop_last:
+            return n
+        phase = self.position % g
+        if self.drop_last:
+            return phase + max(0, n - phase) // g * g
+        return phase + -(-(n - phase) // g) * g
+
+    def __len__(self) -> int:
+        """Batches this rank yields in a whole epoch (from position 0)."""
+        n, g = self.order.n, self.global_batch
+        return n // g if self.drop_last else -(-n // g)
+
+    def batches_left(self) -> int:
+        """Batches left in the current epoch."""
+        return -(-(self.epoch_length - self.position) // self.global_batch)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.position >= self.epoch_length:
+            self._next_epoch()
+        # Worker base seeds come from our own generator, never from the global RNG, so
+        # creating this iterator changes no random stream of the training loop.
+        self._generator.manual_seed(mix_ints(self.seed, self.epoch, 0xDA7A) >> 1)
+        for batch in self._loader:
+            new = min(self.position + self.global_batch, self.epoch_length)
+            self.samples_seen += new - self.position
+            self.position = new
+            yield batch
+        if self.position >= self.epoch_length:
+            self._next_epoch()
+
+    def _next_epoch(self) -> None:
+        self.epoch += 1
+        self.position = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position, "samples_seen": self.samples_seen,
+                "seed": self.seed, "n": self.order.n, "shuffle": self.order.shuffle,
+                "world_size": self.world_size, "batch_size": self.batch_size, "drop_last": self.drop_last}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["n"] != self.order.n or state["seed"] != self.seed or state["shuffle"] != self.order.shuffle:
+            raise ValueError(
+                f"the checkpoint's data order (n={state['n']}, seed={state['seed']}, shuffle={state['shuffle']}) "
+                f"differs from this loader's (n={self.order.n}, seed={self.seed}, shuffle={self.order.shuffle}); "
+                "the dataset or seed changed, so the saved position means nothing here")
+        if state["world_size"] * state["batch_size"] != self.global_batch and state["position"] % self.global_batch:
+            warnings.warn(
+                f"global batch changed from {state['world_size'] * state['batch_size']} to {self.global_batch}; "
+                "continuing exactly from global sample "
+                f"{state['position']} of epoch {state['epoch']} (batch boundaries shift)", stacklevel=2)
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self.samples_seen = int(state["samples_seen"])
