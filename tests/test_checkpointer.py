@@ -231,7 +231,10 @@ def test_stale_staging_of_dead_pid_removed_live_kept(tmp_path):
     for d in (dead_staging, dead_trash, live_staging, other_host):
         d.mkdir()
         (d / "t00-model.safetensors").write_bytes(b"partial")
-    unbroken.Checkpointer(run)
+    ckpt = unbroken.Checkpointer(run)
+    assert dead_staging.exists(), "a Checkpointer that only exists must not touch the run"
+    assert ckpt.restore({}) is None  # the writer starts: lock, then clean leftovers
+    ckpt.close()
 
     assert not dead_staging.exists()
     assert not dead_trash.exists()

@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from .faults import EXIT_PREEMPTED
+
 
 @dataclass
 class Attempt:
@@ -37,6 +39,8 @@ class Attempt:
     last_step: int = 0
     seconds: float = 0.0
     workers: int = 0
+    rc: int = 0
+    stderr: str = ""
 
 
 def make_plan(rng: random.Random, steps: int, kills: int) -> list[tuple[str, str]]:
@@ -61,33 +65,62 @@ def _describe_fault(spec: str) -> str:
     return f"SIGKILL in save #{nth or 1} ({_WHERE.get(point, point)})"
 
 
-def run_attempt(cmd: list[str], kind: str, arg: str, env: dict[str, str]) -> Attempt:
-    """Start one attempt and kill it as planned; return how it went."""
-    att = Attempt(plan=f"SIGKILL after step {arg}" if kind == "step" else _describe_fault(arg))
+def run_attempt(cmd: list[str], kind: str, arg: str, env: dict[str, str],
+                ok_codes: tuple[int, ...] = ()) -> Attempt:
+    """Start one attempt, interrupt it as planned, and return how it went.
+
+    ``kind``: ``"none"`` (let it run), ``"step"`` (SIGKILL once step ``arg`` is done),
+    ``"signal"`` (``arg`` = ``"SIGTERM@12"``: send that signal once step 12 is done), or
+    ``"save"`` (``arg`` = a fault spec: SIGKILL inside a save). An exit status that is not
+    the expected one for the kind, nor in ``ok_codes``, raises with the child's stderr.
+    """
+    if kind == "step":
+        plan = f"SIGKILL after step {arg}"
+    elif kind == "signal":
+        plan = f"{arg.split('@')[0]} after step {arg.split('@')[1]}"
+    else:
+        plan = _describe_fault(arg) if kind == "save" else "run"
+    att = Attempt(plan=plan)
     child_env = dict(env)
     if kind == "save":
         child_env["UNBROKEN_FAULTS"] = arg
+    sig, at = signal.SIGKILL, int(arg) if kind == "step" else 0
+    if kind == "signal":
+        name, _, step = arg.partition("@")
+        sig, at = signal.Signals[name], int(step)
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        line = line.strip()
-        if line.startswith("resumed") or line.startswith("fresh"):
-            att.started = line
-        elif line.startswith("step "):
-            att.last_step = int(line.split()[1])
-            if kind == "step" and att.last_step >= int(arg):
-                proc.send_signal(signal.SIGKILL)
-    rc = proc.wait()
-    stderr = proc.stderr.read() if proc.stderr else ""
+    with tempfile.TemporaryFile(mode="w+") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=child_env)
+        assert proc.stdout is not None
+        sent = False
+        for line in proc.stdout:
+            line = line.strip()
+            if line.startswith("resumed") or line.startswith("fresh"):
+                att.started = line
+            elif line.startswith("preempted at step"):
+                att.ended = line
+            elif line.startswith("step "):
+                att.last_step = int(line.split()[1])
+                if kind in ("step", "signal") and not sent and att.last_step >= at:
+                    proc.send_signal(sig)
+                    sent = True
+        rc = proc.wait()
+        err.seek(0)
+        stderr = err.read()
     att.seconds = time.monotonic() - t0
+    att.rc = rc
+    att.stderr = stderr[-5000:]
     if rc == 0:
         att.ended = "finished"
-    elif rc == -signal.SIGKILL:
+    elif rc == -signal.SIGKILL and kind in ("step", "save"):
         att.ended = f"killed after step {att.last_step}" if kind == "step" else \
             f"killed in a save after step {att.last_step}"
+    elif kind == "signal" and rc == EXIT_PREEMPTED and att.ended:
+        pass
+    elif rc in ok_codes:
+        att.ended = f"exited with status {rc} after step {att.last_step}"
     else:
-        raise RuntimeError(f"training attempt failed with exit code {rc}:\n{stderr[-3000:]}")
+        raise RuntimeError(f"training attempt ({plan}) ended with status {rc}:\n{stderr[-3000:]}")
     return att
 
 

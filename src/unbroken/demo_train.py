@@ -89,7 +89,8 @@ def train(args: argparse.Namespace) -> int:
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=20)
 
     # --- unbroken: four lines ---------------------------------------------------
-    ckpt = unbroken.Checkpointer(args.run_dir, save_every=args.save_every, keep_last=3, rng="rng" not in args.omit)
+    ckpt = unbroken.Checkpointer(args.run_dir, save_every=args.save_every, keep_last=3, rng="rng" not in args.omit,
+                                 requeue=args.requeue, grace_period=args.grace)
     state = {"model": model, "optimizer": opt, "scheduler": sched, "scaler": scaler, "data": loader}
     for part in args.omit:  # negative controls for the tests: forget part of the state
         state.pop(part, None)
@@ -108,7 +109,16 @@ def train(args: argparse.Namespace) -> int:
                 batches = iter(loader)  # next epoch
         raise RuntimeError("empty dataset")
 
-    with open(out / "losses.jsonl", "a") as log:
+    def crash(where: str, steps: list[int]) -> None:
+        """Test hook: raise once (per output folder) inside the given steps."""
+        step = ckpt.progress.step + 1
+        marker = out / f"crashed-{where}-{step}"
+        if step in steps and not marker.exists():
+            marker.touch()
+            raise RuntimeError(f"injected failure {where} optimizer.step() in step {step}")
+
+    # guard: if a step raises (OOM, bad batch, ...), write an exact emergency checkpoint first
+    with open(out / "losses.jsonl", "a") as log, ckpt.guard(state):
         while ckpt.progress.step < args.steps:
             model.train()
             total = 0.0
@@ -119,14 +129,16 @@ def train(args: argparse.Namespace) -> int:
                 total += loss.item()
                 ckpt.progress.micro_step += 1
             ckpt.progress.epoch, ckpt.progress.samples = loader.epoch, loader.samples_seen
+            crash("before", args.crash_before_opt)
             scaler.step(opt)
             scaler.update()
             opt.zero_grad(set_to_none=True)
             sched.step()
             log.write(json.dumps({"step": ckpt.progress.step + 1, "loss": total}) + "\n")
             log.flush()
-            ckpt.step(state, loss=total)  # saves every --save-every steps
-            print(f"step {ckpt.progress.step}", flush=True)
+            crash("after", args.crash_after_opt)
+            print(f"step {ckpt.progress.step + 1}", flush=True)
+            ckpt.step(state, loss=total)  # saves every --save-every steps; saves and exits on SIGTERM
 
     write_final(out, model, opt, sched, scaler)
     print("done", flush=True)
@@ -157,6 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
+    p.add_argument("--requeue", action="store_true", help="requeue the SLURM job after a preemption save")
+    p.add_argument("--grace", type=float, default=None, help="seconds between the signal and a hard kill")
+    p.add_argument("--crash-before-opt", type=int, action="append", default=[], metavar="STEP",
+                   help="raise an exception in STEP before optimizer.step() (once)")
+    p.add_argument("--crash-after-opt", type=int, action="append", default=[], metavar="STEP",
+                   help="raise an exception in STEP after optimizer.step() and its bookkeeping (once)")
     p.add_argument("--omit", action="append", default=[], choices=["rng", "scheduler", "scaler", "data"],
                    help="leave this out of the checkpoint (to show that the comparison catches it)")
     return train(p.parse_args(argv))

@@ -35,3 +35,7 @@ class NewerFormatError(UnbrokenError):
     Not corruption: the checkpoint is left in place, and ``restore`` raises instead of
     silently falling back to an older checkpoint. Upgrade unbroken to load it.
     """
+
+
+class InsufficientSpaceError(UnbrokenError, OSError):
+    """Not enough free space for the next checkpoint; checked before anything is written."""

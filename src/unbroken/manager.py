@@ -15,6 +15,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
+import time
 import warnings
 from collections.abc import Mapping, MutableMapping
 from typing import Any
@@ -24,6 +26,9 @@ import torch
 from .api import CheckpointInfo
 from .environment import fingerprint
 from .errors import CorruptCheckpointError, NoCheckpointError, UnbrokenError
+from .faults import EXIT_PREEMPTED, slurm
+from .faults.guard import StepGuard
+from .faults.signals import DEFAULT_SIGNALS, SignalWatcher
 from .persist import write_snapshot
 from .reader import read_checkpoint, read_manifest
 from .snapshot import Snapshotter
@@ -31,6 +36,7 @@ from .state.apply import apply_state
 from .state.rng import GlobalRNG
 from .state.stateful import Gradients, Progress
 from .storage.local import LocalStorage
+from .storage.lock import RunLock
 
 log = logging.getLogger("unbroken")
 RESERVED = "__unbroken__"
@@ -51,10 +57,23 @@ class Checkpointer:
             are deleted only after a newer one has committed.
         rng: also capture and restore the global python/numpy/torch/CUDA RNGs.
         strict: refuse a checkpoint whose top-level keys differ from the state's.
+        signals: on these signals, save at the next :meth:`step` and exit with
+            :data:`unbroken.faults.EXIT_PREEMPTED` (default SIGTERM, SIGUSR1, SIGINT;
+            ``()`` to leave signals alone). A second identical signal acts at once.
+        grace_period: seconds between the signal and the hard kill (e.g. SLURM's
+            ``--signal=USR1@120``); a save that takes longer is warned about.
+        requeue: after a signal-triggered save inside a SLURM job, ``scontrol requeue`` it.
+
+    The first :meth:`restore`, :meth:`save` or :meth:`step` takes the run folder's
+    writer lock (a second process is refused with :class:`RunLockedError`), removes
+    leftovers of interrupted saves and installs the signal handlers; :meth:`close`
+    (or leaving a ``with`` block) undoes that.
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, save_every: int | None = None,
-                 keep_last: int | None = 3, rng: bool = True, strict: bool = True) -> None:
+                 keep_last: int | None = 3, rng: bool = True, strict: bool = True,
+                 signals: tuple[int, ...] = DEFAULT_SIGNALS, grace_period: float | None = None,
+                 requeue: bool = False) -> None:
         if save_every is not None and save_every < 1:
             raise ValueError("save_every must be a positive number of steps or None")
         if keep_last is not None and keep_last < 1:
@@ -67,11 +86,42 @@ class Checkpointer:
         self.strict = strict
         self.progress = Progress()
         self.metrics: dict[str, Any] = {}
+        self.grace_period = grace_period
+        self.requeue = requeue
         self._snapshotter = Snapshotter(copy=False)
         self._checked_state = False
         self._next_seq: int | None = None
+        self._lock = RunLock(self.directory)
+        self._signals = SignalWatcher(signals)
+        self._guard: StepGuard | None = None
+        self._last_saved: tuple[int, str] | None = None
+        self._wrote_submit = False
+
+    def _begin(self) -> None:
+        """Become this run's writer (idempotent): lock, clean leftovers, watch signals."""
+        if self._lock.held:
+            return
+        self._lock.acquire()
         for name in self.storage.clean_stale():
             log.info("removed leftover %s of an interrupted save", name)
+        self._signals.install()
+
+    def close(self) -> None:
+        """Release the run folder and restore the previous signal handlers."""
+        self._signals.uninstall()
+        self._lock.release()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def guard(self, state: Mapping[str, Any]) -> StepGuard:
+        """``with ckpt.guard(state):`` around the training loop: if a step raises, write an
+        exact emergency checkpoint first (see :mod:`unbroken.faults.guard`), then re-raise."""
+        self._begin()
+        return StepGuard(self, state)
 
     # ----------------------------------------------------------------- discovery
     def checkpoints(self) -> list[CheckpointInfo]:
@@ -96,6 +146,7 @@ class Checkpointer:
         raise :class:`CorruptCheckpointError` if it is invalid.
         """
         self._check_reserved(state)
+        self._begin()
         if path is not None:
             p = os.fspath(path)
             storage = LocalStorage(os.path.dirname(os.path.abspath(p)))
@@ -152,18 +203,75 @@ class Checkpointer:
 
     # ---------------------------------------------------------------------- save
     def step(self, state: Mapping[str, Any], **metrics: Any) -> CheckpointInfo | None:
-        """Mark one optimizer step done; save if it is due. Metrics go into the manifest."""
+        """Mark one optimizer step done; save if it is due. Metrics go into the manifest.
+
+        If a watched signal arrived, save now (if not just saved) and exit with
+        :data:`~unbroken.faults.EXIT_PREEMPTED` (``SystemExit``, so ``finally`` blocks run).
+        """
+        self._begin()
         self.progress.step += 1
         self.progress.micro_step = 0
         # keep tensors as they are (no .item(): that would sync a GPU every step), minus the graph
         self.metrics.update({k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()})
+        info = None
         if self.save_every and self.progress.step % self.save_every == 0:
-            return self.save(state)
-        return None
+            info = self.save(state)
+        if self._signals.received is not None:
+            self._preempted(state)
+        if self._guard is not None:
+            self._guard.mark()
+        return info
 
-    def save(self, state: Mapping[str, Any], metrics: dict[str, Any] | None = None) -> CheckpointInfo:
+    def _preempted(self, state: Mapping[str, Any]) -> None:
+        sig = self._signals.received
+        assert sig is not None and self._signals.received_at is not None
+        waited = time.monotonic() - self._signals.received_at
+        t0 = time.monotonic()
+        if self._last_saved is None or self._last_saved[0] != self.progress.step:
+            self.save(state, kind="preemption")
+        took = time.monotonic() - t0
+        budget = f" of the {self.grace_period:.0f} s grace period" if self.grace_period else ""
+        log.warning("%s received: finished step %d %.1f s later, saved in %.1f s%s; exiting with %d",
+                    signal.Signals(sig).name, self.progress.step, waited, took, budget, EXIT_PREEMPTED)
+        if self.grace_period and waited + took > self.grace_period:
+            log.error("the preemption save ended %.1f s after the signal, past the %.0f s grace period: "
+                      "ask the scheduler for a longer warning (e.g. --signal=USR1@%d)",
+                      waited + took, self.grace_period, int(2 * (waited + took)) + 30)
+        print(f"preempted at step {self.progress.step}", flush=True)
+        if self.requeue:
+            slurm.requeue()
+        self.close()
+        raise SystemExit(EXIT_PREEMPTED)
+
+    def _emergency_save(self, guard: StepGuard, exc: BaseException | None) -> CheckpointInfo | None:
+        """Called by the guard when a step raised (see :mod:`unbroken.faults.guard`)."""
+        what = f"{type(exc).__name__}: {exc}" if exc is not None else "an exception"
+        if guard.stepped:
+            self.progress.step += 1
+            self.progress.micro_step = 0
+            info = self.save(guard.state, kind="emergency")
+            log.error("step %d raised %s after the optimizer stepped; emergency checkpoint of the "
+                      "post-step state: %s",
+                      self.progress.step, what, info.name)
+            return info
+        start = guard.start
+        assert start is not None
+        if self._last_saved is not None and self._last_saved[0] == start.progress["step"]:
+            log.error("step %d raised %s; no emergency checkpoint needed: %s already holds the state "
+                      "at its start",
+                      start.progress["step"] + 1, what, self._last_saved[1])
+            return None
+        info = self._write(start.rebuild(guard.state), start.progress, start.rng, kind="emergency")
+        log.error("step %d raised %s; emergency checkpoint of the state at its start: %s "
+                  "(resuming re-runs the step)",
+                  start.progress["step"] + 1, what, info.name)
+        return info
+
+    def save(self, state: Mapping[str, Any], metrics: dict[str, Any] | None = None, *,
+             kind: str = "regular") -> CheckpointInfo:
         """Save ``state`` (plus progress and RNG) now, synchronously, then apply retention."""
         self._check_reserved(state)
+        self._begin()
         if metrics:
             self.metrics.update(metrics)
         if not self._checked_state:
@@ -175,19 +283,30 @@ class Checkpointer:
                 f"saving in the middle of gradient accumulation (micro_step={self.progress.micro_step}) "
                 "without the accumulated gradients; add unbroken.Gradients(model) to the state",
                 UnbrokenWarning, stacklevel=2)
+        return self._write(state, self.progress.state_dict(), GlobalRNG() if self.rng else None, kind)
+
+    def _write(self, state: Mapping[str, Any], progress: dict[str, int], rng: Any, kind: str) -> CheckpointInfo:
         full: dict[str, Any] = dict(state)
-        full[RESERVED] = {"progress": self.progress}
-        if self.rng:
-            full[RESERVED]["rng"] = GlobalRNG()
+        full[RESERVED] = {"progress": dict(progress)}
+        if rng is not None:
+            full[RESERVED]["rng"] = rng
+        t0 = time.monotonic()
         snapshot = self._snapshotter.capture(full)
         seq = self._seq()
         final, manifest = write_snapshot(
-            snapshot, self.storage, f"step-{self.progress.step:09d}", step=self.progress.step, seq=seq,
-            metrics=clean_metrics(self.metrics), progress=self.progress.state_dict(),
-            environment=fingerprint())
+            snapshot, self.storage, f"step-{progress['step']:09d}", step=progress["step"], seq=seq,
+            metrics=clean_metrics(self.metrics), progress=dict(progress), environment=fingerprint(), kind=kind)
+        took = time.monotonic() - t0
         self._next_seq = seq + 1
+        self._last_saved = (progress["step"], final)
         info = CheckpointInfo.of(self.storage.describe(final), final, manifest)
-        log.info("saved %s (%.1f MB)", info.path, info.size_bytes / 1e6)
+        log.info("saved %s (%s, %.1f MB in %.2f s)", info.path, kind, info.size_bytes / 1e6, took)
+        if self.grace_period and took > self.grace_period and kind == "regular":
+            log.warning("a save takes %.1f s, longer than the %.0f s grace period: a preemption save "
+                        "would not finish in time", took, self.grace_period)
+        if not self._wrote_submit and slurm.job_id():
+            self._wrote_submit = True
+            log.info("wrote %s", slurm.write_submit_script(self.directory))
         self.prune(keep=final)
         return info
 

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from . import _faults
+from .errors import InsufficientSpaceError
 from .format.manifest import MANIFEST, STATE_FILE, FileEntry, Manifest, new_hasher
 from .format.tensorfile import write_tensor_file
 from .snapshot import Snapshot
@@ -30,9 +31,16 @@ def write_snapshot(
     metrics: dict[str, Any] | None = None,
     progress: dict[str, int] | None = None,
     environment: dict[str, Any] | None = None,
+    kind: str = "regular",
 ) -> tuple[str, Manifest]:
-    """Write ``snapshot`` as checkpoint ``name``; return its committed name and manifest."""
+    """Write ``snapshot`` as checkpoint ``name``; return its committed name and manifest.
+
+    Raises :class:`InsufficientSpaceError` before writing anything if the storage
+    reports less free space than the checkpoint needs.
+    """
     started = time.time()
+    raw = json.dumps(snapshot.tree, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    check_space(storage, snapshot.nbytes + len(raw))
     staging = storage.stage(name)
     try:
         files: dict[str, FileEntry] = {}
@@ -42,13 +50,12 @@ def write_snapshot(
                 size = write_tensor_file(f, entries, h.update, metadata={"format": "unbroken"},
                                          on_half=lambda: _faults.point("save.mid_file"))
             files[fname] = FileEntry(size, h.hexdigest())
-        raw = json.dumps(snapshot.tree, separators=(",", ":"), allow_nan=False).encode("utf-8")
         with staging.open(STATE_FILE) as f:
             f.write(raw)
         files[STATE_FILE] = FileEntry(len(raw), new_hasher_digest(raw))
         _faults.point("save.before_manifest")
         manifest = Manifest(step=step, seq=seq, files=files, created=started, metrics=dict(metrics or {}),
-                            progress=dict(progress or {}), environment=dict(environment or {}))
+                            progress=dict(progress or {}), environment=dict(environment or {}), kind=kind)
         with staging.open(MANIFEST) as f:
             f.write(manifest.to_json())
         _faults.point("save.before_commit")
@@ -58,6 +65,20 @@ def write_snapshot(
         raise
     _faults.point("save.after_commit")
     return final, manifest
+
+
+def check_space(storage: Storage, payload: int) -> None:
+    """Fail early and clearly, instead of half-writing, when the checkpoint cannot fit."""
+    free_bytes = getattr(storage, "free_bytes", None)
+    if free_bytes is None:
+        return
+    need = int(payload * 1.01) + (1 << 20)  # headers, manifest, filesystem slack
+    free = free_bytes()
+    if free < need:
+        raise InsufficientSpaceError(
+            f"not enough space for the next checkpoint: it needs about {need / 1e6:.1f} MB, "
+            f"{free / 1e6:.1f} MB are free. Earlier checkpoints are intact. Free space, lower "
+            "keep_last, or save to a bigger disk.")
 
 
 def new_hasher_digest(raw: bytes) -> str:

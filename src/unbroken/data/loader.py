@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -43,7 +44,10 @@ class _RankBatches:
     """Batch sampler: this rank's slice of each global batch, from the loader's position."""
 
     def __init__(self, owner: "ResumableLoader") -> None:
-        self.owner = owner
+        # a weak reference: a strong one would make a cycle (loader -> DataLoader -> this), so a
+        # dropped loader's persistent workers would live on until a garbage-collector pass,
+        # whose shutdown then stalls (5 s join timeout per worker)
+        self.owner = weakref.proxy(owner)
 
     def __iter__(self) -> Iterator[list[SampleIndex]]:
         o = self.owner

@@ -64,9 +64,14 @@ class GlobalOrder:
         bits += bits % 2
         self._half = np.uint64(bits // 2)
         self._mask = np.uint64((1 << (bits // 2)) - 1)
+        self._cached_epoch: int | None = None
+        self._cached_keys: list[np.uint64] = []
 
     def _keys(self, epoch: int) -> list[np.uint64]:
-        return [np.uint64(mix_ints(self.seed, epoch, r)) for r in range(_ROUNDS)]
+        if self._cached_epoch != epoch:  # the key schedule is per epoch: compute it once
+            self._cached_keys = [np.uint64(mix_ints(self.seed, epoch, r)) for r in range(_ROUNDS)]
+            self._cached_epoch = epoch
+        return self._cached_keys
 
     def _encrypt(self, x: np.ndarray, keys: list[np.uint64]) -> np.ndarray:
         left, right = x >> self._half, x & self._mask

@@ -88,7 +88,8 @@ class JsonlReader:
 
 
 class Counted:
-    """Makes an iterable resumable by counting the items the loop consumed.
+    """Makes an iterable resumable by counting the items the loop consumed in this pass
+    (the count starts again at 0 when a pass over the source ends).
 
     ``source`` is re-iterated from the start after a restore: if it is
     :class:`Skippable`, ``source.skip(consumed)`` is called first (O(1) for a
@@ -118,6 +119,7 @@ class Counted:
         for item in it:
             self.consumed += 1
             yield item
+        self.consumed = 0  # a whole pass is done: the next one (and a resume) starts from the beginning
 
     def state_dict(self) -> dict[str, int]:
         return {"consumed": self.consumed}

@@ -59,6 +59,7 @@ class Manifest:
     metrics: dict[str, Any] = field(default_factory=dict)
     progress: dict[str, int] = field(default_factory=dict)
     environment: dict[str, Any] = field(default_factory=dict)
+    kind: str = "regular"
     format_version: int = FORMAT_VERSION
 
     @property
@@ -71,6 +72,7 @@ class Manifest:
             "format_version": self.format_version,
             "step": self.step,
             "seq": self.seq,
+            "kind": self.kind,
             "created": self.created,
             "metrics": self.metrics,
             "progress": self.progress,
@@ -116,6 +118,9 @@ class Manifest:
             metrics, progress, env = doc.get("metrics", {}), doc.get("progress", {}), doc.get("environment", {})
             if not all(isinstance(x, dict) for x in (metrics, progress, env)):
                 raise TypeError("metrics, progress and environment must be objects")
+            kind = doc.get("kind", "regular")
+            if not isinstance(kind, str):
+                raise TypeError("kind must be a string")
         except CorruptCheckpointError:
             raise
         except (KeyError, TypeError, ValueError) as e:
@@ -123,7 +128,7 @@ class Manifest:
         if STATE_FILE not in files:
             raise CorruptCheckpointError(f"manifest.json does not list {STATE_FILE}")
         return cls(step=step, seq=seq, files=files, created=created, metrics=metrics,
-                   progress=progress, environment=env, format_version=version)
+                   progress=progress, environment=env, kind=kind, format_version=version)
 
 
 def strict_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

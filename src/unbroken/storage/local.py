@@ -219,5 +219,10 @@ class LocalStorage:
             removed.append(entry.name)
         return removed
 
+    def free_bytes(self) -> int:
+        """Free space on the run folder's filesystem, for the pre-save check."""
+        self.ensure()
+        return shutil.disk_usage(self.root).free
+
     def describe(self, name: str) -> str:
         return str(self.root / name)

@@ -1,0 +1,117 @@
+"""Exact emergency checkpoints when a step raises (``Checkpointer.guard``).
+
+At the start of every step (on entering the guard, and after each
+``Checkpointer.step``) the guard keeps what a step changes *before* the optimizer
+steps: the global RNG states, the loop progress, module buffers (BatchNorm running
+statistics change in the forward pass) and the state of every light ``Stateful``
+object in the state (data loaders, samplers, user objects). It also hooks every
+optimizer in the state to learn whether it stepped.
+
+When the step raises:
+
+- **the optimizer has not stepped** (an OOM in forward or backward, a bad batch): the
+  parameters, optimizer and scheduler are still as they were at the start of the step,
+  so the checkpoint is written from them plus the kept RNG, progress, buffers and light
+  state — exactly the state at the start of the failed step. Resuming re-runs that step
+  from the same batch with the same dropout masks.
+- **the optimizer has stepped**: the step's update is kept and the checkpoint is the
+  state *after* the step (progress advanced by one). This is exact if whatever raised
+  came after the step's bookkeeping (``scheduler.step()``, ``scaler.update()``); keep
+  anything that can fail out of the code between ``optimizer.step()`` and
+  ``ckpt.step()``.
+
+Then the exception propagates unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..state.rng import GlobalRNG
+from ..state.stateful import Gradients, is_stateful
+
+log = logging.getLogger("unbroken")
+_HEAVY = (torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler,
+          torch.optim.lr_scheduler.ReduceLROnPlateau, torch.amp.GradScaler, Gradients)
+
+
+def _copy_tree(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    return copy.deepcopy(x)
+
+
+class StepStart:
+    """What the state looked like when the current step began (see module docstring)."""
+
+    def __init__(self, state: Mapping[str, Any], progress: dict[str, int]) -> None:
+        self.progress = dict(progress)
+        self.rng = {k: _copy_tree(v) for k, v in GlobalRNG().state_dict().items()}
+        self.light: dict[str, Any] = {}
+        self.buffers: dict[str, dict[str, torch.Tensor]] = {}
+        for key, obj in state.items():
+            if isinstance(obj, torch.nn.Module):
+                params = {name for name, _ in obj.named_parameters()}
+                self.buffers[key] = {name: t.detach().clone() for name, t in obj.state_dict().items()
+                                     if name not in params}
+            elif is_stateful(obj) and not isinstance(obj, _HEAVY):
+                self.light[key] = _copy_tree(obj.state_dict())
+
+    def rebuild(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """The state as of this step's start, built from live objects plus what was kept."""
+        out: dict[str, Any] = dict(state)
+        for key, saved in self.light.items():
+            out[key] = saved
+        for key, buffers in self.buffers.items():
+            sd = state[key].state_dict()
+            sd.update(buffers)
+            out[key] = sd
+        for key, obj in state.items():
+            if isinstance(obj, Gradients):
+                out[key] = {name: None for name, _ in obj.module.named_parameters()}
+        return out
+
+
+class StepGuard:
+    """Context manager returned by :meth:`unbroken.Checkpointer.guard`."""
+
+    def __init__(self, ckpt: Any, state: Mapping[str, Any]) -> None:
+        self.ckpt = ckpt
+        self.state = state
+        self.stepped = False
+        self.start: StepStart | None = None
+        self._hooks: list[Any] = []
+
+    def mark(self) -> None:
+        """A new step begins now."""
+        self.start = StepStart(self.state, self.ckpt.progress.state_dict())
+        self.stepped = False
+
+    def _on_optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        self.stepped = True
+
+    def __enter__(self) -> "StepGuard":
+        for obj in self.state.values():
+            if isinstance(obj, torch.optim.Optimizer):
+                self._hooks.append(obj.register_step_post_hook(self._on_optimizer_step))
+        self.mark()
+        self.ckpt._guard = self
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self.ckpt._guard = None
+        if exc_type is None or issubclass(exc_type, (SystemExit, GeneratorExit)):
+            return False
+        try:
+            self.ckpt._emergency_save(self, exc)
+        except Exception as err:  # never hide the original exception
+            log.error("emergency checkpoint failed: %s: %s", type(err).__name__, err)
+        return False

@@ -1,0 +1,80 @@
+"""SLURM: detect the job, requeue it after a preemption save, and write ``submit.slurm``.
+
+The pattern that loses nothing on a SLURM cluster::
+
+    #SBATCH --signal=USR1@120      # USR1 two minutes before the time limit / preemption
+    #SBATCH --requeue              # the job may be requeued
+    #SBATCH --open-mode=append     # keep the log of every attempt
+
+with ``Checkpointer(..., requeue=True)``: on USR1 the run saves at the next step
+boundary, calls ``scontrol requeue $SLURM_JOB_ID`` and exits; SLURM starts it again
+later and ``restore`` picks up the preemption checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+log = logging.getLogger("unbroken")
+
+
+def job_id() -> str | None:
+    """The SLURM job id of this process (the array task's own id for job arrays), or None."""
+    if os.environ.get("SLURM_ARRAY_JOB_ID") and os.environ.get("SLURM_ARRAY_TASK_ID"):
+        return f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    return os.environ.get("SLURM_JOB_ID")
+
+
+def requeue() -> bool:
+    """Ask SLURM to requeue this job; True if ``scontrol`` accepted it."""
+    jid = job_id()
+    if not jid:
+        log.warning("requeue asked for, but this is not a SLURM job (no SLURM_JOB_ID)")
+        return False
+    try:
+        out = subprocess.run(["scontrol", "requeue", jid], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log.error("scontrol requeue %s failed: %s", jid, e)
+        return False
+    if out.returncode != 0:
+        log.error("scontrol requeue %s failed: %s", jid, (out.stderr or out.stdout).strip())
+        return False
+    log.warning("requeued SLURM job %s", jid)
+    return True
+
+
+_SBATCH_FROM_ENV = (
+    ("SLURM_JOB_NAME", "--job-name"), ("SLURM_JOB_PARTITION", "--partition"),
+    ("SLURM_JOB_NUM_NODES", "--nodes"), ("SLURM_NTASKS", "--ntasks"),
+    ("SLURM_CPUS_PER_TASK", "--cpus-per-task"), ("SLURM_JOB_ACCOUNT", "--account"),
+    ("SLURM_JOB_QOS", "--qos"), ("SLURM_GPUS", "--gpus"), ("SLURM_GPUS_PER_NODE", "--gpus-per-node"),
+)
+
+
+def submit_script(run_dir: str | os.PathLike[str], signal_seconds: int = 120) -> str:
+    """A batch script that resubmits this job as it is running now, resuming automatically."""
+    lines = ["#!/bin/bash", "# Written by unbroken: `sbatch submit.slurm` continues this run from its newest",
+             "# valid checkpoint. Edit freely."]
+    for var, flag in _SBATCH_FROM_ENV:
+        if os.environ.get(var):
+            lines.append(f"#SBATCH {flag}={os.environ[var]}")
+    log_path = Path(run_dir) / "slurm-%j.out"
+    lines += [f"#SBATCH --signal=USR1@{signal_seconds}", "#SBATCH --requeue", "#SBATCH --open-mode=append",
+              f"#SBATCH --output={log_path}", "", f"cd {shlex.quote(os.getcwd())}",
+              "exec " + " ".join(shlex.quote(a) for a in [sys.executable, *sys.orig_argv[1:]]), ""]
+    return "\n".join(lines)
+
+
+def write_submit_script(run_dir: str | os.PathLike[str]) -> Path:
+    """Write ``submit.slurm`` into the run folder (atomically) and return its path."""
+    path = Path(run_dir) / "submit.slurm"
+    tmp = path.with_name(f".submit.slurm.{os.getpid()}")
+    tmp.write_text(submit_script(run_dir))
+    tmp.chmod(0o755)
+    os.replace(tmp, path)
+    return path

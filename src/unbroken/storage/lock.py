@@ -1,0 +1,79 @@
+"""One writer per run folder: an advisory lock held for the writer's lifetime.
+
+The lock is ``fcntl.flock`` on ``<run>/.lock``: the kernel releases it when the
+holder dies, however it dies, so a stale lock from a killed process cannot block
+the next run (nothing to detect or clean). The holder writes its host and pid into
+the file, for the message a refused second writer gets. Within one process every
+``Checkpointer`` on the same folder shares the lock (reference-counted).
+
+``flock`` is reliable on local filesystems and on NFSv4; on filesystems without
+working locks it may succeed for everyone, which is no worse than no lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import threading
+from pathlib import Path
+
+from ..errors import UnbrokenError
+
+_held: dict[str, tuple[int, int]] = {}  # realpath -> (fd, refcount)
+_mutex = threading.Lock()
+
+
+class RunLockedError(UnbrokenError):
+    """Another live process is writing this run folder."""
+
+
+class RunLock:
+    """The writer lock of one run folder; :meth:`acquire` is idempotent."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self._key: str | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._key is not None
+
+    def acquire(self) -> None:
+        if self._key is not None:
+            return
+        self.root.mkdir(parents=True, exist_ok=True)
+        key = os.path.realpath(self.root)
+        with _mutex:
+            if key in _held:
+                fd, n = _held[key]
+                _held[key] = (fd, n + 1)
+                self._key = key
+                return
+            path = os.path.join(key, ".lock")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "unknown"
+                os.close(fd)
+                raise RunLockedError(
+                    f"{self.root} is being written by another process ({holder}). Two writers would "
+                    "corrupt each other's retention and resume; stop the other run, or use another "
+                    "folder. (The lock is released automatically when that process exits.)") from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"host {socket.gethostname()} pid {os.getpid()}\n".encode(), 0)
+            _held[key] = (fd, 1)
+            self._key = key
+
+    def release(self) -> None:
+        if self._key is None:
+            return
+        with _mutex:
+            fd, n = _held[self._key]
+            if n > 1:
+                _held[self._key] = (fd, n - 1)
+            else:
+                del _held[self._key]
+                os.close(fd)  # releases the flock
+        self._key = None

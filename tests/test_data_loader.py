@@ -1,0 +1,435 @@
+"""``unbroken.data.ResumableLoader``: the data position is exact, O(1) to restore and
+independent of ``num_workers`` and of the world size.
+
+The dataset below draws a random augmentation from ``i.generator()``, so comparing the
+augmented tensors bitwise checks the per-sample randomness as well as the order. Ranks
+are simulated in one process: ``world_size`` loaders with ``rank=0..W-1`` iterated in
+lockstep, one batch from each rank per global step; the expected global stream is
+taken from :class:`GlobalOrder` directly. Multi-worker loaders are few (worker start-up
+costs ~0.3 s each).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import random
+import warnings
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+import unbroken
+from unbroken.data import GlobalOrder, ResumableLoader, SampleIndex
+
+N, B, SEED = 37, 4, 1234
+
+
+class AugDataset(Dataset):
+    """Returns (index, augmented sample); the augmentation comes from i.generator()."""
+
+    def __init__(self, n: int = N) -> None:
+        self.n = n
+        self.base = torch.arange(n * 3, dtype=torch.float32).view(n, 3)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: SampleIndex) -> tuple[int, torch.Tensor]:
+        assert isinstance(i, SampleIndex), type(i)
+        g = i.generator()
+        x = self.base[i] + torch.randn(3, generator=g)  # noise
+        if torch.rand((), generator=g) < 0.5:  # random flip
+            x = x.flip(0)
+        return int(i), x
+
+
+def expected_sample(ds: AugDataset, index: int, epoch: int) -> torch.Tensor:
+    return ds[SampleIndex(index, SEED, epoch)][1]
+
+
+def make(n: int = N, batch_size: int = B, **kw: Any) -> ResumableLoader:
+    kw.setdefault("seed", SEED)
+    return ResumableLoader(AugDataset(n), batch_size, **kw)
+
+
+def roundtrip(state: dict) -> dict:
+    """The state as a checkpoint stores it: plain JSON values."""
+    return json.loads(json.dumps(state))
+
+
+def take(loader: ResumableLoader, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """k batches, re-calling iter() at each epoch end (so k may span several epochs)."""
+    out: list[Any] = []
+    while len(out) < k:
+        before = len(out)
+        for batch in loader:
+            out.append(batch)
+            if len(out) == k:
+                break
+        assert len(out) > before, "an epoch yielded nothing"
+    return out
+
+
+def assert_same(a: list, b: list) -> None:
+    assert len(a) == len(b)
+    for (ia, xa), (ib, xb) in zip(a, b):
+        assert torch.equal(ia, ib), (ia, ib)
+        assert xa.dtype == xb.dtype and torch.equal(xa.view(torch.int32), xb.view(torch.int32))  # bitwise
+
+
+# ------------------------------------------------------------------ the reference
+def test_stream_is_global_order_with_keyed_augmentation() -> None:
+    loader, ds = make(), AugDataset()
+    order = GlobalOrder(N, SEED)
+    assert len(loader) == 10
+    for epoch in range(3):
+        batches = list(loader)
+        assert [len(i) for i, _ in batches] == [4] * 9 + [1]  # one process: a short last batch
+        got = torch.cat([i for i, _ in batches]).tolist()
+        assert got == order.indices(epoch, 0, N).tolist()
+        for idx, x in zip(got, torch.cat([x for _, x in batches])):
+            assert torch.equal(x, expected_sample(ds, idx, epoch))
+        assert loader.state_dict()["epoch"] == epoch + 1 and loader.state_dict()["position"] == 0
+    assert loader.samples_seen == 3 * N
+
+
+def test_no_shuffle_is_dataset_order_every_epoch() -> None:
+    loader = make(shuffle=False)
+    for _ in range(2):
+        assert torch.cat([i for i, _ in loader]).tolist() == list(range(N))
+
+
+# -------------------------------------------------------- every resume position
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_resume_at_every_position_across_epochs(drop_last: bool) -> None:
+    per_epoch = 9 if drop_last else 10
+    total = 3 * per_epoch  # three epochs
+    reference = take(make(drop_last=drop_last), total)
+    for k in range(total + 1):
+        first = make(drop_last=drop_last)
+        head = take(first, k)
+        assert_same(head, reference[:k])
+        state = roundtrip(first.state_dict())
+        second = make(drop_last=drop_last)
+        second.load_state_dict(state)
+        assert second.state_dict() == state
+        assert_same(take(second, total - k), reference[k:])
+
+
+def test_state_after_break_at_epoch_end_starts_next_epoch() -> None:
+    # Breaking right after the last batch (the generator never finishes) leaves
+    # position == epoch length; the next iter() must start the next epoch, also after
+    # a restore, and never yield an empty epoch.
+    loader = make()
+    for k, _ in enumerate(loader, 1):
+        if k == 10:
+            break
+    state = loader.state_dict()
+    assert (state["epoch"], state["position"]) == (0, N)
+    fresh = make()
+    fresh.load_state_dict(state)
+    nxt = next(iter(fresh))
+    assert nxt[0].tolist() == GlobalOrder(N, SEED).indices(1, 0, B).tolist()
+
+
+# ------------------------------------------------------------------------ workers
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 4 worker")
+def test_changing_num_workers_across_resumes_gives_identical_samples() -> None:
+    total = 25  # 2.5 epochs
+    reference = take(make(num_workers=0), total)
+    got = []
+    loader = make(num_workers=0)
+    for workers, k in [(0, 3), (2, 9), (4, 8), (0, 5)]:  # 0 -> 2 -> 4 -> 0; spans epoch ends
+        fresh = make(num_workers=workers)
+        fresh.load_state_dict(roundtrip(loader.state_dict()))
+        loader = fresh
+        got += take(loader, k)
+        # the position counts what the loop received, not what workers prefetched
+        done = len(got)
+        assert loader.samples_seen == sum(len(i) for i, _ in reference[:done])
+    assert_same(got, reference)
+
+
+def test_persistent_workers_over_two_epochs_equal_no_workers() -> None:
+    reference = take(make(num_workers=0), 20)
+    loader = make(num_workers=2, persistent_workers=True)
+    got = list(loader) + list(loader)
+    assert loader.state_dict()["epoch"] == 2
+    assert_same(got, reference)
+
+
+def test_persistent_workers_break_mid_epoch_then_resume_and_stop_on_del() -> None:
+    reference = take(make(), 20)
+    loader = make(num_workers=2, persistent_workers=True)
+    got = take(loader, 4)  # prefetched batches 5.. are in flight and must be discarded
+    got += take(loader, 16)
+    assert_same(got, reference)
+    # Dropping the loader stops its persistent workers at once (no reference cycle that
+    # leaves them to a later garbage-collector pass, which stalled 5 s per worker).
+    workers = loader._loader._iterator._workers  # torch internals, only to observe
+    assert workers and all(w.is_alive() for w in workers)
+    gc.disable()
+    try:
+        del loader
+        assert not any(w.is_alive() for w in workers)
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_iterating_does_not_touch_global_rng(workers: int) -> None:
+    # DESIGN trap: a plain DataLoader draws its workers' base seed from the global torch
+    # RNG when an iterator is created, so restoring RNG before iter(loader) leaves the
+    # training loop one draw off. This loader draws from its own generator.
+    loader = make(num_workers=workers)
+    torch.manual_seed(99)
+    np.random.seed(99)
+    random.seed(99)
+    states = lambda: (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())  # noqa: E731
+    before = states()
+
+    def unchanged() -> bool:
+        now = states()
+        return torch.equal(before[0], now[0]) and (before[1] == now[1]).all() and before[2] == now[2]
+
+    it = iter(loader)
+    assert unchanged()
+    next(it)
+    assert unchanged()
+    for _ in it:
+        pass
+    assert unchanged()
+    assert loader.state_dict()["epoch"] == 1
+
+
+# -------------------------------------------------------------------- world size
+def ranks(world: int, batch: int, n: int = N, **kw: Any) -> list[ResumableLoader]:
+    return [make(n, batch, rank=r, world_size=world, **kw) for r in range(world)]
+
+
+def lockstep(loaders: list[ResumableLoader], steps: int | None = None) -> list[list[tuple]]:
+    """Global steps (one batch per rank) until the epoch ends or ``steps`` are done."""
+    its = [iter(x) for x in loaders]
+    out = []
+    while steps is None or len(out) < steps:
+        got = [next(it, None) for it in its]
+        if all(g is None for g in got):
+            break
+        assert all(g is not None for g in got), "ranks disagree on the number of batches"
+        out.append(got)
+        states = [x.state_dict() for x in loaders]
+        assert all(s == states[0] for s in states), "ranks' states differ at the same step"
+    return out
+
+
+def flatten(steps: list[list[tuple]], batch: int) -> tuple[list[int], list[torch.Tensor]]:
+    idx, xs = [], []
+    for step in steps:
+        for i, x in step:
+            assert len(i) == batch, "every rank gets a full batch"
+            idx += i.tolist()
+            xs += list(x)
+    return idx, xs
+
+
+def expected_end(start: int, g: int, n: int, drop_last: bool) -> int:
+    end = start
+    if drop_last:
+        while end + g <= n:
+            end += g
+    else:
+        while end < n:
+            end += g
+    return end
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("before,after", [((4, 2), (2, 2)), ((2, 2), (3, 2)), ((3, 2), (2, 5)), ((2, 3), (4, 1))])
+def test_world_size_change_mid_epoch(before: tuple[int, int], after: tuple[int, int], drop_last: bool) -> None:
+    (w0, b0), (w1, b1) = before, after
+    g0, g1 = w0 * b0, w1 * b1
+    order = GlobalOrder(N, SEED)
+    ds = AugDataset()
+    for s in range(len(ranks(w0, b0, drop_last=drop_last)[0])):  # every switch step inside the epoch
+        old = ranks(w0, b0, drop_last=drop_last)
+        head = lockstep(old, s)
+        p = len(head) * g0
+        state = roundtrip(old[s % w0].state_dict())  # any rank's state: they agree
+        assert (state["epoch"], state["position"]) == (0, p)
+        new = ranks(w1, b1, drop_last=drop_last)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the "global batch changed" warning
+            for x in new:
+                x.load_state_dict(state)
+        end = expected_end(p, g1, N, drop_last)
+        # if no whole new global batch fits (drop_last), the epoch is over: iter() starts the next
+        tail = lockstep(new) if end > p else []
+        i0, x0 = flatten(head, b0)
+        i1, x1 = flatten(tail, b1)
+        stream, xs = i0 + i1, x0 + x1
+        # exactly the uninterrupted global order, padded by wrap-around or cut short
+        assert stream == order.indices(0, 0, end).tolist()
+        if drop_last:
+            assert N - g1 < end <= N  # fewer than one global batch dropped
+        else:
+            assert N <= end < N + g1  # fewer than one global batch padded
+            assert sorted(stream[:N]) == list(range(N))  # nothing skipped, nothing repeated
+            assert stream[N:] == stream[: end - N]  # padding wraps to the epoch's start
+        for idx, x in zip(stream, xs):
+            assert torch.equal(x, expected_sample(ds, idx, 0))
+        # the next epoch starts at position 0 of epoch 1 in the new world
+        nxt = lockstep(new, 1)
+        assert flatten(nxt, b1)[0] == order.indices(1, 0, g1).tolist()
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_drop_last_drops_trailing_n_mod_global_batch(world: int) -> None:
+    b = 3
+    g = world * b
+    loaders = ranks(world, b, drop_last=True)
+    assert all(len(x) == N // g for x in loaders)
+    stream, _ = flatten(lockstep(loaders), b)
+    whole = GlobalOrder(N, SEED).indices(0, 0, N).tolist()
+    assert stream == whole[: N - N % g]  # the trailing N mod G samples are never seen
+    assert loaders[0].state_dict()["epoch"] == 1
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_padding_gives_every_rank_a_full_last_batch(world: int) -> None:
+    b = 3
+    g = world * b
+    loaders = ranks(world, b, drop_last=False)
+    assert all(len(x) == -(-N // g) for x in loaders)
+    stream, _ = flatten(lockstep(loaders), b)  # flatten checks every batch is full
+    whole = GlobalOrder(N, SEED).indices(0, 0, N).tolist()
+    pad = -N % g
+    assert stream == whole + whole[:pad]
+
+
+def test_world_size_one_short_last_batch_or_dropped() -> None:
+    sizes = [len(i) for i, _ in make(batch_size=5)]
+    assert sizes == [5] * 7 + [2]
+    sizes = [len(i) for i, _ in make(batch_size=5, drop_last=True)]
+    assert sizes == [5] * 7
+
+
+def test_rank_and_world_size_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    loader = make(batch_size=2)
+    assert (loader.rank, loader.world_size) == (1, 3)
+    assert next(iter(loader))[0].tolist() == GlobalOrder(N, SEED).indices(0, 2, 4).tolist()
+    with pytest.raises(ValueError):
+        make(rank=3, world_size=3)
+
+
+# ------------------------------------------------------- gradient accumulation
+@pytest.mark.parametrize("world", [1, 2])
+def test_position_advances_per_micro_batch(world: int) -> None:
+    loaders = ranks(world, B, drop_last=False)
+    g = world * B
+    its = [iter(x) for x in loaders]
+    k = 0
+    while True:
+        got = [next(it, None) for it in its]
+        if got[0] is None:
+            break
+        k += 1
+        state = loaders[0].state_dict()
+        if state["epoch"] == 0:
+            # per micro-batch, not per optimizer step; one process ends on a short batch
+            assert state["position"] == min(k * g, N if world == 1 else len(loaders[0]) * g)
+            assert loaders[0].batches_left() == len(loaders[0]) - k
+    assert k == len(loaders[0])
+    assert (loaders[0].state_dict()["epoch"], loaders[0].state_dict()["position"]) == (1, 0)
+
+
+# --------------------------------------------------------------- load validation
+def test_load_refuses_another_dataset_or_seed() -> None:
+    state = make().state_dict()
+    with pytest.raises(ValueError, match="n=37"):
+        make(n=38).load_state_dict(state)
+    with pytest.raises(ValueError, match="seed"):
+        make(seed=SEED + 1).load_state_dict(state)
+    with pytest.raises(ValueError):
+        make(shuffle=False).load_state_dict(state)
+
+
+def test_load_warns_when_global_batch_changes_off_boundary() -> None:
+    loader = make(batch_size=4)
+    take(loader, 3)  # position 12
+    state = loader.state_dict()
+    with pytest.warns(UserWarning, match="global batch changed from 4 to 8"):
+        make(batch_size=8).load_state_dict(state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make(batch_size=6).load_state_dict(state)  # 12 is a multiple of 6: no warning
+        make(batch_size=4).load_state_dict(state)  # unchanged: no warning
+        make(batch_size=3, rank=0, world_size=2).load_state_dict(state)  # 12 % 6 == 0
+
+
+@pytest.mark.parametrize("kwarg", [{"sampler": [0, 1]}, {"batch_sampler": [[0]]}, {"generator": torch.Generator()}])
+def test_owned_dataloader_arguments_are_refused(kwarg: dict) -> None:
+    with pytest.raises(TypeError, match="owns"):
+        ResumableLoader(AugDataset(), 4, **kwarg)
+    # ``shuffle`` is the loader's own keyword (it shuffles by seed and epoch), never DataLoader's
+    assert ResumableLoader(AugDataset(), 4, shuffle=True).order.shuffle is True
+
+
+# ----------------------------------------------------------------- Checkpointer
+def test_checkpointer_saves_and_restores_the_data_position(tmp_path) -> None:
+    def build() -> dict:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Dropout(0.2), torch.nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        return {"model": model, "optimizer": opt, "data": make(num_workers=0)}
+
+    def train(state: dict, steps: int, ckpt=None, save_at=None) -> list:
+        seen = []
+        model, opt = state["model"], state["optimizer"]
+        for batch in take_iter(state["data"], steps):
+            idx, x = batch
+            loss = model(x / 100).square().mean()  # dropout draws from the global RNG
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            seen.append((idx, x))
+            if ckpt is not None:
+                ckpt.step(state)
+                if ckpt.progress.step == save_at:
+                    ckpt.save(state)
+        return seen
+
+    total, cut = 24, 13  # the cut is mid-epoch (epoch 1, position 12)
+    ref_state = build()
+    reference = train(ref_state, total)
+
+    run = tmp_path / "run"
+    first = build()
+    ckpt = unbroken.Checkpointer(run)
+    assert_same(train(first, cut, ckpt, save_at=cut), reference[:cut])
+    train(first, 5)  # the killed run went on past the save; its work is lost
+
+    second = build()  # fresh model, optimizer and loader
+    ckpt2 = unbroken.Checkpointer(run)
+    assert ckpt2.restore(second) is not None
+    assert second["data"].state_dict() == {**first["data"].state_dict(), "epoch": 1, "position": 12,
+                                           "samples_seen": N + 12}
+    assert_same(train(second, total - cut), reference[cut:])
+    for a, b in zip(ref_state["model"].parameters(), second["model"].parameters()):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
+def take_iter(loader: ResumableLoader, k: int):
+    """Yield k batches, re-calling iter() at each epoch end."""
+    done = 0
+    while done < k:
+        for batch in loader:
+            yield batch
+            done += 1
+            if done == k:
+                return

@@ -1,0 +1,195 @@
+"""Preemption and requeue on a real SLURM cluster, resumed bitwise identically.
+
+The tests start a private one-node cluster (``tests/slurm_cluster.py``: its own
+munged, slurmctld and slurmd under a temp dir) and submit real batch jobs to it.
+
+How the preemption signal reaches Python (checked with SLURM 22.05, Debian 12):
+
+- The job script ``exec``\\ s Python, so the training process *is* the batch step's
+  main process (no shell in between that would have to trap and forward the signal).
+- ``scancel --signal=USR1 --batch JOBID`` signals exactly that process. A plain
+  ``scancel --signal=USR1 JOBID`` signals only the job's *other* steps (srun steps),
+  so a batch-only job would never see it; ``--full`` signals the batch step and every
+  process in it (also works here, and is the choice when the script does not exec).
+- For the same reason a real job asks for the warning signal with the ``B:`` prefix:
+  ``#SBATCH --signal=B:USR1@60`` (the script below does; with ``--time=10`` it would
+  fire after 9 minutes, long after the test has sent USR1 itself).
+- ``scontrol requeue`` (run by the training process after its save) makes SLURM end
+  the job (SIGTERM, then SIGKILL after KillWait) and queue it again with a BeginTime
+  about two minutes ahead (Reason=BeginTime). The test pulls it forward with
+  ``scontrol update jobid=JOBID StartTime=now``. The exit status of the preempted
+  attempt is discarded by SLURM for a requeued job, so it is not checked here.
+- There is no slurmdbd (no ``sacct``): job state comes from ``scontrol show job``
+  (kept for MinJobAge seconds after the end), the attempts from the output file,
+  which ``--open-mode=append`` keeps across the requeue.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from slurm_cluster import TERMINAL_STATES, ClusterError, SlurmCluster, ensure_installed
+from unbroken.demo import compare
+
+pytestmark = pytest.mark.slurm
+
+STEPS, SAVE_EVERY, HIDDEN, SEED = 150, 10, 256, 3
+SIGNAL_AFTER = 20  # send USR1 once the job has printed this step
+
+
+def train_args(base: Path) -> list[str]:
+    return ["-m", "unbroken.demo_train", "--run-dir", str(base / "run"), "--out", str(base / "out"),
+            "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--hidden", str(HIDDEN),
+            "--seed", str(SEED), "--requeue"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    reason = ensure_installed()
+    if reason:
+        if os.environ.get("UNBROKEN_REQUIRE_SLURM"):
+            pytest.fail(reason, pytrace=False)
+        pytest.skip(reason)
+    c = SlurmCluster()
+    try:
+        c.start()
+    except ClusterError as e:
+        pytest.fail(f"could not start the SLURM test cluster in {c.dir}:\n{e}", pytrace=False)
+    yield c
+    c.stop()
+
+
+def fail(msg: str, cluster: SlurmCluster, *files: Path) -> None:
+    pytest.fail(f"{msg}\n{cluster.diagnostics(*files)}", pytrace=False)
+
+
+def read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def wait_job(cluster: SlurmCluster, job: str, out: Path, timeout: float, what: str, ok) -> dict[str, str]:
+    """Wait until ``ok(fields, output)``; fail at once if the job ends first, or at the timeout."""
+    def check():
+        fields = cluster.job(job)
+        if ok(fields, read(out)):
+            return fields
+        if fields.get("JobState") in TERMINAL_STATES:
+            fail(f"job {job} ended ({fields.get('JobState')}, ExitCode={fields.get('ExitCode')}, "
+                 f"Restarts={fields.get('Restarts')}) while waiting for {what}", cluster, out)
+        return None
+    try:
+        return cluster.wait(check, timeout, f"{what} (job {job}: {cluster.job(job)})",
+                            interval=0.1, files=(out,))
+    except ClusterError as e:
+        pytest.fail(str(e), pytrace=False)
+
+
+def test_smoke_sbatch_wrap(cluster: SlurmCluster) -> None:
+    """The cluster runs a trivial batch job to completion."""
+    out = cluster.dir / "smoke.out"
+    job = cluster.sbatch("--output", str(out), "--wrap", "echo hi from $SLURM_JOB_ID")
+    fields = wait_job(cluster, job, out, 30, "the job to complete",
+                      lambda f, _: f.get("JobState") == "COMPLETED")
+    assert fields.get("ExitCode") == "0:0", fields
+    assert read(out).strip() == f"hi from {job}", cluster.diagnostics(out)
+
+
+def test_preempt_requeue_resume_bitwise(cluster: SlurmCluster, tmp_path: Path) -> None:
+    """USR1 -> save at the step boundary -> scontrol requeue -> resumed by SLURM -> bitwise equal."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    helptext = subprocess.run([sys.executable, "-m", "unbroken.demo_train", "--help"], env=env,
+                              capture_output=True, text=True, timeout=60).stdout
+    assert "--requeue" in helptext, f"unbroken.demo_train has no --requeue option:\n{helptext}"
+
+    t0 = time.monotonic()
+    timings: dict[str, float] = {}
+
+    def mark(what: str) -> None:
+        timings[what] = round(time.monotonic() - t0, 1)
+        print(f"{timings[what]:6.1f} s  {what}", flush=True)
+
+    # (1) the reference: the same command, run directly to the end
+    ref = tmp_path / "reference"
+    proc = subprocess.run([sys.executable, *train_args(ref)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.rstrip().endswith("done"), \
+        f"reference run failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+
+    mark("reference run done")
+
+    # (2) the same run as a requeueable SLURM batch job, preempted with USR1 mid-run
+    work = tmp_path / "slurm"
+    work.mkdir()
+    out = work / "job.out"
+    script = work / "job.sh"
+    script.write_text(f"""#!/bin/bash
+#SBATCH --job-name=unbroken-preempt
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output={out}
+#SBATCH --chdir={work}
+#SBATCH --ntasks=1
+#SBATCH --cpus-per-task=1
+#SBATCH --time=10
+#SBATCH --signal=B:USR1@60
+echo "attempt: job $SLURM_JOB_ID restart ${{SLURM_RESTART_COUNT:-0}}"
+export PYTHONUNBUFFERED=1
+exec {shlex.join([sys.executable, *train_args(work)])}
+""")
+    job = cluster.sbatch(str(script))
+
+    def last_step(text: str) -> int:
+        steps = re.findall(r"^step (\d+)$", text, re.M)
+        return int(steps[-1]) if steps else 0
+
+    wait_job(cluster, job, out, 90, f"the job to print step {SIGNAL_AFTER}",
+             lambda f, text: f.get("JobState") == "RUNNING" and last_step(text) >= SIGNAL_AFTER)
+    signalled_after = last_step(read(out))
+    mark(f"job printed step {signalled_after}: sending USR1")
+    cluster.run("scancel", "--signal=USR1", "--batch", job)
+
+    fields = wait_job(cluster, job, out, 60, "the job to save, requeue itself and be PENDING again",
+                      lambda f, _: f.get("JobState") == "PENDING" and int(f.get("Restarts", "0")) >= 1)
+    mark(f"job requeued: {fields.get('JobState')}, Reason={fields.get('Reason')}, StartTime={fields.get('StartTime')}")
+    assert fields.get("Reason") in {"BeginTime", "None", "Priority", "Resources"}, fields
+    cluster.run("scontrol", "update", f"jobid={job}", "StartTime=now")
+    fields = wait_job(cluster, job, out, 90, "the requeued job to run to the end",
+                      lambda f, _: f.get("JobState") == "COMPLETED")
+
+    mark("requeued job completed")
+
+    # (3) what the two attempts printed
+    text = read(out)
+    diag = cluster.diagnostics(out)
+    assert fields.get("Restarts") == "1" and fields.get("ExitCode") == "0:0", f"{fields}\n{diag}"
+    lines = text.splitlines()
+    attempts = [i for i, line in enumerate(lines) if line.startswith("attempt: ")]
+    assert [lines[i] for i in attempts] == [f"attempt: job {job} restart 0", f"attempt: job {job} restart 1"], diag
+    first, second = lines[attempts[0]:attempts[1]], lines[attempts[1]:]
+    starts = lambda part: [x for x in part if x == "fresh start" or x.startswith("resumed from step ")]  # noqa: E731
+    preempted = [int(m.group(1)) for x in first if (m := re.match(r"preempted at step (\d+)", x))]
+    assert starts(first) == ["fresh start"], diag
+    assert len(preempted) == 1 and signalled_after <= preempted[0] < STEPS, diag
+    step = preempted[0]
+    assert starts(second) == [f"resumed from step {step}"], diag
+    steps_of = lambda part: [int(m.group(1)) for x in part if (m := re.fullmatch(r"step (\d+)", x))]  # noqa: E731
+    assert steps_of(first) == list(range(1, step + 1)), diag
+    assert steps_of(second) == list(range(step + 1, STEPS + 1)), diag
+    assert "done" in second and "done" not in first, diag
+    assert not any("preempted at step" in x for x in second), diag
+
+    # (4) bitwise identical to the uninterrupted run
+    results = compare(ref / "out", work / "out")
+    assert all(results.values()), f"not bitwise identical after preemption at step {step}: {results}\n{diag}"
