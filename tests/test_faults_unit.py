@@ -1,0 +1,122 @@
+"""In-process tests of the fault layer: the signal flag, the step guard, submit.slurm."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+import unbroken
+from unbroken.faults import EXIT_PREEMPTED
+from unbroken.faults.signals import SignalWatcher
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.5),
+                               torch.nn.Linear(8, 1))
+
+
+def test_signal_sets_a_flag_and_chains_the_previous_handler() -> None:
+    seen = []
+    old = signal.signal(signal.SIGUSR1, lambda s, f: seen.append(s))
+    try:
+        w = SignalWatcher([signal.SIGUSR1])
+        assert w.install()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert w.received == signal.SIGUSR1 and seen == [signal.SIGUSR1]
+        w.uninstall()
+        assert signal.getsignal(signal.SIGUSR1) is not w._handle
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+
+
+def test_sigterm_saves_at_the_step_boundary_and_exits(tmp_path: Path) -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model, "optimizer": opt}
+    ckpt = unbroken.Checkpointer(tmp_path / "run", save_every=100, signals=(signal.SIGTERM,))
+    ckpt.restore(state)
+    ckpt.step(state)
+    os.kill(os.getpid(), signal.SIGTERM)  # arrives "mid-step": nothing happens yet
+    assert ckpt.latest() is None
+    with pytest.raises(SystemExit) as exit_:
+        ckpt.step(state)
+    assert exit_.value.code == EXIT_PREEMPTED
+    latest = ckpt.latest()
+    assert latest is not None and latest.step == 2
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # close() restored the handler
+
+
+def _train_step(model, opt, x, fail: str | None) -> None:
+    out = model(x).pow(2).mean()  # BatchNorm running stats and dropout RNG change here
+    out.backward()
+    if fail == "before":
+        raise RuntimeError("CUDA out of memory (simulated)")
+    opt.step()
+    opt.zero_grad()
+    if fail == "after":
+        raise RuntimeError("failure after the optimizer step")
+
+
+@pytest.mark.parametrize("fail", ["before", "after"])
+def test_guard_writes_an_exact_emergency_checkpoint(tmp_path: Path, fail: str) -> None:
+    data = torch.randn(6, 16, 4, generator=torch.Generator().manual_seed(1))
+
+    def run(fail_at: int | None, run_dir: Path, steps: int = 6):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        state = {"model": model, "optimizer": opt}
+        ckpt = unbroken.Checkpointer(run_dir, save_every=100, signals=())
+        ckpt.restore(state)
+        try:
+            with ckpt.guard(state):
+                while ckpt.progress.step < steps:
+                    i = ckpt.progress.step
+                    _train_step(model, opt, data[i], fail if i == fail_at else None)
+                    ckpt.step(state)
+        except RuntimeError:
+            pass
+        finally:
+            ckpt.close()
+        return model, opt, ckpt
+
+    ref_model, ref_opt, _ = run(None, tmp_path / "ref")
+    _, _, crashed = run(3, tmp_path / "x")
+    info = crashed.latest()
+    assert info is not None
+    assert info.step == (3 if fail == "before" else 4)  # start of the failed step, or its end
+    model, opt, _ = run(None, tmp_path / "x")  # resume and finish
+    for a, b in zip(ref_model.state_dict().values(), model.state_dict().values()):
+        assert torch.equal(a, b)  # includes BatchNorm running stats
+    assert torch.equal(ref_opt.state_dict()["state"][0]["momentum_buffer"],
+                       opt.state_dict()["state"][0]["momentum_buffer"])
+
+
+def test_guard_does_not_save_twice_right_after_a_save(tmp_path: Path) -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model, "optimizer": opt}
+    ckpt = unbroken.Checkpointer(tmp_path / "run", save_every=2, keep_last=None, signals=())
+    with pytest.raises(RuntimeError), ckpt.guard(state):
+        for i in range(5):
+            _train_step(model, opt, torch.randn(8, 4), "before" if i == 2 else None)
+            ckpt.step(state)
+    assert [c.step for c in ckpt.checkpoints()] == [2]
+
+
+def test_submit_script_is_written_under_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_JOB_NAME", "exp1")
+    monkeypatch.setenv("SLURM_JOB_PARTITION", "gpu")
+    ckpt = unbroken.Checkpointer(tmp_path / "run", signals=())
+    ckpt.save({"w": torch.zeros(1)})
+    text = (tmp_path / "run" / "submit.slurm").read_text()
+    for line in ("#SBATCH --job-name=exp1", "#SBATCH --partition=gpu", "#SBATCH --signal=USR1@120",
+                 "#SBATCH --requeue", "#SBATCH --open-mode=append", "exec "):
+        assert line in text
+    assert os.access(tmp_path / "run" / "submit.slurm", os.X_OK)
+    assert [c.step for c in ckpt.checkpoints()] == [0]  # not mistaken for a checkpoint
