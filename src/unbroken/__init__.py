@@ -17,8 +17,10 @@ __version__ = "0.1.0"
 
 from .errors import (  # noqa: E402
     CorruptCheckpointError,
+    InsufficientSpaceError,
     NewerFormatError,
     NoCheckpointError,
+    RunLockedError,
     StateMismatchError,
     UnbrokenError,
     UnsupportedStateError,
@@ -42,4 +44,6 @@ __all__ = [
     "StateMismatchError",
     "NoCheckpointError",
     "NewerFormatError",
+    "RunLockedError",
+    "InsufficientSpaceError",
 ]

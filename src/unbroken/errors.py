@@ -39,3 +39,7 @@ class NewerFormatError(UnbrokenError):
 
 class InsufficientSpaceError(UnbrokenError, OSError):
     """Not enough free space for the next checkpoint; checked before anything is written."""
+
+
+class RunLockedError(UnbrokenError):
+    """Another live process is writing this run folder."""

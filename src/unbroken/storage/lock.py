@@ -18,14 +18,10 @@ import socket
 import threading
 from pathlib import Path
 
-from ..errors import UnbrokenError
+from ..errors import RunLockedError
 
 _held: dict[str, tuple[int, int]] = {}  # realpath -> (fd, refcount)
 _mutex = threading.Lock()
-
-
-class RunLockedError(UnbrokenError):
-    """Another live process is writing this run folder."""
 
 
 class RunLock:
