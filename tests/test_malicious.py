@@ -308,7 +308,7 @@ FORBIDDEN_CODE = [
     r"\bpickle\b", r"\b_pickle\b", r"\bcloudpickle\b", r"\bdill\b", r"\bjoblib\b", r"\bmarshal\b",
     r"\bshelve\b", r"\bcopyreg\b", r"\btorch\s*\.\s*load\b", r"\btorch\s*\.\s*serialization\b",
     r"\bweights_only\b", r"\ballow_pickle\b", r"(?<![\w.])eval\s*\(", r"(?<![\w.])exec\s*\(",
-    r"__import__", r"\bimportlib\b", r"\bimport_module\b", r"\brunpy\b", r"\bpydoc\s*\.\s*locate\b",
+    r"__import__", r"\bimportlib\b(?!\s*\.\s*metadata\b)", r"\bimport_module\b", r"\brunpy\b", r"\bpydoc\s*\.\s*locate\b",
 ]
 
 
@@ -329,10 +329,10 @@ def violations(source: str) -> list[str]:
     found = [p for p in FORBIDDEN_CODE if re.search(p, code)]
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
-            found += [f"import {a.name}" for a in node.names
-                      if a.name.split(".")[0] in ("pickle", "_pickle", "marshal", "shelve", "importlib", "dill")]
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in (
-                "pickle", "_pickle", "marshal", "shelve", "importlib", "dill"):
+            found += [f"import {a.name}" for a in node.names if a.name != "importlib.metadata"
+                      and a.name.split(".")[0] in ("pickle", "_pickle", "marshal", "shelve", "importlib", "dill")]
+        elif isinstance(node, ast.ImportFrom) and node.module != "importlib.metadata" and (
+                node.module or "").split(".")[0] in ("pickle", "_pickle", "marshal", "shelve", "importlib", "dill"):
             found.append(f"from {node.module} import ...")
         elif isinstance(node, ast.ImportFrom) and node.module == "torch" and any(
                 a.name in ("load", "serialization") for a in node.names):
@@ -347,6 +347,9 @@ def test_source_scanner_catches_unpickling() -> None:
     """Control: the scanner below does flag the constructs it is meant to forbid."""
     assert violations("import pickle\n")
     assert violations("from importlib import import_module\n")
+    assert violations("import importlib\n")
+    # package metadata (versions for the environment fingerprint) reads files, runs no code
+    assert not violations("import importlib.metadata\nv = importlib.metadata.version('torch')\n")
     assert violations("import torch\nx = torch.load(f)\n")
     assert violations("from torch import load\n")
     assert violations("y = eval('1')\n")

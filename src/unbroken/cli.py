@@ -43,7 +43,7 @@ def demo(
 @app.command("list")
 def list_(run: Path = typer.Argument(..., help="Run folder.")) -> None:
     """List the committed checkpoints of a run, newest first (manifests only, not verified)."""
-    from .manager import discover
+    from .discovery import discover
     from .storage.local import LocalStorage
 
     infos = discover(LocalStorage(run)) if run.is_dir() else []

@@ -13,7 +13,6 @@ global RNGs under the reserved key ``__unbroken__``; RNGs are restored last.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import signal
 import time
@@ -25,25 +24,23 @@ import torch
 
 from .api import CheckpointInfo
 from .environment import fingerprint
-from .errors import CorruptCheckpointError, NoCheckpointError, UnbrokenError
+from .errors import NoCheckpointError, UnbrokenError
 from .faults import EXIT_PREEMPTED, slurm
 from .faults.guard import StepGuard
 from .faults.signals import DEFAULT_SIGNALS, SignalWatcher
 from .persist import write_snapshot
-from .reader import read_checkpoint, read_manifest
+from .discovery import discover, newest_valid
+from .reader import read_checkpoint
 from .snapshot import Snapshotter
 from .state.apply import apply_state
 from .state.rng import GlobalRNG
+from .state.checks import UnbrokenWarning, clean_metrics, find_forgotten_state
 from .state.stateful import Gradients, Progress
 from .storage.local import LocalStorage
 from .storage.lock import RunLock
 
 log = logging.getLogger("unbroken")
 RESERVED = "__unbroken__"
-
-
-class UnbrokenWarning(UserWarning):
-    """Something in the state will probably make a resumed run diverge."""
 
 
 class Checkpointer:
@@ -155,28 +152,20 @@ class Checkpointer:
                 raise NoCheckpointError(f"no checkpoint at {p}")
             loaded = read_checkpoint(storage, name)
             return self._apply(state, loaded, storage.describe(name))
-        candidates: list[tuple[int, int, str]] = []
-        for name in self.storage.list_committed():
-            try:
-                m = read_manifest(self.storage, name)
-            except CorruptCheckpointError as e:
-                self._quarantine(name, str(e))
-                continue
-            candidates.append((m.seq, m.step, name))
-        bad = 0
-        for _, _, name in sorted(candidates, reverse=True):
-            try:
-                loaded = read_checkpoint(self.storage, name)
-            except CorruptCheckpointError as e:
-                bad += 1
-                self._quarantine(name, str(e))
-                continue
+        bad: list[str] = []
+
+        def invalid(name: str, reason: str) -> None:
+            bad.append(name)
+            self._quarantine(name, reason)
+
+        loaded, seen = newest_valid(self.storage, invalid)
+        if loaded is not None:
             if bad:
-                log.warning("resuming from %s after skipping %d corrupt newer checkpoint(s)", name, bad)
-            return self._apply(state, loaded, self.storage.describe(name))
-        if candidates:
+                log.warning("resuming from %s after skipping %d corrupt newer checkpoint(s)", loaded.name, len(bad))
+            return self._apply(state, loaded, self.storage.describe(loaded.name))
+        if seen or bad:
             log.error("none of the %d checkpoints in %s is valid (all quarantined); starting from scratch",
-                      len(candidates), self.directory)
+                      len(bad), self.directory)
         else:
             log.info("no checkpoint in %s; starting from scratch", self.directory)
         return None
@@ -332,50 +321,3 @@ class Checkpointer:
     def _check_reserved(state: Mapping[str, Any]) -> None:
         if RESERVED in state:
             raise UnbrokenError(f"the state key {RESERVED!r} is reserved for unbroken; rename it")
-
-
-def discover(storage: LocalStorage) -> list[CheckpointInfo]:
-    """Committed checkpoints of a run with a readable manifest, newest first; read-only."""
-    out = []
-    for name in storage.list_committed():
-        try:
-            m = read_manifest(storage, name)
-        except (UnbrokenError, OSError):
-            continue
-        out.append(CheckpointInfo.of(storage.describe(name), name, m))
-    return sorted(out, key=lambda c: (c.seq, c.step), reverse=True)
-
-
-def clean_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
-    """Metrics as JSON-safe scalars: tensors and numpy scalars become floats, nan a string."""
-    out: dict[str, Any] = {}
-    for k, v in metrics.items():
-        if isinstance(v, torch.Tensor) and v.numel() == 1:
-            v = v.item()
-        elif hasattr(v, "item") and callable(v.item):
-            v = v.item()
-        if isinstance(v, float) and not math.isfinite(v):
-            v = repr(v)
-        if v is None or isinstance(v, (bool, int, float, str)):
-            out[str(k)] = v
-        else:
-            out[str(k)] = repr(v)
-    return out
-
-
-def find_forgotten_state(state: Mapping[str, Any]) -> list[str]:
-    """Warnings about state that is commonly forgotten and makes a resume diverge."""
-    values = list(state.values())
-    has = lambda cls: any(isinstance(v, cls) for v in values)  # noqa: E731
-    out = []
-    if has(torch.nn.Module) and not has(torch.optim.Optimizer):
-        out.append("the state holds a model but no optimizer: a resumed run would restart the "
-                   "optimizer's moments and diverge; add it, e.g. state['optimizer'] = opt")
-    sched_cls = torch.optim.lr_scheduler.LRScheduler
-    for k, v in state.items():
-        if isinstance(v, torch.optim.Optimizer) and any("initial_lr" in g for g in v.param_groups) \
-                and not has(sched_cls) and not has(torch.optim.lr_scheduler.ReduceLROnPlateau):
-            out.append(f"state[{k!r}] is driven by an LR scheduler (its param groups carry "
-                       "'initial_lr') but no scheduler is in the state: a resumed run would restart "
-                       "the schedule; add it, e.g. state['scheduler'] = scheduler")
-    return out

@@ -1,0 +1,48 @@
+"""Checks on the state and metrics before a save: forgotten state, JSON-safe metrics."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+
+class UnbrokenWarning(UserWarning):
+    """Something in the state will probably make a resumed run diverge."""
+
+
+def clean_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Metrics as JSON-safe scalars: tensors and numpy scalars become floats, nan a string."""
+    out: dict[str, Any] = {}
+    for k, v in metrics.items():
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            v = v.item()
+        elif hasattr(v, "item") and callable(v.item):
+            v = v.item()
+        if isinstance(v, float) and not math.isfinite(v):
+            v = repr(v)
+        if v is None or isinstance(v, (bool, int, float, str)):
+            out[str(k)] = v
+        else:
+            out[str(k)] = repr(v)
+    return out
+
+
+def find_forgotten_state(state: Mapping[str, Any]) -> list[str]:
+    """Warnings about state that is commonly forgotten and makes a resume diverge."""
+    values = list(state.values())
+    has = lambda cls: any(isinstance(v, cls) for v in values)  # noqa: E731
+    out = []
+    if has(torch.nn.Module) and not has(torch.optim.Optimizer):
+        out.append("the state holds a model but no optimizer: a resumed run would restart the "
+                   "optimizer's moments and diverge; add it, e.g. state['optimizer'] = opt")
+    sched_cls = torch.optim.lr_scheduler.LRScheduler
+    for k, v in state.items():
+        if isinstance(v, torch.optim.Optimizer) and any("initial_lr" in g for g in v.param_groups) \
+                and not has(sched_cls) and not has(torch.optim.lr_scheduler.ReduceLROnPlateau):
+            out.append(f"state[{k!r}] is driven by an LR scheduler (its param groups carry "
+                       "'initial_lr') but no scheduler is in the state: a resumed run would restart "
+                       "the schedule; add it, e.g. state['scheduler'] = scheduler")
+    return out
