@@ -1,0 +1,63 @@
+"""The state stored in the golden checkpoints: deterministic, no RNG, every kind of leaf.
+
+`python tests/golden/golden_state.py write` writes ``tests/golden/v<N>/`` for the
+current format version N. A written version is never rewritten: the test suite loads
+every ``v*`` folder forever, so a reader change that breaks old checkpoints fails.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def golden_state() -> dict:
+    lin = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        lin.weight.copy_(torch.arange(6, dtype=torch.float32).reshape(2, 3) / 7)
+        lin.bias.copy_(torch.tensor([-1.5, 2.25]))
+    opt = torch.optim.AdamW(lin.parameters(), lr=0.01, betas=(0.9, 0.95))
+    lin(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    return {
+        "model": lin,
+        "optimizer": opt,
+        "plain": {
+            "int": 7, "big": 2**70, "neg": -3, "float": 0.1, "nan": float("nan"), "inf": float("-inf"),
+            "str": "ünïcode ✓", "bytes": b"\x00\xff", "tuple": (1, (2, 3)), "list": [1, "a", None, True],
+            "int_keys": {1: "a", 2: "b"}, "ordered": OrderedDict([("z", 1), ("a", 2)]), "set": {3, 1, 2},
+            "complex": 1 + 2j, "dtype": torch.bfloat16, "device": torch.device("cpu"),
+            "size": torch.Size([2, 3]),
+            "np_scalar": np.float32(1.5), "np_array": np.arange(6, dtype=np.int16).reshape(2, 3),
+            "bf16": torch.arange(4, dtype=torch.bfloat16) / 3, "f16": torch.arange(4, dtype=torch.float16),
+            "i64": torch.arange(5, dtype=torch.int64) * 10**12, "bool": torch.tensor([True, False, True]),
+            "u8": torch.arange(7, dtype=torch.uint8), "empty": torch.zeros(0, 3), "scalar": torch.tensor(3.25),
+            "ctensor": torch.tensor([1 + 1j, 2 - 1j], dtype=torch.complex64),
+            "strided": torch.arange(12.0).reshape(3, 4).t(),
+        },
+        "generator": torch.Generator().manual_seed(1234),
+    }
+
+
+def write() -> Path:
+    import unbroken
+    from unbroken.format.manifest import FORMAT_VERSION
+
+    target = Path(__file__).parent / f"v{FORMAT_VERSION}" / "run" / "step-000000042"
+    if target.exists():
+        raise SystemExit(f"{target} exists: golden checkpoints are never rewritten")
+    target.parent.mkdir(parents=True)
+    ckpt = unbroken.Checkpointer(target.parent, signals=(), rng=False)
+    ckpt.progress.step = 42
+    ckpt.save(golden_state(), metrics={"loss": 0.5})
+    ckpt.close()
+    (target.parent / ".lock").unlink(missing_ok=True)
+    return target
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["write"]:
+    print(write())
