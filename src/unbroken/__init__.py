@@ -28,6 +28,7 @@ from .errors import (  # noqa: E402
 from .state.stateful import Gradients, Progress, Stateful  # noqa: E402
 from .api import CheckpointInfo, load, save, verify  # noqa: E402
 from .manager import Checkpointer  # noqa: E402
+from .probe import probe_step  # noqa: E402
 
 __all__ = [
     "Checkpointer",
@@ -38,6 +39,7 @@ __all__ = [
     "save",
     "load",
     "verify",
+    "probe_step",
     "UnbrokenError",
     "CorruptCheckpointError",
     "UnsupportedStateError",

@@ -43,3 +43,9 @@ class InsufficientSpaceError(UnbrokenError, OSError):
 
 class RunLockedError(UnbrokenError):
     """Another live process is writing this run folder."""
+
+
+class EnvironmentMismatchError(UnbrokenError):
+    """With ``env_policy="strict"``, the checkpoint was written in a significantly different
+    environment (code, versions, config, data or world size). The message lists each
+    change; restore that environment, or resume anyway with ``env_policy="warn"``."""

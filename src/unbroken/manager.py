@@ -30,6 +30,8 @@ from .faults.guard import StepGuard
 from .faults.signals import DEFAULT_SIGNALS, SignalWatcher
 from .persist import write_snapshot
 from .discovery import discover, newest_valid
+from .probe import ProbeFn, ProbeReport, run_probe
+from .probe import compare as compare_probe
 from .reader import read_checkpoint
 from .snapshot import Snapshotter
 from .state.apply import apply_state
@@ -60,6 +62,10 @@ class Checkpointer:
         grace_period: seconds between the signal and the hard kill (e.g. SLURM's
             ``--signal=USR1@120``); a save that takes longer is warned about.
         requeue: after a signal-triggered save inside a SLURM job, ``scontrol requeue`` it.
+        probe: a function returning a few numbers from the live state (see
+            :func:`unbroken.probe_step`), recorded at every save and recomputed right
+            after a restore; the verdict is in :attr:`probe_report` and the log.
+        probe_rtol: relative tolerance for "within tolerance" (bitwise equal is "equal").
 
     The first :meth:`restore`, :meth:`save` or :meth:`step` takes the run folder's
     writer lock (a second process is refused with :class:`RunLockedError`), removes
@@ -70,7 +76,7 @@ class Checkpointer:
     def __init__(self, directory: str | os.PathLike[str], *, save_every: int | None = None,
                  keep_last: int | None = 3, rng: bool = True, strict: bool = True,
                  signals: tuple[int, ...] = DEFAULT_SIGNALS, grace_period: float | None = None,
-                 requeue: bool = False) -> None:
+                 requeue: bool = False, probe: ProbeFn | None = None, probe_rtol: float = 1e-5) -> None:
         if save_every is not None and save_every < 1:
             raise ValueError("save_every must be a positive number of steps or None")
         if keep_last is not None and keep_last < 1:
@@ -85,6 +91,9 @@ class Checkpointer:
         self.metrics: dict[str, Any] = {}
         self.grace_period = grace_period
         self.requeue = requeue
+        self.probe = probe
+        self.probe_rtol = probe_rtol
+        self.probe_report: ProbeReport | None = None
         self._snapshotter = Snapshotter(copy=False)
         self._checked_state = False
         self._next_seq: int | None = None
@@ -179,9 +188,17 @@ class Checkpointer:
                 self.progress.load_state_dict(getattr(extra["progress"], "value", extra["progress"]))
             if self.rng and "rng" in extra:  # last: nothing may draw from an RNG after this
                 GlobalRNG().load_state_dict(getattr(extra["rng"], "value", extra["rng"]))
+        if self.probe is not None and loaded.manifest.probe:
+            self._check_probe(loaded.manifest.probe)  # in a fork of the RNGs: changes nothing
         self.metrics = dict(loaded.manifest.metrics)
         log.info("resumed from %s (step %d)", where, loaded.manifest.step)
         return CheckpointInfo.of(where, loaded.name, loaded.manifest)
+
+    def _check_probe(self, saved: dict[str, float]) -> None:
+        report = compare_probe(saved, run_probe(self.probe), self.probe_rtol)  # type: ignore[arg-type]
+        self.probe_report = report
+        level = {"equal": logging.INFO, "within tolerance": logging.WARNING}.get(report.status, logging.ERROR)
+        log.log(level, "post-resume %s", report)
 
     def _quarantine(self, name: str, reason: str) -> None:
         moved = self.storage.quarantine(name, reason)
@@ -280,11 +297,13 @@ class Checkpointer:
         if rng is not None:
             full[RESERVED]["rng"] = rng
         t0 = time.monotonic()
+        probe = run_probe(self.probe) if self.probe is not None and kind != "emergency" else None
         snapshot = self._snapshotter.capture(full)
         seq = self._seq()
         final, manifest = write_snapshot(
             snapshot, self.storage, f"step-{progress['step']:09d}", step=progress["step"], seq=seq,
-            metrics=clean_metrics(self.metrics), progress=dict(progress), environment=fingerprint(), kind=kind)
+            metrics=clean_metrics(self.metrics), progress=dict(progress), environment=fingerprint(), kind=kind,
+            probe=probe)
         took = time.monotonic() - t0
         self._next_seq = seq + 1
         self._last_saved = (progress["step"], final)

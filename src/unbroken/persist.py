@@ -32,6 +32,7 @@ def write_snapshot(
     progress: dict[str, int] | None = None,
     environment: dict[str, Any] | None = None,
     kind: str = "regular",
+    probe: dict[str, float] | None = None,
 ) -> tuple[str, Manifest]:
     """Write ``snapshot`` as checkpoint ``name``; return its committed name and manifest.
 
@@ -55,7 +56,8 @@ def write_snapshot(
         files[STATE_FILE] = FileEntry(len(raw), new_hasher_digest(raw))
         _faults.point("save.before_manifest")
         manifest = Manifest(step=step, seq=seq, files=files, created=started, metrics=dict(metrics or {}),
-                            progress=dict(progress or {}), environment=dict(environment or {}), kind=kind)
+                            progress=dict(progress or {}), environment=dict(environment or {}), kind=kind,
+                            probe=dict(probe or {}))
         with staging.open(MANIFEST) as f:
             f.write(manifest.to_json())
         _faults.point("save.before_commit")

@@ -10,6 +10,7 @@ checkpoint folder.
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -60,6 +61,7 @@ class Manifest:
     progress: dict[str, int] = field(default_factory=dict)
     environment: dict[str, Any] = field(default_factory=dict)
     kind: str = "regular"
+    probe: dict[str, float] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 
     @property
@@ -73,6 +75,7 @@ class Manifest:
             "step": self.step,
             "seq": self.seq,
             "kind": self.kind,
+            "probe": {k: (v if math.isfinite(v) else repr(v)) for k, v in self.probe.items()},
             "created": self.created,
             "metrics": self.metrics,
             "progress": self.progress,
@@ -118,6 +121,7 @@ class Manifest:
             metrics, progress, env = doc.get("metrics", {}), doc.get("progress", {}), doc.get("environment", {})
             if not all(isinstance(x, dict) for x in (metrics, progress, env)):
                 raise TypeError("metrics, progress and environment must be objects")
+            probe = {str(k): float(v) for k, v in dict(doc.get("probe", {})).items()}
             kind = doc.get("kind", "regular")
             if not isinstance(kind, str):
                 raise TypeError("kind must be a string")
@@ -128,7 +132,8 @@ class Manifest:
         if STATE_FILE not in files:
             raise CorruptCheckpointError(f"manifest.json does not list {STATE_FILE}")
         return cls(step=step, seq=seq, files=files, created=created, metrics=metrics,
-                   progress=progress, environment=env, kind=kind, format_version=version)
+                   progress=progress, environment=env, kind=kind, probe=probe,
+                   format_version=version)
 
 
 def strict_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -1,0 +1,405 @@
+"""The run index ``<run>/index.sqlite``: a queryable history of one run, derived from the manifests.
+
+Tables: ``checkpoints`` (a row per checkpoint, with its status), ``events``, ``segments`` (a row per
+process that wrote the run: a fresh start or a resume) and ``metrics`` (a per-step log, to check the
+loss curve of a resumed run against the interrupted one). Manifests stay the truth: a missing index
+is created from them; a damaged one (not a database, failed ``PRAGMA quick_check``, unknown schema)
+is moved aside to ``index.sqlite.corrupt-<time>`` with a warning and rebuilt. WAL mode with
+``synchronous=NORMAL`` (commits survive a killed process); checkpoint records and ``close`` commit
+with ``synchronous=FULL`` (they survive a power cut too); metrics are buffered and committed in
+batches, at the latest with the next checkpoint, event or close. Readers never block the writer.
+SQLite stores NaN as NULL, so a metric is kept as ``value`` (REAL, NULL for NaN; for SQL) and
+``bits`` (its IEEE-754 bit pattern as a signed 64-bit integer; what the API returns and compares).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import socket
+import sqlite3
+import struct
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import UnbrokenError
+from .reader import read_manifest
+from .storage.local import QUARANTINE, LocalStorage
+
+log = logging.getLogger("unbroken")
+
+INDEX_FILE = "index.sqlite"
+SCHEMA_VERSION = 1
+STATUSES = ("committed", "quarantined", "pruned")
+BUSY_TIMEOUT_S = 30.0
+_SIDECARS = ("-wal", "-shm", "-journal")
+_TABLES = {
+    "schema_version": "version INTEGER NOT NULL",
+    "segments": "id INTEGER PRIMARY KEY AUTOINCREMENT, started REAL NOT NULL, resumed_from TEXT, "
+                "start_step INTEGER NOT NULL, host TEXT, pid INTEGER",
+    "checkpoints": "name TEXT PRIMARY KEY, step INTEGER, seq INTEGER, epoch INTEGER, created REAL, "
+                   "duration_s REAL, size_bytes INTEGER, kind TEXT, status TEXT NOT NULL, metrics TEXT NOT NULL, "
+                   "tags TEXT NOT NULL, environment TEXT NOT NULL, segment INTEGER",
+    "events": "id INTEGER PRIMARY KEY AUTOINCREMENT, time REAL NOT NULL, segment INTEGER, kind TEXT NOT NULL, "
+              "step INTEGER, checkpoint TEXT, message TEXT NOT NULL, data TEXT NOT NULL",
+    "metrics": "step INTEGER NOT NULL, segment INTEGER, name TEXT NOT NULL, value REAL, bits INTEGER NOT NULL, "
+               "time REAL NOT NULL",
+}
+_COLUMNS = {t: [c.split()[0] for c in spec.split(", ")] for t, spec in _TABLES.items()}
+_INDEXES = ["CREATE INDEX events_kind ON events (kind)", "CREATE INDEX metrics_name ON metrics (name, step)"]
+_CKPT_INSERT = (f"INSERT OR REPLACE INTO checkpoints ({', '.join(_COLUMNS['checkpoints'])}) "
+                f"VALUES ({', '.join('?' * len(_COLUMNS['checkpoints']))})")
+_F64, _I64 = struct.Struct("<d"), struct.Struct("<q")  # a float and its bit pattern
+
+
+def _from_bits(b: int) -> float:
+    return float(_F64.unpack(_I64.pack(b))[0])
+
+
+def _json(x: Any) -> str:
+    return json.dumps(x, default=str)
+
+
+def _ckpt_row(name: str, status: str, **known: Any) -> dict[str, Any]:
+    """A checkpoints row: what is ``known``, else what the name tells (``step-000000500``)."""
+    if status not in STATUSES:
+        raise ValueError(f"status must be one of {STATUSES}, not {status!r}")
+    m = re.search(r"step-(\d+)", name)
+    return {"step": int(m.group(1)) if m else None, "metrics": "{}", "tags": "[]", "environment": "{}", **known,
+            "name": name, "status": status}
+
+
+def _diagnose(conn: sqlite3.Connection) -> str | None:
+    """``None`` if the index is healthy, ``""`` if it has no tables yet, else what is wrong."""
+    try:
+        rows = [tuple(r) for r in conn.execute("PRAGMA quick_check")]
+        if rows != [("ok",)]:
+            return "quick_check: " + "; ".join(str(r[0]) for r in rows[:3])
+        if not {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}:
+            return ""
+        for table, cols in _COLUMNS.items():
+            have = [r[1] for r in conn.execute(f"PRAGMA table_info({table})")]
+            if have != cols:
+                return f"unexpected schema: table {table} has columns {have}, expected {cols}"
+        if (versions := [r[0] for r in conn.execute("SELECT version FROM schema_version")]) != [SCHEMA_VERSION]:
+            return f"schema version {versions}, expected [{SCHEMA_VERSION}]"
+    except sqlite3.DatabaseError as e:  # damage is SQLITE_CORRUPT or SQLITE_NOTADB; busy, I/O, ... propagate
+        code = getattr(e, "sqlite_errorcode", None)  # Python >= 3.11
+        if code & 0xFF not in (11, 26) if code is not None else not re.search("malformed|not a database", str(e)):
+            raise
+        return str(e)
+    return None
+
+
+def _decode(row: sqlite3.Row) -> dict[str, Any]:
+    return {k: json.loads(v) if k in ("metrics", "tags", "environment", "data") and isinstance(v, str) else v
+            for k, v in dict(row).items()}
+
+
+@dataclass
+class Continuity:
+    """:meth:`RunIndex.continuity` of one metric: ``checked``, the steps logged by several segments;
+    ``disagreeing``, those where the segments logged different values (bitwise: NaN equals the same
+    NaN, ``0.0`` differs from ``-0.0``); ``values``, for each of those, its ``(segment, value)`` pairs."""
+
+    name: str
+    checked: list[int] = field(default_factory=list)
+    disagreeing: list[int] = field(default_factory=list)
+    values: dict[int, list[tuple[int | None, float]]] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.disagreeing
+
+
+class RunIndex:
+    """The SQLite index of the run folder ``run_dir`` (created if missing, unless ``readonly``).
+
+    ``readonly``: open with ``mode=ro``, never write, move or rebuild the file; if it is missing or
+    damaged, use an index rebuilt from the manifests in memory (:attr:`in_memory`). Writing methods
+    then raise ``RuntimeError``. Metrics are committed when ``flush_every`` rows are pending or
+    ``flush_seconds`` after the last commit, and with any other write, query or :meth:`close`.
+    Thread-safe. Call :meth:`start_segment` before :meth:`log_metrics`; events and checkpoint rows
+    carry the current segment (``None`` before the first)."""
+
+    def __init__(self, run_dir: str | os.PathLike[str], *, readonly: bool = False,
+                 flush_every: int = 256, flush_seconds: float = 5.0) -> None:
+        self.run_dir, self.path = Path(run_dir), Path(run_dir) / INDEX_FILE
+        self.readonly, self.in_memory, self._lock = readonly, False, threading.RLock()
+        self.flush_every, self.flush_seconds, self._last_flush = flush_every, flush_seconds, time.monotonic()
+        self.segment: int | None = None
+        self._pending: list[tuple[int, int, str, Any, float]] = []
+        self._conn: sqlite3.Connection | None = self._open_readonly() if readonly else self._open_writable()
+
+    @staticmethod
+    def _connect(target: str, uri: bool = False) -> sqlite3.Connection:
+        conn = sqlite3.connect(target, uri=uri, timeout=BUSY_TIMEOUT_S, isolation_level=None,
+                               check_same_thread=False)
+        conn.row_factory = sqlite3.Row
+        return conn
+
+    def _open_writable(self) -> sqlite3.Connection:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        for suffix in _SIDECARS if not self.path.exists() else ():  # a WAL beside a deleted db: never replay it
+            Path(f"{self.path}{suffix}").unlink(missing_ok=True)
+        conn = self._connect(str(self.path))
+        problem = _diagnose(conn)
+        reason = "missing" if problem == "" else None
+        if problem:
+            conn.close()
+            aside = self._move_aside()
+            log.warning("run index %s is damaged (%s); moved it to %s and rebuilt the index from the "
+                        "manifests (its events, segments and metrics are lost)", self.path, problem, aside)
+            conn, reason = self._connect(str(self.path)), "corrupt"
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        if reason:
+            self._initialize(conn, reason)
+        return conn
+
+    def _open_readonly(self) -> sqlite3.Connection:
+        if self.path.exists():
+            conn = self._connect(self.path.absolute().as_uri() + "?mode=ro", uri=True)
+            problem = _diagnose(conn)
+            if problem is None:
+                return conn
+            conn.close()
+            if problem:
+                log.warning("run index %s is damaged (%s); using an index rebuilt from the manifests "
+                            "in memory", self.path, problem)
+        self.in_memory = True
+        conn = self._connect(":memory:")
+        self._initialize(conn, "missing")
+        return conn
+
+    def _move_aside(self) -> Path:
+        stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{time.time_ns() % 10**9:09d}"
+        target = self.path.with_name(f"{INDEX_FILE}.corrupt-{stamp}")
+        os.replace(self.path, target)
+        for suffix in _SIDECARS:  # a stale WAL would be replayed into the new database
+            if Path(f"{self.path}{suffix}").exists():
+                os.replace(f"{self.path}{suffix}", f"{target}{suffix}")
+        return target
+
+    def _initialize(self, conn: sqlite3.Connection, reason: str) -> None:
+        """Create the schema and fill it from the manifests, unless another process just did."""
+        with self._tx(conn=conn):
+            if conn.execute("SELECT count(*) FROM sqlite_master WHERE type = 'table'").fetchone()[0] == 0:
+                for ddl in [f"CREATE TABLE {t} ({spec})" for t, spec in _TABLES.items()] + _INDEXES:
+                    conn.execute(ddl)
+                conn.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
+                self._rebuild_rows(conn, reason)
+
+    @contextmanager
+    def _tx(self, durable: bool = False, conn: sqlite3.Connection | None = None) -> Iterator[sqlite3.Connection]:
+        """One write transaction that also commits the buffered metrics; ``durable``: fsync."""
+        if self.readonly and conn is None:
+            raise RuntimeError(f"the run index {self.path} was opened readonly; use RunIndex(run_dir) to write")
+        with self._lock:
+            conn = conn if conn is not None else self._conn
+            if conn is None:
+                raise RuntimeError(f"the run index {self.path} is closed")
+            conn.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")  # FULL: fsync the WAL at commit
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                n = len(self._pending)
+                conn.executemany("INSERT INTO metrics (step, segment, name, value, bits, time) "
+                                 "VALUES (?, ?, ?, ?, ?, ?)", [self._metric_row(p) for p in self._pending])
+                yield conn
+                conn.execute("COMMIT")
+                del self._pending[:n]
+                self._last_flush = time.monotonic()
+            finally:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+
+    @staticmethod
+    def _metric_row(p: tuple[int, int, str, Any, float]) -> tuple[int, int, str, float | None, int, float]:
+        x = float(p[3])  # a tensor is read here, once per batch, not at every step
+        return p[0], p[1], p[2], None if math.isnan(x) else x, _I64.unpack(_F64.pack(x))[0], p[4]
+
+    def _insert_event(self, conn: sqlite3.Connection, kind: str, message: str = "", step: int | None = None,
+                      checkpoint: str | None = None, data: Mapping[str, Any] | None = None,
+                      segment: int | None = None) -> int:
+        cur = conn.execute("INSERT INTO events (time, segment, kind, step, checkpoint, message, data) "
+                           "VALUES (?, ?, ?, ?, ?, ?, ?)", (time.time(), segment or self.segment, kind, step,
+                                                            checkpoint, message, _json(dict(data or {}))))
+        return int(cur.lastrowid or 0)
+
+    def start_segment(self, resumed_from: str | None, start_step: int) -> int:
+        """Record that this process starts writing the run, with a ``run_started`` (or ``resumed``)
+        event; later metrics, events and checkpoint rows carry the returned segment id."""
+        with self._tx() as conn:
+            seg = int(conn.execute(
+                "INSERT INTO segments (started, resumed_from, start_step, host, pid) VALUES (?, ?, ?, ?, ?)",
+                (time.time(), resumed_from, start_step, socket.gethostname(), os.getpid())).lastrowid or 0)
+            self._insert_event(conn, "resumed" if resumed_from else "run_started", step=start_step,
+                               checkpoint=resumed_from, segment=seg)
+        self.segment = seg
+        return seg
+
+    def record_checkpoint(self, name: str, step: int, seq: int, epoch: int | None, created: float,
+                          duration_s: float | None, size_bytes: int, kind: str, metrics: Mapping[str, Any],
+                          tags: list[str], environment: Mapping[str, Any], status: str = "committed") -> None:
+        """Add (or replace) a checkpoint's row with a ``saved`` event (``emergency_save`` for kind
+        ``emergency``), in one durable transaction that also commits the pending metrics."""
+        row = _ckpt_row(name, status, step=step, seq=seq, epoch=epoch, created=created, duration_s=duration_s,
+                        size_bytes=size_bytes, kind=kind, metrics=_json(dict(metrics)), tags=_json(list(tags)),
+                        environment=_json(dict(environment)), segment=self.segment)
+        with self._tx(durable=True) as conn:
+            conn.execute(_CKPT_INSERT, [row.get(c) for c in _COLUMNS["checkpoints"]])
+            self._insert_event(conn, "emergency_save" if kind == "emergency" else "saved", step=step,
+                               checkpoint=name, data={"kind": kind, "seq": seq, "size_bytes": size_bytes})
+
+    def set_status(self, name: str, status: str, message: str = "") -> None:
+        """Change a checkpoint's status durably; ``quarantined`` and ``pruned`` also log an event
+        of that kind with ``message``. An unknown name gets a row with what its name tells."""
+        row = _ckpt_row(name, status, segment=self.segment)
+        with self._tx(durable=True) as conn:
+            if conn.execute("UPDATE checkpoints SET status = ? WHERE name = ?", (status, name)).rowcount == 0:
+                conn.execute(_CKPT_INSERT, [row.get(c) for c in _COLUMNS["checkpoints"]])
+            if status != "committed":
+                step = conn.execute("SELECT step FROM checkpoints WHERE name = ?", (name,)).fetchone()[0]
+                self._insert_event(conn, status, message, step=step, checkpoint=name)
+
+    def event(self, kind: str, message: str = "", step: int | None = None, checkpoint: str | None = None,
+              data: Mapping[str, Any] | None = None) -> int:
+        """Append an event (committed at once, with the pending metrics); return its id."""
+        with self._tx() as conn:
+            return self._insert_event(conn, kind, message, step, checkpoint, data)
+
+    def log_metrics(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Buffer one step's metrics for the current segment: numbers, numpy scalars or one-element
+        tensors (cloned now and read only when the batch is committed: no GPU sync per step)."""
+        if self.readonly or self.segment is None:
+            raise RuntimeError("log_metrics() needs a writable RunIndex and start_segment() first")
+        now, rows = time.time(), []
+        for k, v in metrics.items():
+            if isinstance(v, (str, bytes)) or (hasattr(v, "numel") and v.numel() != 1):
+                raise TypeError(f"metric {k!r} is not a number or a one-element tensor: {v!r}")
+            v = v.detach().clone() if hasattr(v, "detach") else float(v)
+            rows.append((int(step), self.segment, str(k), v, now))
+        with self._lock:
+            self._pending.extend(rows)
+            if len(self._pending) >= self.flush_every or time.monotonic() - self._last_flush >= self.flush_seconds:
+                self.flush()
+
+    def flush(self) -> None:
+        """Commit the buffered metrics now."""
+        with self._lock, (self._tx() if self._pending else nullcontext()):
+            pass
+
+    def rebuild(self) -> None:
+        """Drop and recreate the ``checkpoints`` table from the manifests on disk.
+
+        Committed folders become ``committed`` rows, folders in ``quarantine/`` ``quarantined`` ones
+        (from what the name tells if the manifest is unreadable); committed folders with an unreadable
+        manifest are left out and named in the ``index_rebuilt`` event. ``segment``, ``tags`` and
+        ``duration_s`` (in no manifest) are kept from the old row of the same name and seq, and
+        ``pruned`` rows are kept. So are events, segments and metrics: this needs a readable database
+        (a damaged one is replaced when opened, and those tables are then lost)."""
+        with self._tx(durable=True) as conn:
+            self._rebuild_rows(conn, "requested")
+
+    def _rebuild_rows(self, conn: sqlite3.Connection, reason: str) -> None:
+        old = {r["name"]: dict(r) for r in conn.execute("SELECT * FROM checkpoints")}
+        conn.execute("DROP TABLE checkpoints")
+        conn.execute(f"CREATE TABLE checkpoints ({_TABLES['checkpoints']})")
+        rows: dict[str, dict[str, Any]] = {}
+        unreadable: list[str] = []
+        storage, qdir = LocalStorage(self.run_dir), self.run_dir / QUARANTINE
+        places = [(storage, name, "committed") for name in storage.list_committed()]
+        if qdir.is_dir() and not qdir.is_symlink():
+            places += [(LocalStorage(qdir), name, "quarantined") for name in
+                       sorted(e.name for e in os.scandir(qdir) if e.is_dir(follow_symlinks=False))]
+        for where, name, status in places:
+            key = name if name not in rows else f"{QUARANTINE}/{name}"  # a quarantined twin of a committed one
+            try:
+                m = read_manifest(where, name)
+                prev = old[key] if key in old and old[key]["seq"] == m.seq else {}  # keep what no manifest holds
+                rows[key] = _ckpt_row(key, status, step=m.step, seq=m.seq, epoch=m.progress.get("epoch"),
+                                      created=m.created, size_bytes=m.total_bytes, kind=m.kind,
+                                      metrics=_json(m.metrics), environment=_json(m.environment),
+                                      tags=prev.get("tags", "[]"), duration_s=prev.get("duration_s"),
+                                      segment=prev.get("segment"))
+            except (UnbrokenError, OSError):
+                if status == "committed":
+                    unreadable.append(name)
+                else:
+                    rows[key] = _ckpt_row(key, status)
+        quarantined = sum(r["status"] == "quarantined" for r in rows.values())
+        committed = len(rows) - quarantined
+        rows.update({n: r for n, r in old.items() if r["status"] == "pruned" and n not in rows})
+        conn.executemany(_CKPT_INSERT, [[r.get(c) for c in _COLUMNS["checkpoints"]] for r in rows.values()])
+        self._insert_event(conn, "index_rebuilt", f"{committed} committed, {quarantined} quarantined",
+                           data={"reason": reason, "committed": committed, "quarantined": quarantined,
+                                 "unreadable": unreadable})
+
+    def _query(self, sql: str, args: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            self.flush()
+            if self._conn is None:
+                raise RuntimeError(f"the run index {self.path} is closed")
+            return self._conn.execute(sql, args).fetchall()
+
+    def checkpoints(self, status: str | None = None) -> list[dict[str, Any]]:
+        """Checkpoint rows (all, or those with ``status``), newest first (by seq, then step)."""
+        where, args = ("WHERE status = ?", (status,)) if status else ("", ())
+        return [_decode(r) for r in self._query(
+            f"SELECT * FROM checkpoints {where} ORDER BY seq DESC, step DESC, name DESC", args)]
+
+    def events(self, kind: str | None = None) -> list[dict[str, Any]]:
+        """Events (all, or those of ``kind``), oldest first."""
+        where, args = ("WHERE kind = ?", (kind,)) if kind else ("", ())
+        return [_decode(r) for r in self._query(f"SELECT * FROM events {where} ORDER BY id", args)]
+
+    def segments(self) -> list[dict[str, Any]]:
+        """Segments (the processes that wrote the run), oldest first."""
+        return [dict(r) for r in self._query("SELECT * FROM segments ORDER BY id")]
+
+    def metric(self, name: str) -> list[tuple[int, float, int | None]]:
+        """``(step, value, segment)`` for every logged value of metric ``name``, in logging order."""
+        return [(r[0], _from_bits(r[1]), r[2]) for r in self._query(
+            "SELECT step, bits, segment FROM metrics WHERE name = ? ORDER BY rowid", (name,))]
+
+    def continuity(self, name: str) -> Continuity:
+        """Compare metric ``name`` at the steps logged by several segments (re-run after a resume):
+        the values each segment logged there (in order) must be bitwise equal, as an exact resume
+        re-logs identical values. See :class:`Continuity`."""
+        per_step: dict[int, dict[int | None, list[int]]] = {}
+        for step, bits, seg in self._query(
+                "SELECT step, bits, segment FROM metrics WHERE name = ? ORDER BY step, rowid", (name,)):
+            per_step.setdefault(step, {}).setdefault(seg, []).append(bits)
+        report = Continuity(name)
+        for step, by_seg in per_step.items():
+            if len(by_seg) > 1:
+                report.checked.append(step)
+                if len({tuple(v) for v in by_seg.values()}) > 1:
+                    report.disagreeing.append(step)
+                    report.values[step] = [(seg, _from_bits(b)) for seg, bs in by_seg.items() for b in bs]
+        return report
+
+    def close(self) -> None:
+        """Commit pending metrics durably and close the database (idempotent)."""
+        with self._lock:
+            conn, self._conn = self._conn, None
+            if conn is not None:
+                try:
+                    with self._tx(durable=True, conn=conn) if not self.readonly else nullcontext():
+                        pass
+                finally:
+                    conn.close()
+
+    def __enter__(self) -> RunIndex:  # noqa: PYI034
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

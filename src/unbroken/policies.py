@@ -1,0 +1,349 @@
+"""When to save (triggers) and what to keep (retention): tiny composable rules.
+
+A **trigger** decides at a step boundary whether a save is due, from a frozen
+:class:`TriggerContext` only (``now`` included), so every rule is testable with
+made-up times and values; triggers combine with ``|`` (:class:`AnyOf`). A trigger
+with memory (:class:`OnImprovement`'s best value) has ``state_dict``/``load_state_dict``
+so a resumed run keeps it instead of saving again on the first value it sees.
+
+A **retention** rule names the checkpoints to keep; rules combine with ``|``
+(:class:`Union`). :func:`to_delete` adds what no rule may break: the newest checkpoint
+and the ``protect``-ed ones (just committed, being written) are never deleted. It
+decides from the committed checkpoints alone, so a run killed between a commit and
+its pruning loses nothing: the next pruning applies the rule to both rounds at once.
+
+Metrics may be numbers, 0-d tensors, numpy scalars, or the ``"nan"``/``"inf"``/``"-inf"``
+strings manifests store for non-finite floats. NaN never improves and is never "best".
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+Mode = Literal["min", "max"]
+_NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def metric_value(metrics: Mapping[str, Any], name: str) -> float | None:
+    """``metrics[name]`` as a float, or ``None`` if it is absent or not a number."""
+    v: Any = metrics.get(name)
+    if isinstance(v, str):
+        return _NON_FINITE.get(v.strip().lower())
+    if callable(getattr(v, "item", None)) and not isinstance(v, (int, float)):
+        try:
+            v = v.item()  # a 0-d tensor (a GPU sync) or a numpy scalar
+        except (ValueError, RuntimeError):
+            return None  # more than one element
+    return None if isinstance(v, bool) or not isinstance(v, (int, float)) else float(v)
+
+
+def _positive_int(value: int, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what} must be a positive integer, got {value!r}")
+    return value
+
+
+def _check_mode(mode: str) -> Mode:
+    if mode not in ("min", "max"):
+        raise ValueError(f"mode must be 'min' (lower is better) or 'max', got {mode!r}")
+    return mode  # type: ignore[return-value]
+
+
+def _flatten(items: tuple[Any, ...], kind: type, attr: str, method: str) -> tuple[Any, ...]:
+    flat: list[Any] = []
+    for x in items:
+        if not callable(getattr(x, method, None)):
+            raise TypeError(f"{x!r} cannot go into {kind.__name__}: it has no {method}() method")
+        flat.extend(getattr(x, attr) if isinstance(x, kind) else (x,))
+    if not flat:
+        raise ValueError(f"{kind.__name__} needs at least one rule")
+    return tuple(flat)
+
+
+# ------------------------------------------------------------------------ triggers
+@dataclass(frozen=True)
+class TriggerContext:
+    """What a trigger may look at. ``now``/``last_save_time`` are this process's
+    ``time.monotonic()`` seconds; the ``last_save_*`` are ``None`` before its first save."""
+
+    step: int
+    epoch: int = 0
+    epoch_end: bool = False
+    now: float = 0.0
+    last_save_step: int | None = None
+    last_save_time: float | None = None
+    metrics: Mapping[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Trigger(Protocol):
+    """Decides whether a save is due. Stateful triggers also have ``state_dict()`` and
+    ``load_state_dict(d)`` returning/taking plain values (no pickle)."""
+
+    def due(self, ctx: TriggerContext) -> bool: ...
+
+
+class _TriggerOps:
+    """``a | b`` for the built-in triggers (any object with ``due`` may be the other side)."""
+
+    def __or__(self, other: Trigger) -> AnyOf:
+        return AnyOf(self, other)  # type: ignore[arg-type]
+
+    def __ror__(self, other: Trigger) -> AnyOf:
+        return AnyOf(other, self)  # type: ignore[arg-type]
+
+
+@dataclass
+class EveryNSteps(_TriggerOps):
+    """Due at every step that is a positive multiple of ``n`` (aligned, like ``save_every``)."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        _positive_int(self.n, "EveryNSteps(n)")
+
+    def due(self, ctx: TriggerContext) -> bool:
+        return ctx.step > 0 and ctx.step % self.n == 0
+
+
+@dataclass
+class EveryMinutes(_TriggerOps):
+    """Due when ``minutes`` of wall time have passed since the last save, or, before the
+    first save of this process, since this trigger was first asked (a resume counts as
+    a fresh start: monotonic time does not survive a process)."""
+
+    minutes: float
+    _started: float | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.minutes, (int, float)) and 0 < self.minutes < math.inf):
+            raise ValueError(f"EveryMinutes(minutes) must be a positive number, got {self.minutes!r}")
+
+    def due(self, ctx: TriggerContext) -> bool:
+        if self._started is None:
+            self._started = ctx.now
+        since = ctx.last_save_time if ctx.last_save_time is not None else self._started
+        return ctx.now - since >= self.minutes * 60.0
+
+
+@dataclass
+class AtEpochEnd(_TriggerOps):
+    """Due when the loop signals the end of an epoch."""
+
+    def due(self, ctx: TriggerContext) -> bool:
+        return ctx.epoch_end
+
+
+@dataclass
+class OnImprovement(_TriggerOps):
+    """Due when ``metric`` beats the best value seen so far by more than ``min_delta``.
+
+    The first value is an improvement; NaN never is, and is never remembered; a stale
+    value repeated does not improve on itself; no metric, not due. Checkpoint
+    :meth:`state_dict` and load it on resume, or the resumed run saves on its first value.
+    """
+
+    metric: str
+    mode: Mode = "min"
+    min_delta: float = 0.0
+    best: float | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        _check_mode(self.mode)
+        if not (math.isfinite(self.min_delta) and self.min_delta >= 0):
+            raise ValueError(f"min_delta must be a finite number >= 0, got {self.min_delta!r}")
+
+    def improves(self, value: float) -> bool:
+        """Whether ``value`` would be an improvement (pure: remembers nothing)."""
+        if math.isnan(value) or self.best is None:
+            return not math.isnan(value)
+        return value < self.best - self.min_delta if self.mode == "min" else value > self.best + self.min_delta
+
+    def due(self, ctx: TriggerContext) -> bool:
+        value = metric_value(ctx.metrics, self.metric)
+        if value is None or not self.improves(value):
+            return False
+        self.best = value
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"metric": self.metric, "mode": self.mode, "best": self.best}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        saved = (state_dict.get("metric", self.metric), state_dict.get("mode", self.mode))
+        if saved != (self.metric, self.mode):
+            warnings.warn(f"OnImprovement: the checkpoint tracked {saved[0]!r} ({saved[1]}), this run "
+                          f"{self.metric!r} ({self.mode}); starting without a best value", stacklevel=2)
+        best = state_dict.get("best") if saved == (self.metric, self.mode) else None
+        self.best = None if best is None else float(best)
+
+
+class AnyOf(_TriggerOps):
+    """Due when any of ``triggers`` is due. Every trigger is asked at every step (no
+    short-circuit), so stateful ones such as :class:`OnImprovement` see every value."""
+
+    def __init__(self, *triggers: Trigger) -> None:
+        self.triggers: tuple[Trigger, ...] = _flatten(triggers, AnyOf, "triggers", "due")
+
+    def due(self, ctx: TriggerContext) -> bool:
+        return any([t.due(ctx) for t in self.triggers])  # noqa: C419 -- a list: ask all, no short-circuit
+
+    def _keys(self) -> list[tuple[str, Any]]:
+        return [(f"{i}:{type(t).__name__}", t) for i, t in enumerate(self.triggers)
+                if callable(getattr(t, "state_dict", None))]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {key: t.state_dict() for key, t in self._keys()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        for key, t in self._keys():
+            if key in state_dict:
+                t.load_state_dict(state_dict[key])  # type: ignore[attr-defined]
+            else:
+                warnings.warn(f"AnyOf: no saved state for trigger {key} (the trigger list changed?); "
+                              "it starts fresh", stacklevel=2)
+
+    def __repr__(self) -> str:
+        return " | ".join(map(repr, self.triggers))
+
+
+# ----------------------------------------------------------------------- retention
+@dataclass(frozen=True)
+class CheckpointMeta:
+    """What retention rules see of one committed checkpoint."""
+
+    name: str
+    step: int
+    seq: int
+    metrics: Mapping[str, Any] = field(default_factory=dict)
+    tags: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(cls, info: Any, tags: Iterable[str] | None = None) -> CheckpointMeta:
+        """From a :class:`~unbroken.CheckpointInfo` (tags from ``info.tags`` if it has them)."""
+        tags = getattr(info, "tags", ()) if tags is None else tags
+        return cls(info.name, info.step, info.seq, dict(info.metrics), frozenset(tags or ()))
+
+
+@runtime_checkable
+class Retention(Protocol):
+    """Names the checkpoints to keep; everything else may be deleted (see :func:`to_delete`)."""
+
+    def keep(self, checkpoints: Sequence[CheckpointMeta]) -> set[str]: ...
+
+
+class _RetentionOps:
+    """``a | b`` for the built-in rules (any object with ``keep`` may be the other side)."""
+
+    def __or__(self, other: Retention) -> Union:
+        return Union(self, other)  # type: ignore[arg-type]
+
+    def __ror__(self, other: Retention) -> Union:
+        return Union(other, self)  # type: ignore[arg-type]
+
+
+def _newest_first(checkpoints: Iterable[CheckpointMeta]) -> list[CheckpointMeta]:
+    return sorted(checkpoints, key=lambda c: (c.seq, c.step, c.name), reverse=True)
+
+
+@dataclass
+class KeepLast(_RetentionOps):
+    """The ``k`` most recently committed checkpoints (highest ``seq``)."""
+
+    k: int
+
+    def __post_init__(self) -> None:
+        _positive_int(self.k, "KeepLast(k)")
+
+    def keep(self, checkpoints: Sequence[CheckpointMeta]) -> set[str]:
+        return {c.name for c in _newest_first(checkpoints)[: self.k]}
+
+
+@dataclass
+class KeepBest(_RetentionOps):
+    """The ``k`` checkpoints with the best ``metric`` (lowest for ``mode="min"``). Without
+    the metric or with NaN, never "best"; on a tie the newer one (higher ``seq``) wins."""
+
+    k: int
+    metric: str
+    mode: Mode = "min"
+
+    def __post_init__(self) -> None:
+        _positive_int(self.k, "KeepBest(k)")
+        _check_mode(self.mode)
+
+    def ranked(self, checkpoints: Sequence[CheckpointMeta]) -> list[CheckpointMeta]:
+        """Checkpoints that have a usable value, best first."""
+        sign = 1.0 if self.mode == "min" else -1.0
+        scored = [(v, c) for c in checkpoints
+                  if (v := metric_value(c.metrics, self.metric)) is not None and not math.isnan(v)]
+        scored.sort(key=lambda vc: (sign * vc[0], -vc[1].seq, -vc[1].step))
+        return [c for _, c in scored]
+
+    def keep(self, checkpoints: Sequence[CheckpointMeta]) -> set[str]:
+        return {c.name for c in self.ranked(checkpoints)[: self.k]}
+
+
+@dataclass
+class KeepEveryNSteps(_RetentionOps):
+    """Every checkpoint whose step is a multiple of ``n``, forever (milestones)."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        _positive_int(self.n, "KeepEveryNSteps(n)")
+
+    def keep(self, checkpoints: Sequence[CheckpointMeta]) -> set[str]:
+        return {c.name for c in checkpoints if c.step % self.n == 0}
+
+
+@dataclass(init=False)
+class KeepTagged(_RetentionOps):
+    """Checkpoints carrying any tag, or with ``tags`` given, any of those tags."""
+
+    tags: frozenset[str]
+
+    def __init__(self, *tags: str) -> None:
+        self.tags = frozenset(tags)
+
+    def keep(self, checkpoints: Sequence[CheckpointMeta]) -> set[str]:
+        return {c.name for c in checkpoints if (c.tags & self.tags if self.tags else c.tags)}
+
+
+@dataclass
+class KeepAll(_RetentionOps):
+    """Every checkpoint (retention off)."""
+
+    def keep(self, checkpoints: Sequence[CheckpointMeta]) -> set[str]:
+        return {c.name for c in checkpoints}
+
+
+class Union(_RetentionOps):
+    """Keeps a checkpoint if any of ``policies`` keeps it."""
+
+    def __init__(self, *policies: Retention) -> None:
+        self.policies: tuple[Retention, ...] = _flatten(policies, Union, "policies", "keep")
+
+    def keep(self, checkpoints: Sequence[CheckpointMeta]) -> set[str]:
+        return set().union(*(p.keep(checkpoints) for p in self.policies))
+
+    def __repr__(self) -> str:
+        return " | ".join(map(repr, self.policies))
+
+
+def to_delete(policy: Retention, checkpoints: Sequence[CheckpointMeta], *,
+              protect: Iterable[str] = ()) -> list[str]:
+    """Names of ``checkpoints`` that ``policy`` does not keep, oldest first (delete in
+    this order). Never the newest (highest ``seq``) nor a name in ``protect`` (just
+    committed, being written), whatever the policy says. Pure, so running it again
+    after an interrupted pruning finishes the job."""
+    if not checkpoints:
+        return []
+    ordered = _newest_first(checkpoints)
+    spared = set(policy.keep(ordered)) | set(protect) | {ordered[0].name}
+    return [c.name for c in reversed(ordered) if c.name not in spared]
+
