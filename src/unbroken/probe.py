@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import math
 import random
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -65,7 +66,9 @@ def probe_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn
         opt.step()
         out = {"loss": before}
         if sched is not None:
-            sched.step()
+            with warnings.catch_warnings():  # the copy's step() is not the one the scheduler wrapped
+                warnings.filterwarnings("ignore", message=".*optimizer.step\\(\\)", category=UserWarning)
+                sched.step()
         for i, group in enumerate(opt.param_groups):
             out[f"lr_next{i}"] = float(group["lr"])
         m.eval()
