@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 
 from .errors import (  # noqa: E402
     CorruptCheckpointError,
+    EnvironmentMismatchError,
     InsufficientSpaceError,
     NewerFormatError,
     NoCheckpointError,
@@ -48,4 +49,5 @@ __all__ = [
     "NewerFormatError",
     "RunLockedError",
     "InsufficientSpaceError",
+    "EnvironmentMismatchError",
 ]

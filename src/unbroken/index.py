@@ -60,10 +60,6 @@ _CKPT_INSERT = (f"INSERT OR REPLACE INTO checkpoints ({', '.join(_COLUMNS['check
 _F64, _I64 = struct.Struct("<d"), struct.Struct("<q")  # a float and its bit pattern
 
 
-def _from_bits(b: int) -> float:
-    return float(_F64.unpack(_I64.pack(b))[0])
-
-
 def _json(x: Any) -> str:
     return json.dumps(x, default=str)
 
@@ -80,8 +76,7 @@ def _ckpt_row(name: str, status: str, **known: Any) -> dict[str, Any]:
 def _diagnose(conn: sqlite3.Connection) -> str | None:
     """``None`` if the index is healthy, ``""`` if it has no tables yet, else what is wrong."""
     try:
-        rows = [tuple(r) for r in conn.execute("PRAGMA quick_check")]
-        if rows != [("ok",)]:
+        if (rows := [tuple(r) for r in conn.execute("PRAGMA quick_check")]) != [("ok",)]:
             return "quick_check: " + "; ".join(str(r[0]) for r in rows[:3])
         if not {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}:
             return ""
@@ -151,8 +146,7 @@ class RunIndex:
         for suffix in _SIDECARS if not self.path.exists() else ():  # a WAL beside a deleted db: never replay it
             Path(f"{self.path}{suffix}").unlink(missing_ok=True)
         conn = self._connect(str(self.path))
-        problem = _diagnose(conn)
-        reason = "missing" if problem == "" else None
+        reason = "missing" if (problem := _diagnose(conn)) == "" else None
         if problem:
             conn.close()
             aside = self._move_aside()
@@ -173,8 +167,7 @@ class RunIndex:
                 return conn
             conn.close()
             if problem:
-                log.warning("run index %s is damaged (%s); using an index rebuilt from the manifests "
-                            "in memory", self.path, problem)
+                log.warning("run index %s is damaged (%s); using one rebuilt in memory", self.path, problem)
         self.in_memory = True
         conn = self._connect(":memory:")
         self._initialize(conn, "missing")
@@ -210,9 +203,9 @@ class RunIndex:
             conn.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")  # FULL: fsync the WAL at commit
             try:
                 conn.execute("BEGIN IMMEDIATE")
-                n = len(self._pending)
-                conn.executemany("INSERT INTO metrics (step, segment, name, value, bits, time) "
-                                 "VALUES (?, ?, ?, ?, ?, ?)", [self._metric_row(p) for p in self._pending])
+                if n := len(self._pending):
+                    conn.executemany("INSERT INTO metrics (step, segment, name, value, bits, time) "
+                                     "VALUES (?, ?, ?, ?, ?, ?)", [self._metric_row(p) for p in self._pending])
                 yield conn
                 conn.execute("COMMIT")
                 del self._pending[:n]
@@ -367,7 +360,7 @@ class RunIndex:
 
     def metric(self, name: str) -> list[tuple[int, float, int | None]]:
         """``(step, value, segment)`` for every logged value of metric ``name``, in logging order."""
-        return [(r[0], _from_bits(r[1]), r[2]) for r in self._query(
+        return [(r[0], _F64.unpack(_I64.pack(r[1]))[0], r[2]) for r in self._query(
             "SELECT step, bits, segment FROM metrics WHERE name = ? ORDER BY rowid", (name,))]
 
     def continuity(self, name: str) -> Continuity:
@@ -384,7 +377,7 @@ class RunIndex:
                 report.checked.append(step)
                 if len({tuple(v) for v in by_seg.values()}) > 1:
                     report.disagreeing.append(step)
-                    report.values[step] = [(seg, _from_bits(b)) for seg, bs in by_seg.items() for b in bs]
+                    report.values[step] = [(g, _F64.unpack(_I64.pack(b))[0]) for g, v in by_seg.items() for b in v]
         return report
 
     def close(self) -> None:

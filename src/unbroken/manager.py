@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from .api import CheckpointInfo
-from .environment import fingerprint
+from .environment import POLICIES, fingerprint, json_safe_config
+from .environment import check as check_environment
 from .errors import NoCheckpointError, UnbrokenError
 from .faults import EXIT_PREEMPTED, slurm
 from .faults.guard import StepGuard
@@ -66,6 +67,12 @@ class Checkpointer:
             :func:`unbroken.probe_step`), recorded at every save and recomputed right
             after a restore; the verdict is in :attr:`probe_report` and the log.
         probe_rtol: relative tolerance for "within tolerance" (bitwise equal is "equal").
+        config: your hyperparameters (a JSON-like dict), recorded in every manifest.
+        data_fingerprint: a dataset identifier (a string), or paths whose sizes and
+            mtimes are recorded.
+        env_policy: on restore, compare the saved environment (code, versions, config,
+            data, world size) with this one: ``"warn"`` logs the differences,
+            ``"strict"`` refuses with :class:`EnvironmentMismatchError`, ``"ignore"``.
 
     The first :meth:`restore`, :meth:`save` or :meth:`step` takes the run folder's
     writer lock (a second process is refused with :class:`RunLockedError`), removes
@@ -76,7 +83,9 @@ class Checkpointer:
     def __init__(self, directory: str | os.PathLike[str], *, save_every: int | None = None,
                  keep_last: int | None = 3, rng: bool = True, strict: bool = True,
                  signals: tuple[int, ...] = DEFAULT_SIGNALS, grace_period: float | None = None,
-                 requeue: bool = False, probe: ProbeFn | None = None, probe_rtol: float = 1e-5) -> None:
+                 requeue: bool = False, probe: ProbeFn | None = None, probe_rtol: float = 1e-5,
+                 config: Mapping[str, Any] | None = None, data_fingerprint: Any = None,
+                 env_policy: str = "warn") -> None:
         if save_every is not None and save_every < 1:
             raise ValueError("save_every must be a positive number of steps or None")
         if keep_last is not None and keep_last < 1:
@@ -91,6 +100,13 @@ class Checkpointer:
         self.metrics: dict[str, Any] = {}
         self.grace_period = grace_period
         self.requeue = requeue
+        if env_policy not in POLICIES:
+            raise ValueError(f"env_policy must be one of {POLICIES}")
+        if config is not None:
+            json_safe_config(config)  # a TypeError naming the bad key now, not at the first save
+        self.env_policy = env_policy
+        self._config, self._data = config, data_fingerprint
+        self._environment: dict[str, Any] | None = None
         self.probe = probe
         self.probe_rtol = probe_rtol
         self.probe_report: ProbeReport | None = None
@@ -179,7 +195,14 @@ class Checkpointer:
             log.info("no checkpoint in %s; starting from scratch", self.directory)
         return None
 
+    def environment(self) -> dict[str, Any]:
+        """This process's environment fingerprint (computed once, at first use)."""
+        if self._environment is None:
+            self._environment = fingerprint(config=self._config, data=self._data)
+        return self._environment
+
     def _apply(self, state: MutableMapping[str, Any], loaded: Any, where: str) -> CheckpointInfo:
+        check_environment(loaded.manifest.environment, self.environment(), self.env_policy)
         saved = dict(loaded.state)
         extra = saved.pop(RESERVED, None)
         apply_state(state, saved, strict=self.strict)
@@ -302,7 +325,7 @@ class Checkpointer:
         seq = self._seq()
         final, manifest = write_snapshot(
             snapshot, self.storage, f"step-{progress['step']:09d}", step=progress["step"], seq=seq,
-            metrics=clean_metrics(self.metrics), progress=dict(progress), environment=fingerprint(), kind=kind,
+            metrics=clean_metrics(self.metrics), progress=dict(progress), environment=self.environment(), kind=kind,
             probe=probe)
         took = time.monotonic() - t0
         self._next_seq = seq + 1

@@ -1,16 +1,14 @@
 """When to save (triggers) and what to keep (retention): tiny composable rules.
 
-A **trigger** decides at a step boundary whether a save is due, from a frozen
-:class:`TriggerContext` only (``now`` included), so every rule is testable with
-made-up times and values; triggers combine with ``|`` (:class:`AnyOf`). A trigger
-with memory (:class:`OnImprovement`'s best value) has ``state_dict``/``load_state_dict``
-so a resumed run keeps it instead of saving again on the first value it sees.
+A **trigger** decides at a step boundary whether a save is due from a frozen
+:class:`TriggerContext` alone (``now`` included: testable with made-up times); ``|``
+combines triggers (:class:`AnyOf`). One with memory (:class:`OnImprovement`'s best)
+has ``state_dict``/``load_state_dict``, so a resumed run does not save on its first value.
 
-A **retention** rule names the checkpoints to keep; rules combine with ``|``
-(:class:`Union`). :func:`to_delete` adds what no rule may break: the newest checkpoint
-and the ``protect``-ed ones (just committed, being written) are never deleted. It
-decides from the committed checkpoints alone, so a run killed between a commit and
-its pruning loses nothing: the next pruning applies the rule to both rounds at once.
+A **retention** rule names the checkpoints to keep; ``|`` combines rules (:class:`Union`).
+:func:`to_delete` never deletes the newest checkpoint nor a ``protect``-ed one (just
+committed, being written), and decides from the committed checkpoints alone, so a run
+killed between a commit and its pruning loses nothing: the next pruning does both rounds.
 
 Metrics may be numbers, 0-d tensors, numpy scalars, or the ``"nan"``/``"inf"``/``"-inf"``
 strings manifests store for non-finite floats. NaN never improves and is never "best".
@@ -112,9 +110,8 @@ class EveryNSteps(_TriggerOps):
 
 @dataclass
 class EveryMinutes(_TriggerOps):
-    """Due when ``minutes`` of wall time have passed since the last save, or, before the
-    first save of this process, since this trigger was first asked (a resume counts as
-    a fresh start: monotonic time does not survive a process)."""
+    """Due ``minutes`` after the last save or, before this process's first save, after
+    this trigger was first asked (monotonic time does not survive a resume)."""
 
     minutes: float
     _started: float | None = field(default=None, init=False, repr=False)
@@ -184,7 +181,9 @@ class OnImprovement(_TriggerOps):
 
 class AnyOf(_TriggerOps):
     """Due when any of ``triggers`` is due. Every trigger is asked at every step (no
-    short-circuit), so stateful ones such as :class:`OnImprovement` see every value."""
+    short-circuit), so stateful ones such as :class:`OnImprovement` see every value. The
+    state of the n-th stateful trigger of a class is saved as ``"<Class>#n"``: adding,
+    removing or reordering triggers of other classes keeps it loadable."""
 
     def __init__(self, *triggers: Trigger) -> None:
         self.triggers: tuple[Trigger, ...] = _flatten(triggers, AnyOf, "triggers", "due")
@@ -193,8 +192,9 @@ class AnyOf(_TriggerOps):
         return any([t.due(ctx) for t in self.triggers])  # noqa: C419 -- a list: ask all, no short-circuit
 
     def _keys(self) -> list[tuple[str, Any]]:
-        return [(f"{i}:{type(t).__name__}", t) for i, t in enumerate(self.triggers)
-                if callable(getattr(t, "state_dict", None))]
+        stateful = [t for t in self.triggers if callable(getattr(t, "state_dict", None))]
+        names = [type(t).__name__ for t in stateful]
+        return [(f"{n}#{names[:i].count(n)}", t) for i, (n, t) in enumerate(zip(names, stateful))]
 
     def state_dict(self) -> dict[str, Any]:
         return {key: t.state_dict() for key, t in self._keys()}
@@ -202,10 +202,9 @@ class AnyOf(_TriggerOps):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         for key, t in self._keys():
             if key in state_dict:
-                t.load_state_dict(state_dict[key])  # type: ignore[attr-defined]
+                t.load_state_dict(state_dict[key])
             else:
-                warnings.warn(f"AnyOf: no saved state for trigger {key} (the trigger list changed?); "
-                              "it starts fresh", stacklevel=2)
+                warnings.warn(f"AnyOf: no saved state for {key} (triggers changed?); it starts fresh", stacklevel=2)
 
     def __repr__(self) -> str:
         return " | ".join(map(repr, self.triggers))
@@ -344,6 +343,6 @@ def to_delete(policy: Retention, checkpoints: Sequence[CheckpointMeta], *,
     if not checkpoints:
         return []
     ordered = _newest_first(checkpoints)
-    spared = set(policy.keep(ordered)) | set(protect) | {ordered[0].name}
+    spared = set(policy.keep(ordered)) | {ordered[0].name}
     return [c.name for c in reversed(ordered) if c.name not in spared]
 
