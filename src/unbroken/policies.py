@@ -343,6 +343,6 @@ def to_delete(policy: Retention, checkpoints: Sequence[CheckpointMeta], *,
     if not checkpoints:
         return []
     ordered = _newest_first(checkpoints)
-    spared = set(policy.keep(ordered)) | {ordered[0].name}
+    spared = set(policy.keep(ordered)) | set(protect) | {ordered[0].name}
     return [c.name for c in reversed(ordered) if c.name not in spared]
 
