@@ -25,6 +25,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_save_load.py
+	$(PY) benchmarks/bench_data_resume.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info src/*.egg-info
