@@ -27,6 +27,7 @@ import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +59,7 @@ _INDEXES = ["CREATE INDEX events_kind ON events (kind)", "CREATE INDEX metrics_n
 _CKPT_INSERT = (f"INSERT OR REPLACE INTO checkpoints ({', '.join(_COLUMNS['checkpoints'])}) "
                 f"VALUES ({', '.join('?' * len(_COLUMNS['checkpoints']))})")
 _F64, _I64 = struct.Struct("<d"), struct.Struct("<q")  # a float and its bit pattern
-
-
-def _json(x: Any) -> str:
-    return json.dumps(x, default=str)
+_json = partial(json.dumps, default=str)
 
 
 def _ckpt_row(name: str, status: str, **known: Any) -> dict[str, Any]:
@@ -143,8 +141,9 @@ class RunIndex:
 
     def _open_writable(self) -> sqlite3.Connection:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        for suffix in _SIDECARS if not self.path.exists() else ():  # a WAL beside a deleted db: never replay it
-            Path(f"{self.path}{suffix}").unlink(missing_ok=True)
+        for suffix in ("", *_SIDECARS):  # never follow a planted link; never replay a WAL of a deleted db
+            if (side := Path(f"{self.path}{suffix}")).is_symlink() or (suffix and not self.path.exists()):
+                side.unlink(missing_ok=True)
         conn = self._connect(str(self.path))
         reason = "missing" if (problem := _diagnose(conn)) == "" else None
         if problem:
@@ -160,17 +159,17 @@ class RunIndex:
         return conn
 
     def _open_readonly(self) -> sqlite3.Connection:
-        if self.path.exists():
+        problem: str | None = ""
+        if self.path.exists() and not any(Path(f"{self.path}{s}").is_symlink() for s in ("", *_SIDECARS)):
             conn = self._connect(self.path.absolute().as_uri() + "?mode=ro", uri=True)
-            problem = _diagnose(conn)
-            if problem is None:
+            if (problem := _diagnose(conn)) is None:
                 return conn
             conn.close()
             if problem:
                 log.warning("run index %s is damaged (%s); using one rebuilt in memory", self.path, problem)
         self.in_memory = True
         conn = self._connect(":memory:")
-        self._initialize(conn, "missing")
+        self._initialize(conn, "corrupt" if problem else "missing")
         return conn
 
     def _move_aside(self) -> Path:
@@ -296,9 +295,9 @@ class RunIndex:
         Committed folders become ``committed`` rows, folders in ``quarantine/`` ``quarantined`` ones
         (from what the name tells if the manifest is unreadable); committed folders with an unreadable
         manifest are left out and named in the ``index_rebuilt`` event. ``segment``, ``tags`` and
-        ``duration_s`` (in no manifest) are kept from the old row of the same name and seq, and
-        ``pruned`` rows are kept. So are events, segments and metrics: this needs a readable database
-        (a damaged one is replaced when opened, and those tables are then lost)."""
+        ``duration_s`` (in no manifest) are kept from the old row of the same name and seq; old rows
+        of folders no longer on disk are kept as ``pruned``. Events, segments and metrics are kept:
+        this needs a readable database (a damaged one is replaced when opened, losing them all)."""
         with self._tx(durable=True) as conn:
             self._rebuild_rows(conn, "requested")
 
@@ -330,7 +329,7 @@ class RunIndex:
                     rows[key] = _ckpt_row(key, status)
         quarantined = sum(r["status"] == "quarantined" for r in rows.values())
         committed = len(rows) - quarantined
-        rows.update({n: r for n, r in old.items() if r["status"] == "pruned" and n not in rows})
+        rows.update({n: {**r, "status": "pruned"} for n, r in old.items() if n not in rows})  # gone: deleted
         conn.executemany(_CKPT_INSERT, [[r.get(c) for c in _COLUMNS["checkpoints"]] for r in rows.values()])
         self._insert_event(conn, "index_rebuilt", f"{committed} committed, {quarantined} quarantined",
                            data={"reason": reason, "committed": committed, "quarantined": quarantined,

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from .api import CheckpointInfo
+from .discovery import discover, newest_valid
 from .environment import POLICIES, fingerprint, json_safe_config
 from .environment import check as check_environment
 from .errors import NoCheckpointError, UnbrokenError
@@ -30,14 +31,14 @@ from .faults.guard import StepGuard
 from .faults.handlers import emergency_save, preempt_and_exit
 from .faults.signals import DEFAULT_SIGNALS, SignalWatcher
 from .persist import write_snapshot
-from .discovery import discover, newest_valid
 from .probe import ProbeFn, ProbeReport, run_probe
 from .probe import compare as compare_probe
 from .reader import read_checkpoint
+from .recorder import Recorder
 from .snapshot import Snapshotter
 from .state.apply import apply_state
-from .state.rng import GlobalRNG
 from .state.checks import UnbrokenWarning, clean_metrics, find_forgotten_state
+from .state.rng import GlobalRNG
 from .state.stateful import Gradients, Progress
 from .storage.local import LocalStorage
 from .storage.lock import RunLock
@@ -118,6 +119,7 @@ class Checkpointer:
         self._guard: StepGuard | None = None
         self._last_saved: tuple[int, str] | None = None
         self._wrote_submit = False
+        self._recorder: Recorder | None = None
 
     def _begin(self) -> None:
         """Become this run's writer (idempotent): lock, clean leftovers, watch signals."""
@@ -127,10 +129,14 @@ class Checkpointer:
         for name in self.storage.clean_stale():
             log.info("removed leftover %s of an interrupted save", name)
         self._signals.install()
+        self._recorder = Recorder(self.directory)
 
     def close(self) -> None:
         """Release the run folder and restore the previous signal handlers."""
         self._signals.uninstall()
+        if self._recorder is not None:
+            self._recorder.close()
+            self._recorder = None
         self._lock.release()
 
     def __enter__(self) -> "Checkpointer":
@@ -181,6 +187,7 @@ class Checkpointer:
 
         def invalid(name: str, reason: str) -> None:
             bad.append(name)
+            self._record("event", "corruption_found", reason, checkpoint=name)
             self._quarantine(name, reason)
 
         loaded, seen = newest_valid(self.storage, invalid)
@@ -188,6 +195,7 @@ class Checkpointer:
             if bad:
                 log.warning("resuming from %s after skipping %d corrupt newer checkpoint(s)", loaded.name, len(bad))
             return self._apply(state, loaded, self.storage.describe(loaded.name))
+        self._record("segment", None, 0)
         if seen or bad:
             log.error("none of the %d checkpoints in %s is valid (all quarantined); starting from scratch",
                       len(bad), self.directory)
@@ -214,6 +222,10 @@ class Checkpointer:
         if self.probe is not None and loaded.manifest.probe:
             self._check_probe(loaded.manifest.probe)  # in a fork of the RNGs: changes nothing
         self.metrics = dict(loaded.manifest.metrics)
+        if os.path.realpath(os.path.dirname(os.path.abspath(where))) == os.path.realpath(self.directory):
+            self._record("segment", loaded.name, self.progress.step)
+        else:
+            self._record("segment", where, self.progress.step)
         log.info("resumed from %s (step %d)", where, loaded.manifest.step)
         return CheckpointInfo.of(where, loaded.name, loaded.manifest)
 
@@ -226,6 +238,7 @@ class Checkpointer:
     def _quarantine(self, name: str, reason: str) -> None:
         moved = self.storage.quarantine(name, reason)
         if moved:
+            self._record("status", name, "quarantined", reason)
             log.warning("checkpoint %s is invalid and was quarantined to %s: %s", name, moved, reason)
         else:
             log.warning("checkpoint %s is invalid (and could not be moved to quarantine/): %s", name, reason)
@@ -240,6 +253,7 @@ class Checkpointer:
         self._begin()
         self.progress.step += 1
         self.progress.micro_step = 0
+        self._record("metrics", self.progress.step, metrics)
         # keep tensors as they are (no .item(): that would sync a GPU every step), minus the graph
         self.metrics.update({k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()})
         info = None
@@ -293,6 +307,7 @@ class Checkpointer:
         self._next_seq = seq + 1
         self._last_saved = (progress["step"], final)
         info = CheckpointInfo.of(self.storage.describe(final), final, manifest)
+        self._record("saved", final, manifest, took, [])
         log.info("saved %s (%s, %.1f MB in %.2f s)", info.path, kind, info.size_bytes / 1e6, took)
         if self.grace_period and took > self.grace_period and kind == "regular":
             log.warning("a save takes %.1f s, longer than the %.0f s grace period: a preemption save "
@@ -317,9 +332,15 @@ class Checkpointer:
             if info.name == keep:
                 continue
             self.storage.delete(info.name)
+            self._record("status", info.name, "pruned", f"retention: keep_last={self.keep_last}")
             removed.append(info.name)
             log.info("retention: deleted %s", info.name)
         return removed
+
+    def _record(self, method: str, *args: Any, **kwargs: Any) -> None:
+        """Forward to the run index, if this process is the run's writer (never raises)."""
+        if self._recorder is not None:
+            getattr(self._recorder, method)(*args, **kwargs)
 
     @staticmethod
     def _check_reserved(state: Mapping[str, Any]) -> None:

@@ -35,6 +35,10 @@ def preempt_and_exit(self: Any, state: Mapping[str, Any]) -> None:
                   "ask the scheduler for a longer warning (e.g. --signal=USR1@%d)",
                   waited + took, self.grace_period, int(2 * (waited + took)) + 30)
     print(f"preempted at step {self.progress.step}", flush=True)
+    self._record("event", "preempted", signal.Signals(sig).name, step=self.progress.step,
+                 checkpoint=self._last_saved[1] if self._last_saved else None,
+                 data={"waited_s": waited, "save_s": took, "grace_period_s": self.grace_period,
+                       "requeue": self.requeue})
     if self.requeue:
         slurm.requeue()
     self.close()

@@ -1,0 +1,82 @@
+"""The Checkpointer's view of the run index: every call safe, none able to stop training.
+
+The index (:mod:`unbroken.index`) is derived data. If it cannot be written (a full
+disk, a read-only folder, a damaged database that cannot be moved aside), the run goes
+on without it: one warning, then the recorder stays silent. ``unbroken`` rebuilds the
+index from the manifests the next time it opens.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+from typing import Any, Mapping
+
+from .index import RunIndex
+
+log = logging.getLogger("unbroken")
+
+
+class Recorder:
+    """Writes the run's segments, checkpoints, events and per-step metrics to the index."""
+
+    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+        self._index: RunIndex | None = None
+        self._segment = False
+        self._call("open", lambda: setattr(self, "_index", RunIndex(run_dir)))
+
+    def _call(self, what: str, fn: Any) -> Any:
+        try:
+            return fn()
+        except (sqlite3.Error, OSError, ValueError, TypeError, RuntimeError) as e:
+            log.warning("run index disabled after a failed %s: %s: %s (training continues; "
+                        "the index is rebuilt from the manifests next time)", what, type(e).__name__, e)
+            if self._index is not None:
+                try:
+                    self._index.close()
+                except Exception:
+                    pass
+            self._index = None
+            return None
+
+    @property
+    def index(self) -> RunIndex | None:
+        return self._index
+
+    def segment(self, resumed_from: str | None, step: int) -> None:
+        """Start the run segment (once per process): after restore, or at the first step."""
+        if self._segment or self._index is None:
+            return
+        self._segment = True
+        self._call("start_segment", lambda: self._index.start_segment(resumed_from, step))  # type: ignore[union-attr]
+
+    def metrics(self, step: int, metrics: Mapping[str, Any]) -> None:
+        numbers = {k: v for k, v in metrics.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)
+                   or (hasattr(v, "numel") and v.numel() == 1)}
+        if numbers and self._index is not None:
+            self.segment(None, step - 1)
+            self._call("log_metrics", lambda: self._index.log_metrics(step, numbers))  # type: ignore[union-attr]
+
+    def saved(self, name: str, manifest: Any, took: float, tags: list[str]) -> None:
+        if self._index is None:
+            return
+        self.segment(None, manifest.step)
+        self._call("record_checkpoint", lambda: self._index.record_checkpoint(  # type: ignore[union-attr]
+            name, manifest.step, manifest.seq, manifest.progress.get("epoch"), manifest.created, took,
+            manifest.total_bytes, manifest.kind, manifest.metrics, tags, manifest.environment))
+
+    def status(self, name: str, status: str, message: str) -> None:
+        if self._index is not None:
+            self._call("set_status", lambda: self._index.set_status(name, status, message))  # type: ignore[union-attr]
+
+    def event(self, kind: str, message: str = "", step: int | None = None, checkpoint: str | None = None,
+              data: Mapping[str, Any] | None = None) -> None:
+        if self._index is not None:
+            self._call("event", lambda: self._index.event(kind, message, step, checkpoint, data))  # type: ignore[union-attr]
+
+    def close(self) -> None:
+        if self._index is not None:
+            self._call("close", self._index.close)
+        self._index = None
