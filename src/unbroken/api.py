@@ -34,11 +34,14 @@ class CheckpointInfo:
     size_bytes: int
     metrics: dict[str, Any] = field(default_factory=dict)
     progress: dict[str, int] = field(default_factory=dict)
+    kind: str = "regular"
+    tags: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, path: str, name: str, m: Manifest) -> "CheckpointInfo":
+    def of(cls, path: str, name: str, m: Manifest, tags: tuple[str, ...] | None = None) -> "CheckpointInfo":
         return cls(name=name, path=path, step=m.step, seq=m.seq, created=m.created,
-                   size_bytes=m.total_bytes, metrics=dict(m.metrics), progress=dict(m.progress))
+                   size_bytes=m.total_bytes, metrics=dict(m.metrics), progress=dict(m.progress),
+                   kind=m.kind, tags=tuple(sorted(m.tags)) if tags is None else tags)
 
 
 def _split(path: str | os.PathLike[str]) -> tuple[LocalStorage, str]:

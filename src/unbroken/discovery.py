@@ -13,17 +13,19 @@ from .api import CheckpointInfo
 from .errors import CorruptCheckpointError, UnbrokenError
 from .reader import LoadedCheckpoint, read_checkpoint, read_manifest
 from .storage.local import LocalStorage
+from .tags import tags_by_checkpoint
 
 
 def discover(storage: LocalStorage) -> list[CheckpointInfo]:
     """Committed checkpoints of a run with a readable manifest, newest first; read-only."""
-    out = []
+    manifests = {}
     for name in storage.list_committed():
         try:
-            m = read_manifest(storage, name)
+            manifests[name] = read_manifest(storage, name)
         except (UnbrokenError, OSError):
             continue
-        out.append(CheckpointInfo.of(storage.describe(name), name, m))
+    tags = tags_by_checkpoint(storage.root, {n: m.tags for n, m in manifests.items()})
+    out = [CheckpointInfo.of(storage.describe(n), n, m, tuple(sorted(tags.get(n, ())))) for n, m in manifests.items()]
     return sorted(out, key=lambda c: (c.seq, c.step), reverse=True)
 
 

@@ -34,7 +34,10 @@ from .persist import write_snapshot
 from .probe import ProbeFn, ProbeReport, run_probe
 from .probe import compare as compare_probe
 from .reader import read_checkpoint
+from .policies import Retention, Trigger
 from .recorder import Recorder
+from .scheduling import Schedule
+from .tags import check_tag, load_tags, save_tags
 from .snapshot import Snapshotter
 from .state.apply import apply_state
 from .state.checks import UnbrokenWarning, clean_metrics, find_forgotten_state
@@ -52,10 +55,14 @@ class Checkpointer:
 
     Args:
         directory: the run folder (created on the first save).
-        save_every: save from :meth:`step` every this many optimizer steps (``None``:
-            only when :meth:`save` is called).
+        save_every: save from :meth:`step` every this many optimizer steps.
+        trigger: more save triggers (:mod:`unbroken.policies`: ``EveryMinutes(30) |
+            OnImprovement("val_loss")``), combined with ``save_every``; evaluated by
+            :meth:`step` and :meth:`end_epoch`.
         keep_last: how many committed checkpoints to keep (``None``: all). Older ones
             are deleted only after a newer one has committed.
+        retention: more checkpoints to keep (``KeepBest(2, "val_loss") | KeepEveryNSteps(10_000)``),
+            combined with ``keep_last``. Tagged checkpoints are always kept.
         rng: also capture and restore the global python/numpy/torch/CUDA RNGs.
         strict: refuse a checkpoint whose top-level keys differ from the state's.
         signals: on these signals, save at the next :meth:`step` and exit with
@@ -82,19 +89,16 @@ class Checkpointer:
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, save_every: int | None = None,
-                 keep_last: int | None = 3, rng: bool = True, strict: bool = True,
+                 keep_last: int | None = 3, trigger: Trigger | None = None, retention: Retention | None = None,
+                 rng: bool = True, strict: bool = True,
                  signals: tuple[int, ...] = DEFAULT_SIGNALS, grace_period: float | None = None,
                  requeue: bool = False, probe: ProbeFn | None = None, probe_rtol: float = 1e-5,
                  config: Mapping[str, Any] | None = None, data_fingerprint: Any = None,
                  env_policy: str = "warn") -> None:
-        if save_every is not None and save_every < 1:
-            raise ValueError("save_every must be a positive number of steps or None")
-        if keep_last is not None and keep_last < 1:
-            raise ValueError("keep_last must be at least 1 (or None to keep everything)")
+        self.schedule = Schedule(save_every, trigger, keep_last, retention)
         self.directory = os.fspath(directory)
         self.storage = LocalStorage(self.directory)
-        self.save_every = save_every
-        self.keep_last = keep_last
+        self.save_every, self.keep_last = save_every, keep_last
         self.rng = rng
         self.strict = strict
         self.progress = Progress()
@@ -162,8 +166,8 @@ class Checkpointer:
         return found[0] if found else None
 
     # ------------------------------------------------------------------- restore
-    def restore(self, state: MutableMapping[str, Any], path: str | os.PathLike[str] | None = None,
-                ) -> CheckpointInfo | None:
+    def restore(self, state: MutableMapping[str, Any], path: str | os.PathLike[str] | None = None, *,
+                tag: str | None = None) -> CheckpointInfo | None:
         """Load the newest valid checkpoint into ``state`` in place; return what was loaded.
 
         Checkpoints that fail verification are moved to ``quarantine/`` with the reason
@@ -171,10 +175,16 @@ class Checkpointer:
         raises :class:`NewerFormatError` (it is not corrupt, and falling back past it
         would silently lose progress); I/O errors other than damage propagate too. Returns ``None`` (a fresh start) when the
         run has no valid checkpoint. With ``path``, load exactly that checkpoint and
-        raise :class:`CorruptCheckpointError` if it is invalid.
+        raise :class:`CorruptCheckpointError` if it is invalid; with ``tag``, the checkpoint
+        of this run carrying that tag.
         """
         self._check_reserved(state)
         self._begin()
+        if tag is not None:
+            found = [c for c in self.checkpoints() if tag in c.tags]
+            if not found:
+                raise NoCheckpointError(f"no checkpoint of {self.directory} is tagged {tag!r}")
+            path = found[0].path
         if path is not None:
             p = os.fspath(path)
             storage = LocalStorage(os.path.dirname(os.path.abspath(p)))
@@ -217,6 +227,8 @@ class Checkpointer:
         if isinstance(extra, dict):
             if "progress" in extra:
                 self.progress.load_state_dict(getattr(extra["progress"], "value", extra["progress"]))
+            if "trigger" in extra:
+                self.schedule.load_state_dict(getattr(extra["trigger"], "value", extra["trigger"]))
             if self.rng and "rng" in extra:  # last: nothing may draw from an RNG after this
                 GlobalRNG().load_state_dict(getattr(extra["rng"], "value", extra["rng"]))
         if self.probe is not None and loaded.manifest.probe:
@@ -256,14 +268,41 @@ class Checkpointer:
         self._record("metrics", self.progress.step, metrics)
         # keep tensors as they are (no .item(): that would sync a GPU every step), minus the graph
         self.metrics.update({k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()})
-        info = None
-        if self.save_every and self.progress.step % self.save_every == 0:
-            info = self.save(state)
+        info = self._maybe_save(state, epoch_end=False)
         if self._signals.received is not None:
             self._preempted(state)
         if self._guard is not None:
             self._guard.mark()
         return info
+
+    def end_epoch(self, state: Mapping[str, Any], **metrics: Any) -> CheckpointInfo | None:
+        """Mark the end of an epoch (after validation: pass its metrics); save if a trigger
+        asks (``AtEpochEnd()``, ``OnImprovement("val_loss")``). Does not advance the step."""
+        self._begin()
+        self.metrics.update({k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()})
+        return self._maybe_save(state, epoch_end=True)
+
+    def _maybe_save(self, state: Mapping[str, Any], epoch_end: bool) -> CheckpointInfo | None:
+        sched = self.schedule
+        if not sched.due(self.progress.step, self.progress.epoch, epoch_end, self.metrics):
+            return None
+        if sched.already_saved(self.progress.step, clean_metrics(self.metrics)):
+            return None
+        return self.save(state)
+
+    def tag(self, tag: str, checkpoint: str | None = None) -> str:
+        """Tag a committed checkpoint (default: the newest); tagged ones are never pruned."""
+        check_tag(tag)
+        self._begin()
+        names = [c.name for c in self.checkpoints()]
+        name = checkpoint if checkpoint is not None else (names[0] if names else None)
+        if name not in names:
+            raise NoCheckpointError(f"no committed checkpoint {name!r} in {self.directory}")
+        tags = load_tags(self.directory)
+        tags[tag] = name
+        save_tags(self.directory, tags)
+        self._record("event", "tagged", tag, checkpoint=name)
+        return name
 
     def _preempted(self, state: Mapping[str, Any]) -> None:
         preempt_and_exit(self, state)
@@ -273,8 +312,9 @@ class Checkpointer:
         return emergency_save(self, guard, exc)
 
     def save(self, state: Mapping[str, Any], metrics: dict[str, Any] | None = None, *,
-             kind: str = "regular") -> CheckpointInfo:
-        """Save ``state`` (plus progress and RNG) now, synchronously, then apply retention."""
+             kind: str = "regular", tag: str | None = None) -> CheckpointInfo:
+        """Save ``state`` (plus progress and RNG) now, synchronously, then apply retention.
+        A ``tag`` names the checkpoint and protects it from retention."""
         self._check_reserved(state)
         self._begin()
         if metrics:
@@ -288,11 +328,15 @@ class Checkpointer:
                 f"saving in the middle of gradient accumulation (micro_step={self.progress.micro_step}) "
                 "without the accumulated gradients; add unbroken.Gradients(model) to the state",
                 UnbrokenWarning, stacklevel=2)
-        return self._write(state, self.progress.state_dict(), GlobalRNG() if self.rng else None, kind)
+        tags = [check_tag(tag)] if tag else []
+        return self._write(state, self.progress.state_dict(), GlobalRNG() if self.rng else None, kind, tags)
 
-    def _write(self, state: Mapping[str, Any], progress: dict[str, int], rng: Any, kind: str) -> CheckpointInfo:
+    def _write(self, state: Mapping[str, Any], progress: dict[str, int], rng: Any, kind: str,
+               tags: list[str] | None = None) -> CheckpointInfo:
         full: dict[str, Any] = dict(state)
         full[RESERVED] = {"progress": dict(progress)}
+        if self.schedule.trigger is not None:
+            full[RESERVED]["trigger"] = self.schedule.state_dict()
         if rng is not None:
             full[RESERVED]["rng"] = rng
         t0 = time.monotonic()
@@ -302,12 +346,13 @@ class Checkpointer:
         final, manifest = write_snapshot(
             snapshot, self.storage, f"step-{progress['step']:09d}", step=progress["step"], seq=seq,
             metrics=clean_metrics(self.metrics), progress=dict(progress), environment=self.environment(), kind=kind,
-            probe=probe)
+            probe=probe, tags=tags)
         took = time.monotonic() - t0
         self._next_seq = seq + 1
         self._last_saved = (progress["step"], final)
         info = CheckpointInfo.of(self.storage.describe(final), final, manifest)
-        self._record("saved", final, manifest, took, [])
+        self.schedule.saved(progress["step"], manifest.metrics)
+        self._record("saved", final, manifest, took, list(tags or []))
         log.info("saved %s (%s, %.1f MB in %.2f s)", info.path, kind, info.size_bytes / 1e6, took)
         if self.grace_period and took > self.grace_period and kind == "regular":
             log.warning("a save takes %.1f s, longer than the %.0f s grace period: a preemption save "
@@ -324,18 +369,14 @@ class Checkpointer:
         return max(on_disk, self._next_seq or 0)
 
     def prune(self, keep: str | None = None) -> list[str]:
-        """Apply ``keep_last``: delete the oldest committed checkpoints beyond it."""
-        if self.keep_last is None:
-            return []
-        removed = []
-        for info in self.checkpoints()[self.keep_last:]:
-            if info.name == keep:
-                continue
-            self.storage.delete(info.name)
-            self._record("status", info.name, "pruned", f"retention: keep_last={self.keep_last}")
-            removed.append(info.name)
-            log.info("retention: deleted %s", info.name)
-        return removed
+        """Apply retention: delete committed checkpoints no rule keeps (never the newest)."""
+        infos = self.checkpoints()
+        doomed = self.schedule.doomed(infos, {c.name: set(c.tags) for c in infos}, keep)
+        for name in doomed:
+            self.storage.delete(name)
+            self._record("status", name, "pruned", "retention")
+            log.info("retention: deleted %s", name)
+        return doomed
 
     def _record(self, method: str, *args: Any, **kwargs: Any) -> None:
         """Forward to the run index, if this process is the run's writer (never raises)."""

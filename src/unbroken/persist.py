@@ -33,6 +33,7 @@ def write_snapshot(
     environment: dict[str, Any] | None = None,
     kind: str = "regular",
     probe: dict[str, float] | None = None,
+    tags: list[str] | None = None,
 ) -> tuple[str, Manifest]:
     """Write ``snapshot`` as checkpoint ``name``; return its committed name and manifest.
 
@@ -57,7 +58,7 @@ def write_snapshot(
         _faults.point("save.before_manifest")
         manifest = Manifest(step=step, seq=seq, files=files, created=started, metrics=dict(metrics or {}),
                             progress=dict(progress or {}), environment=dict(environment or {}), kind=kind,
-                            probe=dict(probe or {}))
+                            probe=dict(probe or {}), tags=list(tags or []))
         with staging.open(MANIFEST) as f:
             f.write(manifest.to_json())
         _faults.point("save.before_commit")

@@ -62,6 +62,7 @@ class Manifest:
     environment: dict[str, Any] = field(default_factory=dict)
     kind: str = "regular"
     probe: dict[str, float] = field(default_factory=dict)
+    tags: list[str] = field(default_factory=list)
     format_version: int = FORMAT_VERSION
 
     @property
@@ -75,6 +76,7 @@ class Manifest:
             "step": self.step,
             "seq": self.seq,
             "kind": self.kind,
+            "tags": list(self.tags),
             "probe": {k: (v if math.isfinite(v) else repr(v)) for k, v in self.probe.items()},
             "created": self.created,
             "metrics": self.metrics,
@@ -122,6 +124,9 @@ class Manifest:
             if not all(isinstance(x, dict) for x in (metrics, progress, env)):
                 raise TypeError("metrics, progress and environment must be objects")
             probe = {str(k): float(v) for k, v in dict(doc.get("probe", {})).items()}
+            tags = doc.get("tags", [])
+            if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+                raise TypeError("tags must be a list of strings")
             kind = doc.get("kind", "regular")
             if not isinstance(kind, str):
                 raise TypeError("kind must be a string")
@@ -132,7 +137,7 @@ class Manifest:
         if STATE_FILE not in files:
             raise CorruptCheckpointError(f"manifest.json does not list {STATE_FILE}")
         return cls(step=step, seq=seq, files=files, created=created, metrics=metrics,
-                   progress=progress, environment=env, kind=kind, probe=probe,
+                   progress=progress, environment=env, kind=kind, probe=probe, tags=tags,
                    format_version=version)
 
 
