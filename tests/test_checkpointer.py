@@ -20,7 +20,7 @@ from unbroken.storage.local import _tag
 
 
 def names(run) -> list[str]:
-    return sorted(p.name for p in run.iterdir() if not p.name.startswith("."))
+    return sorted(p.name for p in run.iterdir() if not p.name.startswith((".", "index.sqlite")))
 
 
 def unbroken_warnings(record) -> list[str]:

@@ -118,7 +118,7 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> Template:
         if ckpt.step(state, loss=loss) is not None:
             saved[ckpt.progress.step] = values(model, opt)
     assert sorted(saved) == list(STEPS)
-    assert sorted(p.name for p in run.iterdir() if p.name != ".lock") == [f"step-{s:09d}" for s in STEPS]
+    assert sorted(p.name for p in run.iterdir() if not p.name.startswith((".", "index.sqlite"))) == [f"step-{s:09d}" for s in STEPS]
     # The damages below rely on this layout.
     assert {MODEL_FILE, OPT_FILE, "state.json", "manifest.json"} <= {
         p.name for p in (run / "step-000000030").iterdir()}
@@ -537,7 +537,7 @@ def test_damaged_newest_checkpoint_is_refused_quarantined_and_skipped(
     assert (run / "quarantine" / bad.name).is_dir()
     reason = (run / "quarantine" / f"{bad.name}.reason.txt").read_text()
     assert_names(reason, bad, expected)
-    assert sorted(p.name for p in run.iterdir() if p.name != ".lock") == ["quarantine", "step-000000010", "step-000000020"]
+    assert sorted(p.name for p in run.iterdir() if not p.name.startswith((".", "index.sqlite"))) == ["quarantine", "step-000000010", "step-000000020"]
     assert [c.step for c in ckpt.checkpoints()] == [20, 10]
 
     # a warning names the checkpoint and the problem.
@@ -562,7 +562,7 @@ def test_all_checkpoints_damaged_gives_fresh_start(run: Path, caplog: pytest.Log
     assert ckpt.progress.step == 0
     assert_bitwise(values(model, opt), before)
     names = [f"step-{s:09d}" for s in STEPS]
-    assert sorted(p.name for p in run.iterdir() if p.name != ".lock") == ["quarantine"]
+    assert sorted(p.name for p in run.iterdir() if not p.name.startswith((".", "index.sqlite"))) == ["quarantine"]
     q = run / "quarantine"
     assert sorted(p.name for p in q.iterdir()) == sorted(names + [f"{n}.reason.txt" for n in names])
     assert "checksum" in (q / "step-000000010.reason.txt").read_text()
