@@ -7,7 +7,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check -c constraints.txt
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test install bench clean
+.PHONY: demo test install bench clean system-deps test-slurm
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -20,8 +20,14 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/unbroken demo
 
-test: $(STAMP)
+system-deps:
+	sh scripts/install_system_deps.sh
+
+test: $(STAMP) system-deps
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+
+test-slurm: $(STAMP) system-deps
+	$(PY) -m pytest -q -ra -m slurm $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_save_load.py

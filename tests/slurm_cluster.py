@@ -18,6 +18,8 @@ cluster's ``SLURM_CONF`` in their environment) are ever signalled.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import getpass
 import os
 import re
@@ -27,8 +29,9 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 REPO = Path(__file__).resolve().parent.parent
 INSTALL_SCRIPT = REPO / "scripts" / "install_system_deps.sh"
@@ -38,6 +41,15 @@ TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "
                    "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
 
 T = TypeVar("T")
+PREFIX = "unbroken-slurm-"
+
+CRED_EXPIRE = 10
+"""Job credential lifetime (default 120 s). It is also how long slurmctld holds back a
+requeued job (its BeginTime is set to requeue time + CRED_EXPIRE + 1): slurmd refuses
+to launch a job whose credential is not newer than the one it revoked when the job
+was killed ("Job credential revoked"; the job then FAILS). So the tests let that
+delay pass rather than force a restart with ``scontrol update StartTime=now``, which
+fails that way when the relaunch falls in the same second as the revocation."""
 
 
 class ClusterError(RuntimeError):
@@ -89,6 +101,13 @@ def _which(prog: str) -> str:
     return found
 
 
+def _die_with_parent() -> None:
+    """In the daemon before exec: SIGTERM it when this process dies (pytest killed by a timeout
+    or a cancelled CI job never runs the fixture's teardown; the daemons must not outlive it)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -116,14 +135,51 @@ def parse_fields(text: str) -> dict[str, str]:
     return dict(re.findall(r"(\w+)=(\S*)", text))
 
 
+def _kill_processes_of(conf: Path) -> None:
+    """SIGKILL every process whose environment has SLURM_CONF=conf: the daemons, slurmstepds and
+    job processes of that cluster (the daemons are started with it, and everything below inherits it)."""
+    marker = f"SLURM_CONF={conf}".encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            environ = Path("/proc", entry, "environ").read_bytes()
+        except OSError:
+            continue
+        if marker in environ.split(b"\0"):
+            with contextlib.suppress(OSError):
+                os.kill(int(entry), signal.SIGKILL)
+
+
+def clean_stale(base: str | os.PathLike[str] | None = None) -> None:
+    """Remove clusters left behind by a test process that was killed before its teardown.
+
+    The daemons die with that process (PR_SET_PDEATHSIG), but a running job's slurmstepd
+    and processes do not; they are found by their SLURM_CONF and killed here.
+    """
+    for d in Path(base or tempfile.gettempdir()).glob(f"{PREFIX}*"):
+        try:
+            owner = int((d / "owner.pid").read_text())
+            if d.owner() != getpass.getuser():
+                continue
+        except (OSError, ValueError, KeyError):
+            continue
+        if Path("/proc", str(owner)).exists():
+            continue  # still running (another test session)
+        _kill_processes_of(d / "slurm.conf")
+        shutil.rmtree(d, ignore_errors=True)
+
+
 class SlurmCluster:
     """One controller and one compute node (this machine), all under ``self.dir``."""
 
     def __init__(self, base: str | os.PathLike[str] | None = None, keep: bool | None = None) -> None:
         # munged requires every directory above its socket to be searchable by all, which
         # pytest's tmp_path (under a 0700 /tmp/pytest-of-USER) is not: use a fresh dir in /tmp.
-        self.dir = Path(tempfile.mkdtemp(prefix="unbroken-slurm-", dir=base))
+        clean_stale(base)
+        self.dir = Path(tempfile.mkdtemp(prefix=PREFIX, dir=base))
         self.dir.chmod(0o755)
+        (self.dir / "owner.pid").write_text(str(os.getpid()))
         self.keep = bool(os.environ.get("UNBROKEN_SLURM_KEEP")) if keep is None else keep
         self.conf = self.dir / "slurm.conf"
         self.node = socket.gethostname().split(".")[0]
@@ -165,7 +221,7 @@ SlurmUser={self.user}
 SlurmdUser={self.user}
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={self.munge_socket}
+AuthInfo=socket={self.munge_socket},cred_expire={CRED_EXPIRE}
 StateSaveLocation={d}/state
 SlurmdSpoolDir={d}/spool
 SlurmctldPidFile={d}/run/slurmctld.pid
@@ -182,6 +238,7 @@ AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 MpiDefault=none
 SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=1,bf_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
@@ -203,7 +260,7 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
         try:
             self.procs[name] = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out,
                                                 stderr=subprocess.STDOUT, env=self.env, cwd=self.dir,
-                                                start_new_session=True)
+                                                start_new_session=True, preexec_fn=_die_with_parent)
         finally:
             out.close()
 
@@ -277,20 +334,7 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
             shutil.rmtree(self.dir, ignore_errors=True)
 
     def _kill_leftovers(self) -> None:
-        """SIGKILL job processes and slurmstepds of this cluster (found by SLURM_CONF=our conf)."""
-        marker = f"SLURM_CONF={self.conf}".encode()
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit() or int(entry) == os.getpid():
-                continue
-            try:
-                environ = Path("/proc", entry, "environ").read_bytes()
-            except OSError:
-                continue
-            if marker in environ.split(b"\0"):
-                try:
-                    os.kill(int(entry), signal.SIGKILL)
-                except OSError:
-                    pass
+        _kill_processes_of(self.conf)
 
     def __enter__(self) -> SlurmCluster:
         return self.start()

@@ -3,22 +3,25 @@
 The tests start a private one-node cluster (``tests/slurm_cluster.py``: its own
 munged, slurmctld and slurmd under a temp dir) and submit real batch jobs to it.
 
-How the preemption signal reaches Python (checked with SLURM 22.05, Debian 12):
+How the preemption signal reaches Python (checked with SLURM 22.05.8, Debian 12):
 
 - The job script ``exec``\\ s Python, so the training process *is* the batch step's
   main process (no shell in between that would have to trap and forward the signal).
-- ``scancel --signal=USR1 --batch JOBID`` signals exactly that process. A plain
-  ``scancel --signal=USR1 JOBID`` signals only the job's *other* steps (srun steps),
-  so a batch-only job would never see it; ``--full`` signals the batch step and every
-  process in it (also works here, and is the choice when the script does not exec).
+- ``scancel --signal=USR1 --batch JOBID`` signals exactly that process (what the test
+  uses). A plain ``scancel --signal=USR1 JOBID`` signals only the job's srun steps,
+  so a batch-only job never sees it; ``--full`` signals the batch shell, its children
+  and all steps (also works, and is the choice when the script does not exec).
 - For the same reason a real job asks for the warning signal with the ``B:`` prefix:
   ``#SBATCH --signal=B:USR1@60`` (the script below does; with ``--time=10`` it would
   fire after 9 minutes, long after the test has sent USR1 itself).
 - ``scontrol requeue`` (run by the training process after its save) makes SLURM end
-  the job (SIGTERM, then SIGKILL after KillWait) and queue it again with a BeginTime
-  about two minutes ahead (Reason=BeginTime). The test pulls it forward with
-  ``scontrol update jobid=JOBID StartTime=now``. The exit status of the preempted
-  attempt is discarded by SLURM for a requeued job, so it is not checked here.
+  the job (SIGTERM, then SIGKILL after KillWait) and queue it again, PENDING with
+  Reason=BeginTime until requeue time + cred_expire + 1 s (120 s by default; the test
+  cluster sets cred_expire=10). The test waits for that instead of forcing a start with
+  ``scontrol update jobid=JOBID StartTime=now``: a relaunch within the same second as
+  the requeue's kill is refused by slurmd ("Job credential revoked") and the job ends
+  FAILED (2 of the first 9 runs here). SLURM discards the exit status of the
+  requeued attempt, so EXIT_PREEMPTED is not checked here.
 - There is no slurmdbd (no ``sacct``): job state comes from ``scontrol show job``
   (kept for MinJobAge seconds after the end), the attempts from the output file,
   which ``--open-mode=append`` keeps across the requeue.
@@ -36,7 +39,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_cluster import TERMINAL_STATES, ClusterError, SlurmCluster, ensure_installed
+from slurm_cluster import CRED_EXPIRE, TERMINAL_STATES, ClusterError, SlurmCluster, ensure_installed
 from unbroken.demo import compare
 
 pytestmark = pytest.mark.slurm
@@ -62,7 +65,8 @@ def cluster():
     try:
         c.start()
     except ClusterError as e:
-        pytest.fail(f"could not start the SLURM test cluster in {c.dir}:\n{e}", pytrace=False)
+        pytest.fail(f"could not start the SLURM test cluster (UNBROKEN_SLURM_KEEP=1 keeps {c.dir}):\n{e}",
+                    pytrace=False)
     yield c
     c.stop()
 
@@ -89,10 +93,22 @@ def wait_job(cluster: SlurmCluster, job: str, out: Path, timeout: float, what: s
                  f"Restarts={fields.get('Restarts')}) while waiting for {what}", cluster, out)
         return None
     try:
-        return cluster.wait(check, timeout, f"{what} (job {job}: {cluster.job(job)})",
-                            interval=0.1, files=(out,))
+        return cluster.wait(check, timeout, what, interval=0.1, files=(out,))
     except ClusterError as e:
-        pytest.fail(str(e), pytrace=False)
+        pytest.fail(f"job {job}: {cluster.job(job)}\n{e}", pytrace=False)
+
+
+def last_step(text: str) -> int:
+    steps = re.findall(r"^step (\d+)$", text, re.MULTILINE)
+    return int(steps[-1]) if steps else 0
+
+
+def starts(lines: list[str]) -> list[str]:
+    return [x for x in lines if x == "fresh start" or x.startswith("resumed from step ")]
+
+
+def steps_of(lines: list[str]) -> list[int]:
+    return [int(m.group(1)) for x in lines if (m := re.fullmatch(r"step (\d+)", x))]
 
 
 def test_smoke_sbatch_wrap(cluster: SlurmCluster) -> None:
@@ -123,7 +139,7 @@ def test_preempt_requeue_resume_bitwise(cluster: SlurmCluster, tmp_path: Path) -
     # (1) the reference: the same command, run directly to the end
     ref = tmp_path / "reference"
     proc = subprocess.run([sys.executable, *train_args(ref)], env=env, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=180)
     assert proc.returncode == 0 and proc.stdout.rstrip().endswith("done"), \
         f"reference run failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
 
@@ -150,10 +166,6 @@ exec {shlex.join([sys.executable, *train_args(work)])}
 """)
     job = cluster.sbatch(str(script))
 
-    def last_step(text: str) -> int:
-        steps = re.findall(r"^step (\d+)$", text, re.M)
-        return int(steps[-1]) if steps else 0
-
     wait_job(cluster, job, out, 90, f"the job to print step {SIGNAL_AFTER}",
              lambda f, text: f.get("JobState") == "RUNNING" and last_step(text) >= SIGNAL_AFTER)
     signalled_after = last_step(read(out))
@@ -162,10 +174,10 @@ exec {shlex.join([sys.executable, *train_args(work)])}
 
     fields = wait_job(cluster, job, out, 60, "the job to save, requeue itself and be PENDING again",
                       lambda f, _: f.get("JobState") == "PENDING" and int(f.get("Restarts", "0")) >= 1)
-    mark(f"job requeued: {fields.get('JobState')}, Reason={fields.get('Reason')}, StartTime={fields.get('StartTime')}")
+    mark(f"job requeued: {fields.get('JobState')}, Reason={fields.get('Reason')}, "
+         f"StartTime={fields.get('StartTime')}")
     assert fields.get("Reason") in {"BeginTime", "None", "Priority", "Resources"}, fields
-    cluster.run("scontrol", "update", f"jobid={job}", "StartTime=now")
-    fields = wait_job(cluster, job, out, 90, "the requeued job to run to the end",
+    fields = wait_job(cluster, job, out, 60 + CRED_EXPIRE, "the requeued job to start again and run to the end",
                       lambda f, _: f.get("JobState") == "COMPLETED")
 
     mark("requeued job completed")
@@ -178,13 +190,11 @@ exec {shlex.join([sys.executable, *train_args(work)])}
     attempts = [i for i, line in enumerate(lines) if line.startswith("attempt: ")]
     assert [lines[i] for i in attempts] == [f"attempt: job {job} restart 0", f"attempt: job {job} restart 1"], diag
     first, second = lines[attempts[0]:attempts[1]], lines[attempts[1]:]
-    starts = lambda part: [x for x in part if x == "fresh start" or x.startswith("resumed from step ")]  # noqa: E731
     preempted = [int(m.group(1)) for x in first if (m := re.match(r"preempted at step (\d+)", x))]
     assert starts(first) == ["fresh start"], diag
     assert len(preempted) == 1 and signalled_after <= preempted[0] < STEPS, diag
     step = preempted[0]
     assert starts(second) == [f"resumed from step {step}"], diag
-    steps_of = lambda part: [int(m.group(1)) for x in part if (m := re.fullmatch(r"step (\d+)", x))]  # noqa: E731
     assert steps_of(first) == list(range(1, step + 1)), diag
     assert steps_of(second) == list(range(step + 1, STEPS + 1)), diag
     assert "done" in second and "done" not in first, diag
