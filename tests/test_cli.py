@@ -63,3 +63,26 @@ def test_inspect_lists_tensors(run: Path) -> None:
     res = runner.invoke(app, ["inspect", str(run / "step-000000004")])
     assert res.exit_code == 0, res.output
     assert "model/weight" in res.output and "F32" in res.output and "[4, 8]" in res.output
+
+
+def test_events_and_metrics_continuity(tmp_path: Path) -> None:
+    w = torch.zeros(1)
+    ckpt = unbroken.Checkpointer(tmp_path / "run", save_every=2, keep_last=None, signals=())
+    for step in range(4):
+        ckpt.step({"w": w}, loss=float(step))
+    ckpt.close()
+    again = unbroken.Checkpointer(tmp_path / "run", save_every=2, keep_last=None, signals=())
+    again.restore({"w": w}, path=tmp_path / "run" / "step-000000002")
+    for step in range(2, 4):  # re-run steps 3 and 4: identical values
+        again.step({"w": w}, loss=float(step))
+    again.close()
+    res = runner.invoke(app, ["events", str(tmp_path / "run")])
+    assert res.exit_code == 0 and "resumed" in res.output and "saved" in res.output, res.output
+    res = runner.invoke(app, ["metrics", str(tmp_path / "run"), "loss", "--check"])
+    assert res.exit_code == 0 and "2 re-run steps checked, 0 differ" in res.output, res.output
+    third = unbroken.Checkpointer(tmp_path / "run", save_every=2, keep_last=None, signals=())
+    third.restore({"w": w}, path=tmp_path / "run" / "step-000000002")
+    third.step({"w": w}, loss=99.0)  # a different value for step 3: not an exact resume
+    third.close()
+    res = runner.invoke(app, ["metrics", str(tmp_path / "run"), "loss", "--check"])
+    assert res.exit_code == 1 and "step 3" in res.output, res.output

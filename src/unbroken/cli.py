@@ -1,4 +1,4 @@
-"""The ``unbroken`` command line: demo, list, verify, inspect."""
+"""The ``unbroken`` command line: demo, list, verify, inspect, events, metrics."""
 
 from __future__ import annotations
 
@@ -119,6 +119,53 @@ def inspect(path: Path = typer.Argument(..., help="A checkpoint folder.")) -> No
         for key, info in header.items():
             table.add_row(fname, key, info["dtype"], str(info["shape"]))
     console.print(table)
+
+
+def _open_index(run: Path):
+    from .index import RunIndex
+
+    if not run.is_dir():
+        console.print(f"no run folder {run}")
+        raise typer.Exit(1)
+    idx = RunIndex(run, readonly=True)
+    if idx.in_memory:
+        console.print("[yellow]index missing or damaged: showing a rebuild from the manifests (no history)[/]")
+    return idx
+
+
+@app.command()
+def events(run: Path = typer.Argument(..., help="Run folder."),
+           kind: Optional[str] = typer.Option(None, help="Only events of this kind (saved, resumed, ...).")) -> None:
+    """The run's event log: starts, resumes, saves, emergency saves, preemptions, corruption, pruning."""
+    idx = _open_index(run)
+    table = Table()
+    for col in ("time", "segment", "kind", "step", "checkpoint", "message"):
+        table.add_column(col)
+    for e in idx.events(kind):
+        when = _dt.datetime.fromtimestamp(e["time"]).isoformat(sep=" ", timespec="seconds")
+        table.add_row(when, str(e["segment"]), e["kind"], "" if e["step"] is None else str(e["step"]),
+                      e["checkpoint"] or "", (e["message"] or "")[:80])
+    console.print(table)
+    idx.close()
+
+
+@app.command()
+def metrics(run: Path = typer.Argument(..., help="Run folder."),
+            name: str = typer.Argument(..., help="Metric name, e.g. loss."),
+            check: bool = typer.Option(False, "--check", help="Exit 1 unless steps re-run after a resume "
+                                       "logged bitwise identical values.")) -> None:
+    """Print a metric per step (with the run segment that logged it); --check proves resume continuity."""
+    idx = _open_index(run)
+    if check:
+        report = idx.continuity(name)
+        idx.close()
+        for step in report.disagreeing:
+            console.print(f"[red]step {step}[/]: " + ", ".join(f"segment {g}: {v!r}" for g, v in report.values[step]))
+        console.print(f"{name}: {len(report.checked)} re-run steps checked, {len(report.disagreeing)} differ")
+        raise typer.Exit(0 if report.ok else 1)
+    for step, value, segment in idx.metric(name):
+        console.print(f"{step}\t{value!r}\t{segment}")
+    idx.close()
 
 
 def main() -> None:
