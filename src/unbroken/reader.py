@@ -40,7 +40,7 @@ def read_checkpoint(storage: Storage, name: str) -> LoadedCheckpoint:
     """Verify and decode checkpoint ``name``; raise ``CorruptCheckpointError`` on any defect."""
     try:
         manifest = read_manifest(storage, name)
-        blobs: dict[str, bytearray] = {}
+        blobs: dict[str, Any] = {}
         for fname, entry in manifest.files.items():
             buf = storage.read(name, fname, entry.size)
             h = new_hasher()

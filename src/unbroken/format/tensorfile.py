@@ -3,8 +3,8 @@
 Files written here are plain safetensors files: ``safetensors.safe_open`` and any
 other reader load them. We write and parse the format ourselves for two reasons
 (measured in ``benchmarks/``): writing streams each tensor's bytes straight from its
-memory into the file and the checksum in one pass, where ``safetensors.torch.save``
-first copies every tensor into a Python ``bytes``; and reading validates the header
+memory into the file and into the checksum in one pass (no second read of the file);
+and reading validates the header
 of bytes that were *already* checksummed in memory, so what is verified is exactly
 what is loaded, with one read and no copy.
 
@@ -166,7 +166,7 @@ def parse_header(buf: memoryview, name: str) -> tuple[dict[str, dict[str, Any]],
     return header, 8 + n
 
 
-def load_tensor_file(buf: bytearray, name: str) -> dict[str, torch.Tensor]:
+def load_tensor_file(buf: Any, name: str) -> dict[str, torch.Tensor]:
     """Parse a validated safetensors buffer into CPU tensors that share ``buf``'s memory."""
     header, start = parse_header(memoryview(buf), name)
     out: dict[str, torch.Tensor] = {}

@@ -18,7 +18,10 @@ that has already committed.
 
 from __future__ import annotations
 
-from typing import BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol
+
+Buffer = Any
+"""A writable object supporting the buffer protocol (bytearray, uint8 numpy array)."""
 
 
 class Staging(Protocol):
@@ -48,8 +51,9 @@ class Storage(Protocol):
         """Names of checkpoints whose commit completed (not yet verified)."""
         ...
 
-    def read(self, name: str, file: str, size: int | None = None) -> bytearray:
-        """The whole content of one file; ``size`` is the expected size, if known."""
+    def read(self, name: str, file: str, size: int | None = None) -> Buffer:
+        """The whole content of one file, in a writable buffer (``bytearray``, a uint8
+        numpy array, ...); ``size`` is the expected size, if known."""
         ...
 
     def delete(self, name: str) -> None: ...
