@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import NoCheckpointError
-from .format.manifest import MANIFEST, Manifest
+from .format.manifest import Manifest
 from .persist import write_snapshot
 from .reader import LoadedCheckpoint, read_checkpoint
 from .snapshot import Snapshotter
@@ -63,16 +63,17 @@ def save(path: str | os.PathLike[str], state: Mapping[str, Any], *, step: int = 
     return CheckpointInfo.of(storage.describe(final), final, manifest)
 
 
-def _read(path: str | os.PathLike[str]) -> LoadedCheckpoint:
+def read_path(path: str | os.PathLike[str]) -> LoadedCheckpoint:
+    """Verify and decode the checkpoint folder at ``path`` (NoCheckpointError if there is none)."""
     storage, name = _split(path)
-    if not (Path(path) / MANIFEST).exists() and not Path(path).is_dir():
+    if not Path(path).is_dir():
         raise NoCheckpointError(f"no checkpoint at {path}")
     return read_checkpoint(storage, name)
 
 
 def verify(path: str | os.PathLike[str]) -> CheckpointInfo:
     """Fully verify a checkpoint (checksums, headers, state tree); raise if anything is wrong."""
-    loaded = _read(path)
+    loaded = read_path(path)
     return CheckpointInfo.of(str(path), loaded.name, loaded.manifest)
 
 
@@ -84,7 +85,7 @@ def load(path: str | os.PathLike[str], state: MutableMapping[str, Any] | None = 
     ``Stateful`` objects) and return it. Without, return the saved tree as plain
     Python values and CPU tensors. Never unpickles anything.
     """
-    loaded = _read(path)
+    loaded = read_path(path)
     if state is None:
         return unwrap(loaded.state)
     apply_state(state, loaded.state, strict=strict)

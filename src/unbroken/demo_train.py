@@ -152,7 +152,7 @@ def write_final(out: Path, model, opt, sched, scaler) -> None:
     tensors = {f"model/{k}": v.contiguous() for k, v in model.state_dict().items()}
     for pid, st in opt.state_dict()["state"].items():
         for k, v in st.items():
-            tensors[f"optimizer/{pid}/{k}"] = v.reshape(v.shape).contiguous()
+            tensors[f"optimizer/{pid}/{k}"] = v.contiguous()
     save_file(tensors, str(out / "final.safetensors"))
     other = {"scheduler": sched.state_dict(), "scaler": scaler.state_dict(),
              "param_groups": opt.state_dict()["param_groups"]}

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .api import CheckpointInfo
+from .api import CheckpointInfo, read_path
 from .discovery import discover, newest_valid
 from .environment import POLICIES, fingerprint, json_safe_config
 from .environment import check as check_environment
@@ -33,7 +33,6 @@ from .faults.signals import DEFAULT_SIGNALS, SignalWatcher
 from .persist import write_snapshot
 from .probe import ProbeFn, ProbeReport, run_probe
 from .probe import compare as compare_probe
-from .reader import read_checkpoint
 from .policies import Retention, Trigger
 from .recorder import Recorder
 from .scheduling import Schedule
@@ -186,13 +185,8 @@ class Checkpointer:
                 raise NoCheckpointError(f"no checkpoint of {self.directory} is tagged {tag!r}")
             path = found[0].path
         if path is not None:
-            p = os.fspath(path)
-            storage = LocalStorage(os.path.dirname(os.path.abspath(p)))
-            name = os.path.basename(os.path.abspath(p))
-            if not os.path.isdir(p):
-                raise NoCheckpointError(f"no checkpoint at {p}")
-            loaded = read_checkpoint(storage, name)
-            return self._apply(state, loaded, storage.describe(name))
+            loaded = read_path(path)
+            return self._apply(state, loaded, os.fspath(path))
         bad: list[str] = []
 
         def invalid(name: str, reason: str) -> None:

@@ -51,7 +51,7 @@ class StepStart:
 
     def __init__(self, state: Mapping[str, Any], progress: dict[str, int]) -> None:
         self.progress = dict(progress)
-        self.rng = {k: _copy_tree(v) for k, v in GlobalRNG().state_dict().items()}
+        self.rng = GlobalRNG().state_dict()  # get_state() calls already return copies
         self.light: dict[str, Any] = {}
         self.buffers: dict[str, dict[str, torch.Tensor]] = {}
         for key, obj in state.items():

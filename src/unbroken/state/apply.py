@@ -65,9 +65,7 @@ def _apply(live: Any, saved: Any, path: PathT) -> Any:
                 live.copy_(saved)
             return live
         return saved.to(live.device)
-    if type(live) is dict and type(saved) is dict or (
-        isinstance(live, dict) and isinstance(saved, dict)
-    ):
+    if isinstance(live, dict) and isinstance(saved, dict):
         for k in [k for k in live if k not in saved]:
             del live[k]
         for k, v in saved.items():

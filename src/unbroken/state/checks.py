@@ -6,6 +6,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -17,9 +18,9 @@ def clean_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
     """Metrics as JSON-safe scalars: tensors and numpy scalars become floats, nan a string."""
     out: dict[str, Any] = {}
     for k, v in metrics.items():
-        if isinstance(v, torch.Tensor) and v.numel() == 1:
-            v = v.item()
-        elif hasattr(v, "item") and callable(v.item):
+        if isinstance(v, torch.Tensor):
+            v = v.item() if v.numel() == 1 else repr(v)
+        elif isinstance(v, np.generic):
             v = v.item()
         if isinstance(v, float) and not math.isfinite(v):
             v = repr(v)
