@@ -1,12 +1,20 @@
 """The state stored in the golden checkpoints: deterministic, no RNG, every kind of leaf.
 
 `python tests/golden/golden_state.py write` writes ``tests/golden/v<N>/`` for the
-current format version N. A written version is never rewritten: the test suite loads
-every ``v*`` folder forever, so a reader change that breaks old checkpoints fails.
+current format version N: the checkpoint, and ``expected.json`` with the exact bytes of
+every tensor in it. A written version is never rewritten: the test suite loads every
+``v*`` folder forever, so a reader change that breaks old checkpoints fails.
+
+Tensors are compared with the bytes stored in ``expected.json``, never with a
+recomputation: an AdamW step (and any float arithmetic) may round differently on
+another CPU (an Intel Xeon differs from the AMD EPYC the v1 fixture was written on in
+the last bits). Non-tensor leaves are Python literals and are compared with
+:func:`golden_state`.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from collections import OrderedDict
 from pathlib import Path
@@ -43,6 +51,32 @@ def golden_state() -> dict:
     }
 
 
+def tensor_bytes(tree, prefix: str = "") -> dict:
+    """Every tensor in a (state_dict-like) tree: ``{path: {dtype, shape, hex}}``."""
+    out = {}
+    if isinstance(tree, torch.Tensor):
+        t = tree.detach().contiguous()
+        if t.is_complex():
+            t = torch.view_as_real(t).contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        out[prefix] = {"dtype": str(t.dtype), "shape": list(t.shape), "hex": raw.hex()}
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            out.update(tensor_bytes(v, f"{prefix}/{k}" if prefix else str(k)))
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            out.update(tensor_bytes(v, f"{prefix}/{i}"))
+    return out
+
+
+def expected_of(state: dict) -> dict:
+    """What ``expected.json`` holds for a golden state: the bytes of every tensor."""
+    return {"model": tensor_bytes(state["model"].state_dict()),
+            "optimizer": tensor_bytes(state["optimizer"].state_dict()["state"]),
+            "plain": tensor_bytes(state["plain"]),
+            "generator": tensor_bytes(state["generator"].get_state())}
+
+
 def write() -> Path:
     import unbroken
     from unbroken.format.manifest import FORMAT_VERSION
@@ -53,8 +87,10 @@ def write() -> Path:
     target.parent.mkdir(parents=True)
     ckpt = unbroken.Checkpointer(target.parent, signals=(), rng=False)
     ckpt.progress.step = 42
-    ckpt.save(golden_state(), metrics={"loss": 0.5})
+    state = golden_state()
+    ckpt.save(state, metrics={"loss": 0.5})
     ckpt.close()
+    (target.parent.parent / "expected.json").write_text(json.dumps(expected_of(state), indent=1) + "\n")
     (target.parent / ".lock").unlink(missing_ok=True)
     return target
 
