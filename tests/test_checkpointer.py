@@ -16,7 +16,7 @@ import torch
 
 import unbroken
 from unbroken.manager import UnbrokenWarning
-from unbroken.storage.local import _tag
+from unbroken.store.local import _tag
 
 
 def names(run) -> list[str]:

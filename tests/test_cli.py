@@ -67,11 +67,11 @@ def test_inspect_lists_tensors(run: Path) -> None:
 
 def test_events_and_metrics_continuity(tmp_path: Path) -> None:
     w = torch.zeros(1)
-    ckpt = unbroken.Checkpointer(tmp_path / "run", save_every=2, keep_last=None, signals=())
+    ckpt = unbroken.Checkpointer(tmp_path / "run", save_every=2, keep_last=None, preemption=None)
     for step in range(4):
         ckpt.step({"w": w}, loss=float(step))
     ckpt.close()
-    again = unbroken.Checkpointer(tmp_path / "run", save_every=2, keep_last=None, signals=())
+    again = unbroken.Checkpointer(tmp_path / "run", save_every=2, keep_last=None, preemption=None)
     again.restore({"w": w}, path=tmp_path / "run" / "step-000000002")
     for step in range(2, 4):  # re-run steps 3 and 4: identical values
         again.step({"w": w}, loss=float(step))
@@ -80,7 +80,7 @@ def test_events_and_metrics_continuity(tmp_path: Path) -> None:
     assert res.exit_code == 0 and "resumed" in res.output and "saved" in res.output, res.output
     res = runner.invoke(app, ["metrics", str(tmp_path / "run"), "loss", "--check"])
     assert res.exit_code == 0 and "2 re-run steps checked, 0 differ" in res.output, res.output
-    third = unbroken.Checkpointer(tmp_path / "run", save_every=2, keep_last=None, signals=())
+    third = unbroken.Checkpointer(tmp_path / "run", save_every=2, keep_last=None, preemption=None)
     third.restore({"w": w}, path=tmp_path / "run" / "step-000000002")
     third.step({"w": w}, loss=99.0)  # a different value for step 3: not an exact resume
     third.close()

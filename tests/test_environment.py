@@ -446,7 +446,7 @@ def test_check_strict_raises_naming_every_significant_field(base: dict[str, Any]
                  f"world_size: {base['world_size']} -> 8"):
         assert line in msg
     assert "host" not in msg
-    assert "env_policy='warn'" in msg and "restore that environment" in msg
+    assert "EnvCheck(policy='warn')" in msg and "restore that environment" in msg
     assert isinstance(err.value, UnbrokenError)
 
 

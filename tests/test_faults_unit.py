@@ -39,7 +39,7 @@ def test_sigterm_saves_at_the_step_boundary_and_exits(tmp_path: Path) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     state = {"model": model, "optimizer": opt}
     before = signal.getsignal(signal.SIGTERM)
-    ckpt = unbroken.Checkpointer(tmp_path / "run", save_every=100, signals=(signal.SIGTERM,))
+    ckpt = unbroken.Checkpointer(tmp_path / "run", save_every=100, preemption=unbroken.Preemption(signals=(signal.SIGTERM,)))
     ckpt.restore(state)
     ckpt.step(state)
     os.kill(os.getpid(), signal.SIGTERM)  # arrives "mid-step": nothing happens yet
@@ -71,7 +71,7 @@ def test_guard_writes_an_exact_emergency_checkpoint(tmp_path: Path, fail: str) -
         model = _model()
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         state = {"model": model, "optimizer": opt}
-        ckpt = unbroken.Checkpointer(run_dir, save_every=100, signals=())
+        ckpt = unbroken.Checkpointer(run_dir, save_every=100, preemption=None)
         ckpt.restore(state)
         try:
             with ckpt.guard(state):
@@ -101,7 +101,7 @@ def test_guard_does_not_save_twice_right_after_a_save(tmp_path: Path) -> None:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     state = {"model": model, "optimizer": opt}
-    ckpt = unbroken.Checkpointer(tmp_path / "run", save_every=2, keep_last=None, signals=())
+    ckpt = unbroken.Checkpointer(tmp_path / "run", save_every=2, keep_last=None, preemption=None)
     with pytest.raises(RuntimeError), ckpt.guard(state):
         for i in range(5):
             _train_step(model, opt, torch.randn(8, 4), "before" if i == 2 else None)
@@ -113,7 +113,7 @@ def test_submit_script_is_written_under_slurm(tmp_path: Path, monkeypatch: pytes
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     monkeypatch.setenv("SLURM_JOB_NAME", "exp1")
     monkeypatch.setenv("SLURM_JOB_PARTITION", "gpu")
-    ckpt = unbroken.Checkpointer(tmp_path / "run", signals=())
+    ckpt = unbroken.Checkpointer(tmp_path / "run", preemption=None)
     ckpt.save({"w": torch.zeros(1)})
     text = (tmp_path / "run" / "submit.slurm").read_text()
     for line in ("#SBATCH --job-name=exp1", "#SBATCH --partition=gpu", "#SBATCH --signal=USR1@120",

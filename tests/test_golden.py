@@ -82,7 +82,7 @@ def test_golden_checkpoint_loads(version: Path, tmp_path: Path) -> None:
         live["model"].weight.zero_()
     live["generator"].manual_seed(0)
     live["plain"] = {}
-    ck = unbroken.Checkpointer(run, signals=(), rng=False)
+    ck = unbroken.Checkpointer(run, preemption=None, rng=False)
     assert ck.restore(live).step == 42
     _check_tensors("model", tensor_bytes(live["model"].state_dict()), expected["model"])
     _check_tensors("optimizer", tensor_bytes(live["optimizer"].state_dict()["state"]), expected["optimizer"])

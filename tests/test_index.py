@@ -27,7 +27,7 @@ import unbroken
 from unbroken.discovery import discover
 from unbroken.index import INDEX_FILE, RunIndex
 from unbroken.reader import read_manifest
-from unbroken.storage.local import LocalStorage
+from unbroken.store.local import LocalStore as LocalStorage
 
 SRC = str(Path(unbroken.__file__).resolve().parents[1])
 
@@ -61,7 +61,7 @@ def make_run(run: Path, saves: int = 5, keep_last: int | None = 3) -> unbroken.C
     """A run with real checkpoints of a few tensors; kinds, epochs and metrics vary."""
     torch.manual_seed(0)
     state = {"w": torch.randn(4, 3), "b": torch.zeros(3, dtype=torch.float64), "meta": {"lr": 0.1}}
-    ckpt = unbroken.Checkpointer(run, keep_last=keep_last, signals=())
+    ckpt = unbroken.Checkpointer(run, keep_last=keep_last, preemption=None)
     for i in range(saves):
         ckpt.progress.epoch = i // 2
         ckpt.step(state, loss=torch.tensor(1.0 / (i + 1)))
@@ -220,7 +220,7 @@ def test_index_matches_the_manifests_of_real_checkpointer_saves(tmp_path):
     run = tmp_path / "run"
     torch.manual_seed(0)
     state = {"w": torch.randn(4, 3), "b": torch.zeros(3, dtype=torch.float64), "meta": {"lr": 0.1}}
-    ckpt = unbroken.Checkpointer(run, keep_last=3, signals=())
+    ckpt = unbroken.Checkpointer(run, keep_last=3, preemption=None)
     for i in range(7):  # the Checkpointer records segments, metrics, saves and prunes itself
         ckpt.progress.epoch = i // 3
         ckpt.step(state, loss=torch.tensor(0.5 / (i + 1)))
@@ -256,7 +256,7 @@ def test_index_matches_the_manifests_of_real_checkpointer_saves(tmp_path):
     # damage the newest: restore quarantines it; plant a quarantined folder with garbage
     (run / newest.name / "manifest.json").write_text("{ not json")
     ckpt.close()
-    ckpt = unbroken.Checkpointer(run, keep_last=3, signals=())
+    ckpt = unbroken.Checkpointer(run, keep_last=3, preemption=None)
     ckpt.restore(state)
     ckpt.close()
     idx = RunIndex(run)
@@ -500,7 +500,7 @@ KILLED = """
         time.sleep(0.005)
     torch.manual_seed(0)
     state = {"w": torch.zeros(4, 1)}  # plain tensors: torch.optim's first step costs seconds of imports
-    ckpt = unbroken.Checkpointer(run, save_every=3, keep_last=2, signals=())
+    ckpt = unbroken.Checkpointer(run, save_every=3, keep_last=2, preemption=None)
     # until > 0: resume from the oldest checkpoint (re-running logged steps), stop after `until` steps
     info = ckpt.restore(state, path=ckpt.checkpoints()[-1].path) if until else ckpt.restore(state)
     w = state["w"]

@@ -23,7 +23,7 @@ def steps_of(ckpt: unbroken.Checkpointer) -> list[int]:
 def test_combined_retention_over_a_long_run(tmp_path: Path) -> None:
     rng = random.Random(3)
     state = {"w": torch.zeros(3)}
-    ckpt = unbroken.Checkpointer(tmp_path / "run", save_every=50, keep_last=3, signals=(),
+    ckpt = unbroken.Checkpointer(tmp_path / "run", save_every=50, keep_last=3, preemption=None,
                                  retention=KeepBest(2, "val_loss", "min") | KeepEveryNSteps(1000))
     saved: dict[int, float] = {}
     for step in range(1, 3001):
@@ -46,7 +46,7 @@ def test_combined_retention_over_a_long_run(tmp_path: Path) -> None:
 
 def test_tags_at_save_time_restore_by_tag_and_survive_retention(tmp_path: Path) -> None:
     w = torch.zeros(2)
-    ckpt = unbroken.Checkpointer(tmp_path / "run", keep_last=1, signals=())
+    ckpt = unbroken.Checkpointer(tmp_path / "run", keep_last=1, preemption=None)
     ckpt.progress.step = 5
     w.fill_(5)
     ckpt.save({"w": w}, tag="v1")
@@ -57,7 +57,7 @@ def test_tags_at_save_time_restore_by_tag_and_survive_retention(tmp_path: Path) 
     assert steps_of(ckpt) == [5, 8]
     ckpt.close()
     live = {"w": torch.zeros(2)}
-    with unbroken.Checkpointer(tmp_path / "run", signals=()) as again:
+    with unbroken.Checkpointer(tmp_path / "run", preemption=None) as again:
         assert again.restore(live, tag="v1").step == 5
         assert torch.equal(live["w"], torch.full((2,), 5.0))
         with pytest.raises(unbroken.NoCheckpointError):
@@ -71,7 +71,7 @@ def test_on_improvement_at_epoch_end_and_its_state_survives_a_resume(tmp_path: P
 
     def run(epochs: range, run_dir: Path) -> list[int]:
         state = {"w": torch.zeros(1)}
-        ckpt = unbroken.Checkpointer(run_dir, keep_last=None, signals=(),
+        ckpt = unbroken.Checkpointer(run_dir, keep_last=None, preemption=None,
                                      trigger=OnImprovement("val_loss", "min"))
         ckpt.restore(state)
         saved = []
@@ -90,7 +90,7 @@ def test_on_improvement_at_epoch_end_and_its_state_survives_a_resume(tmp_path: P
 
 
 def test_every_n_steps_trigger_and_at_epoch_end(tmp_path: Path) -> None:
-    ckpt = unbroken.Checkpointer(tmp_path / "run", keep_last=None, signals=(),
+    ckpt = unbroken.Checkpointer(tmp_path / "run", keep_last=None, preemption=None,
                                  trigger=EveryNSteps(4) | AtEpochEnd())
     state = {"w": torch.zeros(1)}
     for step in range(1, 11):
@@ -103,7 +103,7 @@ def test_every_n_steps_trigger_and_at_epoch_end(tmp_path: Path) -> None:
 
 KILLED_BETWEEN_COMMIT_AND_PRUNE = textwrap.dedent("""
     import sys, torch, unbroken
-    ckpt = unbroken.Checkpointer(sys.argv[1], save_every=2, keep_last=2, signals=())
+    ckpt = unbroken.Checkpointer(sys.argv[1], save_every=2, keep_last=2, preemption=None)
     state = {"w": torch.zeros(1)}
     ckpt.restore(state)
     while ckpt.progress.step < 12:

@@ -35,7 +35,7 @@ def make(with_scheduler: bool = True):
 
 def train(run: Path, steps: int, with_scheduler: bool = True) -> unbroken.Checkpointer:
     model, opt, sched, state, probe = make(with_scheduler)
-    ckpt = unbroken.Checkpointer(run, save_every=5, signals=(), probe=probe)
+    ckpt = unbroken.Checkpointer(run, save_every=5, preemption=None, probe=probe)
     ckpt.restore(state)
     g = torch.Generator().manual_seed(ckpt.progress.step)
     while ckpt.progress.step < steps:
@@ -51,7 +51,7 @@ def test_probe_is_equal_after_a_right_restore(tmp_path: Path, caplog: pytest.Log
     train(tmp_path / "run", 10).close()
     caplog.set_level(logging.INFO, logger="unbroken")
     _, _, _, state, probe = make()
-    ckpt = unbroken.Checkpointer(tmp_path / "run", signals=(), probe=probe)
+    ckpt = unbroken.Checkpointer(tmp_path / "run", preemption=None, probe=probe)
     ckpt.restore(state)
     assert ckpt.probe_report is not None and ckpt.probe_report.status == "equal", ckpt.probe_report
     assert set(ckpt.probe_report.saved) == {"loss", "loss_after", "lr_next0"}
@@ -61,7 +61,7 @@ def test_probe_is_equal_after_a_right_restore(tmp_path: Path, caplog: pytest.Log
 def test_probe_detects_a_forgotten_scheduler(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     train(tmp_path / "run", 10).close()
     _, _, _, state, probe = make(with_scheduler=False)  # the scheduler is left out of the state
-    ckpt = unbroken.Checkpointer(tmp_path / "run", signals=(), probe=probe, strict=False)
+    ckpt = unbroken.Checkpointer(tmp_path / "run", preemption=None, probe=probe, strict=False)
     ckpt.restore(state)
     report = ckpt.probe_report
     assert report is not None and report.status == "different", report
@@ -73,7 +73,7 @@ def test_probe_detects_a_forgotten_scheduler(tmp_path: Path, caplog: pytest.LogC
 def test_probe_detects_wrong_weights(tmp_path: Path) -> None:
     train(tmp_path / "run", 10).close()
     model, _, _, state, probe = make()
-    ckpt = unbroken.Checkpointer(tmp_path / "run", signals=(), probe=probe)
+    ckpt = unbroken.Checkpointer(tmp_path / "run", preemption=None, probe=probe)
     ckpt.restore(state)
     with torch.no_grad():
         model[0].weight.add_(1e-3)

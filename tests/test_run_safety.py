@@ -14,12 +14,12 @@ import torch
 
 import unbroken
 from unbroken.errors import InsufficientSpaceError
-from unbroken.storage.local import LocalStorage
-from unbroken.storage.lock import RunLockedError
+from unbroken.store.local import LocalStore as LocalStorage
+from unbroken.errors import RunLockedError
 
 HOLDER = textwrap.dedent("""
     import sys, time, torch, unbroken
-    ckpt = unbroken.Checkpointer(sys.argv[1], signals=())
+    ckpt = unbroken.Checkpointer(sys.argv[1], preemption=None)
     ckpt.restore({"w": torch.zeros(2)})
     print("locked", flush=True)
     time.sleep(120)
@@ -36,7 +36,7 @@ def test_second_writer_is_refused_with_a_clear_message(tmp_path: Path) -> None:
     run = tmp_path / "run"
     holder = _start_holder(run)
     try:
-        ckpt = unbroken.Checkpointer(run, signals=())
+        ckpt = unbroken.Checkpointer(run, preemption=None)
         with pytest.raises(RunLockedError, match=rf"another process \(host \S+ pid {holder.pid}\)"):
             ckpt.restore({"w": torch.zeros(2)})
         with pytest.raises(RunLockedError):
@@ -52,14 +52,14 @@ def test_lock_of_a_killed_writer_is_recovered(tmp_path: Path) -> None:
     holder = _start_holder(run)
     holder.send_signal(signal.SIGKILL)
     holder.wait()
-    with unbroken.Checkpointer(run, signals=()) as ckpt:  # the kernel released the dead holder's lock
+    with unbroken.Checkpointer(run, preemption=None) as ckpt:  # the kernel released the dead holder's lock
         ckpt.restore({"w": torch.zeros(2)})
         assert ckpt.save({"w": torch.ones(2)}).step == 0
 
 
 def test_one_process_may_hold_several_checkpointers_on_a_run(tmp_path: Path) -> None:
-    a = unbroken.Checkpointer(tmp_path / "run", signals=())
-    b = unbroken.Checkpointer(tmp_path / "run", signals=())
+    a = unbroken.Checkpointer(tmp_path / "run", preemption=None)
+    b = unbroken.Checkpointer(tmp_path / "run", preemption=None)
     a.save({"w": torch.zeros(2)})
     b.save({"w": torch.zeros(2)})
     a.close()
@@ -71,7 +71,7 @@ def test_one_process_may_hold_several_checkpointers_on_a_run(tmp_path: Path) -> 
 
 def test_not_enough_space_fails_before_writing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     run = tmp_path / "run"
-    ckpt = unbroken.Checkpointer(run, signals=(), keep_last=2)
+    ckpt = unbroken.Checkpointer(run, preemption=None, keep_last=2)
     state = {"w": torch.randn(1000)}
     ckpt.save(state)
     monkeypatch.setattr(LocalStorage, "free_bytes", lambda self: 1000)
@@ -110,13 +110,13 @@ class _FullDiskFile:
 
 def test_enospc_in_the_middle_of_a_save_keeps_everything(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A fault-injecting storage: the disk fills up half-way through a tensor file."""
-    from unbroken.storage import local
+    from unbroken.store import local
 
     run = tmp_path / "run"
     model = torch.nn.Linear(64, 64)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     state = {"model": model, "optimizer": opt}
-    ckpt = unbroken.Checkpointer(run, signals=(), keep_last=1)
+    ckpt = unbroken.Checkpointer(run, preemption=None, keep_last=1)
     first = ckpt.save(state)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     real_open = local.LocalStaging.open
@@ -138,7 +138,7 @@ def test_enospc_in_the_middle_of_a_save_keeps_everything(tmp_path: Path, monkeyp
     assert ckpt.save(state).step == 2
     assert [c.step for c in ckpt.checkpoints()] == [2]
     fresh = torch.nn.Linear(64, 64)
-    unbroken.Checkpointer(run, signals=()).restore({"model": fresh, "optimizer": torch.optim.SGD(
+    unbroken.Checkpointer(run, preemption=None).restore({"model": fresh, "optimizer": torch.optim.SGD(
         fresh.parameters(), lr=0.1)})
     assert torch.equal(fresh.weight, before["weight"] + 1)
 
@@ -160,7 +160,7 @@ def test_real_full_filesystem(tiny_fs: Path, monkeypatch: pytest.MonkeyPatch) ->
     """A real 7 MB filesystem: the pre-check refuses, and a real ENOSPC mid-write loses nothing."""
     run = tiny_fs / "run"
     state = {"w": torch.randn(625_000)}  # 2.5 MB
-    ckpt = unbroken.Checkpointer(run, signals=(), keep_last=None)
+    ckpt = unbroken.Checkpointer(run, preemption=None, keep_last=None)
     ckpt.save(state)
     ckpt.progress.step = 1
     ckpt.save(state)

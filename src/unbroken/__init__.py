@@ -2,7 +2,7 @@
 
 The public API::
 
-    ckpt = unbroken.Checkpointer("runs/exp1", save_every=500, keep_last=3)
+    ckpt = unbroken.Checkpointer("runs/exp1", save_every=500, keep_last=3)   # or "s3://bucket/exp1"
     state = {"model": model, "optimizer": opt, "scheduler": sched, "scaler": scaler}
     ckpt.restore(state)              # newest valid checkpoint, or a fresh start
     while ckpt.progress.step < total_steps:
@@ -23,17 +23,24 @@ from .errors import (  # noqa: E402
     NoCheckpointError,
     RunLockedError,
     StateMismatchError,
+    StorageError,
     UnbrokenError,
     UnsupportedStateError,
 )
 from .state.stateful import Gradients, Progress, Stateful  # noqa: E402
 from .api import CheckpointInfo, load, save, verify  # noqa: E402
+from .environment import EnvCheck  # noqa: E402
+from .faults import Preemption  # noqa: E402
 from .manager import Checkpointer  # noqa: E402
 from .probe import probe_step  # noqa: E402
+from .tiers import Remote  # noqa: E402
 
 __all__ = [
     "Checkpointer",
     "CheckpointInfo",
+    "Remote",
+    "Preemption",
+    "EnvCheck",
     "Stateful",
     "Progress",
     "Gradients",
@@ -50,4 +57,5 @@ __all__ = [
     "RunLockedError",
     "InsufficientSpaceError",
     "EnvironmentMismatchError",
+    "StorageError",
 ]

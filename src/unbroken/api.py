@@ -9,8 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from .errors import NoCheckpointError
 from .format.manifest import Manifest
@@ -19,7 +18,7 @@ from .reader import LoadedCheckpoint, read_checkpoint
 from .snapshot import Snapshotter
 from .state.apply import apply_state
 from .state.codec import StatefulValue
-from .storage.local import LocalStorage
+from .store import split_checkpoint
 
 
 @dataclass(frozen=True)
@@ -36,56 +35,56 @@ class CheckpointInfo:
     progress: dict[str, int] = field(default_factory=dict)
     kind: str = "regular"
     tags: tuple[str, ...] = ()
+    tiers: tuple[str, ...] = ()
+    """Where copies are committed: ``("local",)``, ``("remote",)`` or both (tiered runs)."""
 
     @classmethod
-    def of(cls, path: str, name: str, m: Manifest, tags: tuple[str, ...] | None = None) -> "CheckpointInfo":
+    def of(cls, path: str, name: str, m: Manifest, tags: tuple[str, ...] | None = None,
+           tiers: tuple[str, ...] = ()) -> "CheckpointInfo":
         return cls(name=name, path=path, step=m.step, seq=m.seq, created=m.created,
                    size_bytes=m.total_bytes, metrics=dict(m.metrics), progress=dict(m.progress),
-                   kind=m.kind, tags=tuple(sorted(m.tags)) if tags is None else tags)
-
-
-def _split(path: str | os.PathLike[str]) -> tuple[LocalStorage, str]:
-    p = Path(path)
-    return LocalStorage(p.parent), p.name
+                   kind=m.kind, tags=tuple(sorted(m.tags)) if tags is None else tags, tiers=tiers)
 
 
 def save(path: str | os.PathLike[str], state: Mapping[str, Any], *, step: int = 0,
-         metrics: dict[str, Any] | None = None) -> CheckpointInfo:
-    """Write ``state`` atomically as the checkpoint folder ``path`` (which must not exist).
+         metrics: dict[str, Any] | None = None,
+         storage_options: Mapping[str, Any] | None = None) -> CheckpointInfo:
+    """Write ``state`` atomically as the checkpoint ``path`` (a folder or a URL; must not exist).
 
     Saves exactly what is given: use :class:`Checkpointer` to include RNG and progress.
     """
-    storage, name = _split(path)
-    if Path(path).exists():
+    store, name = split_checkpoint(path, storage_options)
+    if name in store.list_committed() or (not store.remote and os.path.lexists(os.fspath(path))):
         raise FileExistsError(f"{path} already exists; choose a new checkpoint path")
     snap = Snapshotter().capture(state)
-    final, manifest = write_snapshot(snap, storage, name, step=step, seq=0, metrics=metrics)
-    return CheckpointInfo.of(storage.describe(final), final, manifest)
+    final, manifest = write_snapshot(snap, store, name, step=step, seq=0, metrics=metrics)
+    return CheckpointInfo.of(store.describe(final), final, manifest)
 
 
-def read_path(path: str | os.PathLike[str]) -> LoadedCheckpoint:
-    """Verify and decode the checkpoint folder at ``path`` (NoCheckpointError if there is none)."""
-    storage, name = _split(path)
-    if not Path(path).is_dir():
+def read_path(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> LoadedCheckpoint:
+    """Verify and decode the checkpoint at ``path`` (NoCheckpointError if there is none)."""
+    store, name = split_checkpoint(path, storage_options)
+    there = os.path.isdir(os.fspath(path)) if not store.remote else name in store.list_committed()
+    if not there:
         raise NoCheckpointError(f"no checkpoint at {path}")
-    return read_checkpoint(storage, name)
+    return read_checkpoint(store, name)
 
 
-def verify(path: str | os.PathLike[str]) -> CheckpointInfo:
+def verify(path: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None) -> CheckpointInfo:
     """Fully verify a checkpoint (checksums, headers, state tree); raise if anything is wrong."""
-    loaded = read_path(path)
+    loaded = read_path(path, storage_options)
     return CheckpointInfo.of(str(path), loaded.name, loaded.manifest)
 
 
 def load(path: str | os.PathLike[str], state: MutableMapping[str, Any] | None = None, *,
-         strict: bool = True) -> dict[str, Any]:
-    """Verify and load a checkpoint folder.
+         strict: bool = True, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Verify and load a checkpoint (a folder or a URL).
 
     With ``state``, restore into its objects in place (``load_state_dict`` for
     ``Stateful`` objects) and return it. Without, return the saved tree as plain
     Python values and CPU tensors. Never unpickles anything.
     """
-    loaded = read_path(path)
+    loaded = read_path(path, storage_options)
     if state is None:
         return unwrap(loaded.state)
     apply_state(state, loaded.state, strict=strict)

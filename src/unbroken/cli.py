@@ -16,6 +16,43 @@ from rich.table import Table
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Checkpoints that survive anything, and resume bitwise identically.")
 console = Console()
+_options: dict[str, object] = {}
+
+
+@app.callback()
+def _main(option: list[str] = typer.Option([], "--option", "-o", metavar="KEY=VALUE",
+                                            help="A storage option for URL locations, e.g. -o endpoint_url=http://"
+                                                 "127.0.0.1:8333 -o anon=true (repeatable). Credentials also come "
+                                                 "from the backend's environment variables (AWS_*).")) -> None:
+    """Checkpoints that survive anything, and resume bitwise identically."""
+    for item in option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint="--option")
+        _options[key] = {"true": True, "false": False}.get(value.lower(), value)
+
+
+def _store(location: str):
+    """The store of a run location (path or URL), or exit 1 with a clear message."""
+    from .errors import StorageError
+    from .store import open_store
+
+    try:
+        return open_store(location, _options or None, readonly=True)
+    except StorageError as e:
+        console.print(f"[red]{e}[/]")
+        raise typer.Exit(1)
+
+
+def _checkpoint(location: str):
+    from .errors import StorageError
+    from .store import split_checkpoint
+
+    try:
+        return split_checkpoint(location, _options or None)
+    except StorageError as e:
+        console.print(f"[red]{e}[/]")
+        raise typer.Exit(1)
 
 
 def _size(n: int) -> str:
@@ -41,12 +78,12 @@ def demo(
 
 
 @app.command("list")
-def list_(run: Path = typer.Argument(..., help="Run folder.")) -> None:
+def list_(run: str = typer.Argument(..., help="Run folder or URL.")) -> None:
     """List the committed checkpoints of a run, newest first (manifests only, not verified)."""
     from .discovery import discover
-    from .storage.local import LocalStorage
 
-    infos = discover(LocalStorage(run)) if run.is_dir() else []
+    store = _store(run)
+    infos = discover(store)
     if not infos:
         console.print(f"no checkpoints in {run}")
         raise typer.Exit(1)
@@ -57,44 +94,48 @@ def list_(run: Path = typer.Argument(..., help="Run folder.")) -> None:
         when = _dt.datetime.fromtimestamp(c.created).isoformat(sep=" ", timespec="seconds")
         table.add_row(c.name, str(c.step), str(c.seq), when, _size(c.size_bytes), json.dumps(c.metrics))
     console.print(table)
-    q = run / "quarantine"
-    if q.is_dir():
-        names = sorted(p.name for p in q.iterdir() if p.is_dir())
-        if names:
-            console.print(f"quarantined: {', '.join(names)}")
+    q = store.quarantined()
+    names = q.list_committed() if q is not None else []
+    if names:
+        console.print(f"quarantined: {', '.join(names)}")
 
 
 @app.command()
-def verify(path: Path = typer.Argument(..., help="A checkpoint folder, or a run folder to verify all.")) -> None:
+def verify(path: str = typer.Argument(..., help="A checkpoint, or a run to verify all (folder or URL).")) -> None:
     """Verify checksums, headers and the state tree; exit 1 if anything is wrong."""
-    from .api import verify as verify_one
     from .errors import UnbrokenError
-    from .storage.local import LocalStorage
+    from .reader import read_checkpoint
 
-    targets = [path] if (path / "manifest.json").exists() or not path.is_dir() else \
-        [path / n for n in LocalStorage(path).list_committed()]
+    store = _store(path)
+    single = (Path(path) / "manifest.json").exists() if not store.remote else False
+    if store.remote:
+        parent, name = _checkpoint(path)
+        single = name in parent.list_committed()
+    elif single or not Path(path).is_dir():
+        parent, name = _checkpoint(path)
+    targets = [(parent, name)] if single or (not store.remote and not Path(path).is_dir()) else \
+        [(store, n) for n in store.list_committed()]
     bad = 0
-    for t in targets:
+    for where, name in targets:
         try:
-            info = verify_one(t)
-            console.print(f"[green]ok[/]   {t}  step {info.step}, {_size(info.size_bytes)}")
-        except UnbrokenError as e:
+            info = read_checkpoint(where, name).manifest
+            console.print(f"[green]ok[/]   {where.describe(name)}  step {info.step}, {_size(info.total_bytes)}")
+        except (UnbrokenError, OSError) as e:
             bad += 1
-            console.print(f"[red]BAD[/]  {t}: {e}")
+            console.print(f"[red]BAD[/]  {where.describe(name)}: {e}")
     if not targets:
         console.print(f"no checkpoints in {path}")
     raise typer.Exit(1 if bad or not targets else 0)
 
 
 @app.command()
-def inspect(path: Path = typer.Argument(..., help="A checkpoint folder.")) -> None:
+def inspect(path: str = typer.Argument(..., help="A checkpoint (folder or URL).")) -> None:
     """Show a checkpoint's manifest and every tensor (name, dtype, shape) without loading data."""
     from .errors import UnbrokenError
     from .format.tensorfile import parse_header
     from .reader import read_manifest
-    from .storage.local import LocalStorage
 
-    storage, name = LocalStorage(path.parent), path.name
+    storage, name = _checkpoint(path)
     try:
         m = read_manifest(storage, name)
     except UnbrokenError as e:
@@ -121,20 +162,21 @@ def inspect(path: Path = typer.Argument(..., help="A checkpoint folder.")) -> No
     console.print(table)
 
 
-def _open_index(run: Path):
+def _open_index(run: str):
     from .index import RunIndex
 
-    if not run.is_dir():
+    store = _store(run)
+    if not store.remote and not Path(store.url).is_dir():
         console.print(f"no run folder {run}")
         raise typer.Exit(1)
-    idx = RunIndex(run, readonly=True)
+    idx = RunIndex(store, readonly=True)
     if idx.in_memory:
         console.print("[yellow]index missing or damaged: showing a rebuild from the manifests (no history)[/]")
     return idx
 
 
 @app.command()
-def events(run: Path = typer.Argument(..., help="Run folder."),
+def events(run: str = typer.Argument(..., help="Run folder or URL."),
            kind: Optional[str] = typer.Option(None, help="Only events of this kind (saved, resumed, ...).")) -> None:
     """The run's event log: starts, resumes, saves, emergency saves, preemptions, corruption, pruning."""
     idx = _open_index(run)
@@ -150,7 +192,7 @@ def events(run: Path = typer.Argument(..., help="Run folder."),
 
 
 @app.command()
-def metrics(run: Path = typer.Argument(..., help="Run folder."),
+def metrics(run: str = typer.Argument(..., help="Run folder or URL."),
             name: str = typer.Argument(..., help="Metric name, e.g. loss."),
             check: bool = typer.Option(False, "--check", help="Exit 1 unless steps re-run after a resume "
                                        "logged bitwise identical values.")) -> None:

@@ -90,7 +90,7 @@ def train(args: argparse.Namespace) -> int:
 
     # --- unbroken: four lines ---------------------------------------------------
     ckpt = unbroken.Checkpointer(args.run_dir, save_every=args.save_every, keep_last=3, rng="rng" not in args.omit,
-                                 requeue=args.requeue, grace_period=args.grace)
+                                 preemption=unbroken.Preemption(requeue=args.requeue, grace_period=args.grace))
     state = {"model": model, "optimizer": opt, "scheduler": sched, "scaler": scaler, "data": loader}
     for part in args.omit:  # negative controls for the tests: forget part of the state
         state.pop(part, None)

@@ -1,51 +1,59 @@
-"""Finding checkpoints in a run folder: listing (read-only) and the newest *valid* one.
+"""Finding checkpoints in one store: listing (read-only) and the newest *valid* one.
 
 Listing reads manifests only. Finding the newest valid checkpoint verifies every byte
 (:func:`unbroken.reader.read_checkpoint`) from the newest commit (highest ``seq``)
-backwards and reports each invalid one to a callback (the Checkpointer quarantines it).
+backwards and reports each invalid one to a callback (the run quarantines it).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from .api import CheckpointInfo
 from .errors import CorruptCheckpointError, UnbrokenError
+from .format.manifest import Manifest
 from .reader import LoadedCheckpoint, read_checkpoint, read_manifest
-from .storage.local import LocalStorage
 from .tags import tags_by_checkpoint
 
 
-def discover(storage: LocalStorage) -> list[CheckpointInfo]:
-    """Committed checkpoints of a run with a readable manifest, newest first; read-only."""
-    manifests = {}
-    for name in storage.list_committed():
+def manifests(store: Any) -> dict[str, Manifest]:
+    """The readable manifests of a store's committed checkpoints (unreadable ones left out)."""
+    out = {}
+    for name in store.list_committed():
         try:
-            manifests[name] = read_manifest(storage, name)
+            out[name] = read_manifest(store, name)
         except (UnbrokenError, OSError):
             continue
-    tags = tags_by_checkpoint(storage.root, {n: m.tags for n, m in manifests.items()})
-    out = [CheckpointInfo.of(storage.describe(n), n, m, tuple(sorted(tags.get(n, ())))) for n, m in manifests.items()]
+    return out
+
+
+def discover(store: Any, tier: str = "") -> list[CheckpointInfo]:
+    """Committed checkpoints of a store with a readable manifest, newest first; read-only."""
+    found = manifests(store)
+    tags = tags_by_checkpoint(store, {n: m.tags for n, m in found.items()})
+    tiers = (tier,) if tier else ()
+    out = [CheckpointInfo.of(store.describe(n), n, m, tuple(sorted(tags.get(n, ()))), tiers)
+           for n, m in found.items()]
     return sorted(out, key=lambda c: (c.seq, c.step), reverse=True)
 
 
-def newest_valid(storage: LocalStorage, on_invalid: Callable[[str, str], None]) -> tuple[LoadedCheckpoint | None, int]:
+def newest_valid(store: Any, on_invalid: Callable[[str, str], None]) -> tuple[LoadedCheckpoint | None, int]:
     """The newest checkpoint that verifies, and how many committed checkpoints were seen.
 
     ``on_invalid(name, reason)`` is called for each one that fails, newest first.
     A checkpoint from a newer format raises :class:`~unbroken.errors.NewerFormatError`.
     """
     candidates: list[tuple[int, int, str]] = []
-    for name in storage.list_committed():
+    for name in store.list_committed():
         try:
-            m = read_manifest(storage, name)
+            m = read_manifest(store, name)
         except CorruptCheckpointError as e:
             on_invalid(name, str(e))
             continue
         candidates.append((m.seq, m.step, name))
     for _, _, name in sorted(candidates, reverse=True):
         try:
-            return read_checkpoint(storage, name), len(candidates)
+            return read_checkpoint(store, name), len(candidates)
         except CorruptCheckpointError as e:
             on_invalid(name, str(e))
     return None, len(candidates)

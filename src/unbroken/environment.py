@@ -52,6 +52,30 @@ _SIGNIFICANT = ("git.commit", "git.dirty", "git.diff_hash", "python", "torch", "
 _NOT_COMPARED = ("rank",)
 
 
+@dataclass(frozen=True)
+class EnvCheck:
+    """What a :class:`~unbroken.Checkpointer` records about the environment, and what a resume
+    does about differences.
+
+    Args:
+        config: your hyperparameters (a JSON-like dict), recorded in every manifest.
+        data: a dataset identifier (a string), or paths whose sizes and mtimes are recorded.
+        policy: on restore, compare the saved environment (code, versions, config, data,
+            world size) with this one: ``"warn"`` logs the differences, ``"strict"`` refuses
+            with :class:`EnvironmentMismatchError` before anything is loaded, ``"ignore"``.
+    """
+
+    config: Mapping[str, Any] | None = None
+    data: Any = None
+    policy: str = "warn"
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"EnvCheck policy must be one of {POLICIES}, not {self.policy!r}")
+        if self.config is not None:
+            json_safe_config(self.config)  # a TypeError naming the bad key now, not at the first save
+
+
 class _Missing:  # type of MISSING: a Change's saved/current when that side lacks the key
     def __repr__(self) -> str:
         return "(absent)"
@@ -289,7 +313,7 @@ def check(saved: Mapping[str, Any], current: Mapping[str, Any], policy: str = "w
             f"({len(significant)} significant change(s)), so the resumed run may not match:\n"
             f"{format_changes(significant)}\n"
             "restore that environment (check out the commit, install those versions, use the same "
-            "config, data and world size), or resume anyway: Checkpointer(..., env_policy='warn')")
+            "config, data and world size), or resume anyway: Checkpointer(..., env=EnvCheck(policy='warn'))")
     if changes:
         log.log(logging.WARNING if significant else logging.INFO,
                 "the environment differs from the one the checkpoint was written in "

@@ -49,3 +49,10 @@ class EnvironmentMismatchError(UnbrokenError):
     """With ``env_policy="strict"``, the checkpoint was written in a significantly different
     environment (code, versions, config, data or world size). The message lists each
     change; restore that environment, or resume anyway with ``env_policy="warn"``."""
+
+
+class StorageError(UnbrokenError, OSError):
+    """The run location cannot be used: an unknown URL scheme, a backend package that is not
+    installed, a bucket that does not exist, credentials that are refused, a server that
+    stays unreachable, or a local path that is not a folder. The message says which, and
+    what to do."""

@@ -33,7 +33,7 @@ from typing import Any
 
 from .errors import UnbrokenError
 from .reader import read_manifest
-from .storage.local import QUARANTINE, LocalStorage
+from .store import open_store
 
 log = logging.getLogger("unbroken")
 
@@ -123,9 +123,11 @@ class RunIndex:
     Thread-safe. Call :meth:`start_segment` before :meth:`log_metrics`; events and checkpoint rows
     carry the current segment (``None`` before the first)."""
 
-    def __init__(self, run_dir: str | os.PathLike[str], *, readonly: bool = False,
-                 flush_every: int = 256, flush_seconds: float = 5.0) -> None:
-        self.run_dir, self.path = Path(run_dir), Path(run_dir) / INDEX_FILE
+    def __init__(self, run: Any, *, readonly: bool = False, flush_every: int = 256, flush_seconds: float = 5.0,
+                 storage_options: Mapping[str, Any] | None = None) -> None:
+        self.store = open_store(run, storage_options, readonly=readonly)
+        self.run_dir = self.store.local_dir()
+        self.path = self.run_dir / INDEX_FILE
         self.readonly, self.in_memory, self._lock = readonly, False, threading.RLock()
         self.flush_every, self.flush_seconds, self._last_flush = flush_every, flush_seconds, time.monotonic()
         self.segment: int | None = None
@@ -307,13 +309,11 @@ class RunIndex:
         conn.execute(f"CREATE TABLE checkpoints ({_TABLES['checkpoints']})")
         rows: dict[str, dict[str, Any]] = {}
         unreadable: list[str] = []
-        storage, qdir = LocalStorage(self.run_dir), self.run_dir / QUARANTINE
-        places = [(storage, name, "committed") for name in storage.list_committed()]
-        if qdir.is_dir() and not qdir.is_symlink():
-            places += [(LocalStorage(qdir), name, "quarantined") for name in
-                       sorted(e.name for e in os.scandir(qdir) if e.is_dir(follow_symlinks=False))]
+        places = [(self.store, name, "committed") for name in self.store.list_committed()]
+        if (qstore := self.store.quarantined()) is not None:
+            places += [(qstore, name, "quarantined") for name in qstore.list_committed()]
         for where, name, status in places:
-            key = name if name not in rows else f"{QUARANTINE}/{name}"  # a quarantined twin of a committed one
+            key = name if name not in rows else f"quarantine/{name}"  # a quarantined twin of a committed one
             try:
                 m = read_manifest(where, name)
                 prev = old[key] if key in old and old[key]["seq"] == m.seq else {}  # keep what no manifest holds

@@ -18,12 +18,12 @@ from .errors import InsufficientSpaceError
 from .format.manifest import MANIFEST, STATE_FILE, FileEntry, Manifest, new_hasher
 from .format.tensorfile import write_tensor_file
 from .snapshot import Snapshot
-from .storage.base import Storage
+from .store.base import Store
 
 
 def write_snapshot(
     snapshot: Snapshot,
-    storage: Storage,
+    storage: Store,
     name: str,
     *,
     step: int,
@@ -70,13 +70,13 @@ def write_snapshot(
     return final, manifest
 
 
-def check_space(storage: Storage, payload: int) -> None:
+def check_space(storage: Store, payload: int) -> None:
     """Fail early and clearly, instead of half-writing, when the checkpoint cannot fit."""
     free_bytes = getattr(storage, "free_bytes", None)
-    if free_bytes is None:
+    free = free_bytes() if free_bytes is not None else None
+    if free is None:  # object stores: no such thing as free space
         return
     need = int(payload * 1.01) + (1 << 20)  # headers, manifest, filesystem slack
-    free = free_bytes()
     if free < need:
         raise InsufficientSpaceError(
             f"not enough space for the next checkpoint: it needs about {need / 1e6:.1f} MB, "

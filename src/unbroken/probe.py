@@ -47,10 +47,12 @@ def run_probe(fn: ProbeFn) -> dict[str, float]:
 
 
 def probe_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],
-               batch: Any, scheduler: Any = None) -> ProbeFn:
+               batch: Any, scheduler: Any = None, rtol: float = 1e-5) -> ProbeFn:
     """A probe that trains one step on ``batch`` on a copy: ``loss``, ``loss_after``, ``lr_next*``.
 
-    ``loss_fn(model, batch)`` returns the scalar loss.
+    ``loss_fn(model, batch)`` returns the scalar loss. ``rtol`` is the relative tolerance of
+    "within tolerance" after a restore (bitwise equal is "equal"); any probe function may
+    carry an ``rtol`` attribute the same way.
     """
 
     def probe() -> dict[str, float]:
@@ -76,6 +78,7 @@ def probe_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn
             out["loss_after"] = loss_fn(m, batch).item()
         return out
 
+    probe.rtol = rtol  # type: ignore[attr-defined]
     return probe
 
 

@@ -20,7 +20,7 @@ from .format.manifest import MANIFEST, STATE_FILE, Manifest, new_hasher, strict_
 from .format.tensorfile import load_tensor_file
 from .snapshot import TOP
 from .state.decoder import Decoder
-from .storage.base import Storage
+from .store.base import Store as Storage
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The Checkpointer's view of the run index: every call safe, none able to stop training.
+"""The run index as a plug-in: it listens to the run's events and never stops training.
 
 The index (:mod:`unbroken.index`) is derived data. If it cannot be written (a full
 disk, a read-only folder, a damaged database that cannot be moved aside), the run goes
@@ -9,10 +9,10 @@ index from the manifests the next time it opens.
 from __future__ import annotations
 
 import logging
-import os
 import sqlite3
 from typing import Any, Mapping
 
+from . import events as ev
 from .index import RunIndex
 
 log = logging.getLogger("unbroken")
@@ -21,10 +21,44 @@ log = logging.getLogger("unbroken")
 class Recorder:
     """Writes the run's segments, checkpoints, events and per-step metrics to the index."""
 
-    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+    def __init__(self, store: Any) -> None:
         self._index: RunIndex | None = None
         self._segment = False
-        self._call("open", lambda: setattr(self, "_index", RunIndex(run_dir)))
+        self._call("open", lambda: setattr(self, "_index", RunIndex(store)))
+
+    def on_event(self, e: ev.Event) -> None:
+        """Translate one run event into index rows (see :mod:`unbroken.events`)."""
+        if isinstance(e, ev.Started):
+            self.segment(e.resumed_from, e.step)
+        elif isinstance(e, ev.Restored):
+            self.segment(e.name, e.step)
+        elif isinstance(e, ev.StepEnded):
+            self.metrics(e.step, e.metrics)
+        elif isinstance(e, ev.Saved):
+            self.saved(e.name, e.manifest, e.took_s, list(e.tags))
+        elif isinstance(e, ev.CorruptionFound):
+            self.event("corruption_found", e.reason, checkpoint=e.name, data={"tier": e.tier})
+        elif isinstance(e, ev.Quarantined):
+            if e.tier == "primary":
+                self.status(e.name, "quarantined", e.reason)
+            else:
+                self.event("quarantined", e.reason, checkpoint=e.name, data={"tier": e.tier})
+        elif isinstance(e, ev.Pruned):
+            if e.tier == "primary":
+                self.status(e.name, "pruned", "retention")
+            else:
+                self.event("pruned", "retention", checkpoint=e.name, data={"tier": e.tier})
+        elif isinstance(e, ev.Tagged):
+            self.event("tagged", e.tag, checkpoint=e.name)
+        elif isinstance(e, ev.Uploaded):
+            self.event("uploaded", e.location, checkpoint=e.name, data={"took_s": e.took_s})
+        elif isinstance(e, ev.UploadFailed):
+            self.event("upload_failed", e.error, checkpoint=e.name,
+                       data={"attempt": e.attempt, "will_retry": e.will_retry})
+        elif isinstance(e, ev.Preempted):
+            self.event("preempted", e.signal, step=e.step, checkpoint=e.checkpoint,
+                       data={"waited_s": e.waited_s, "save_s": e.save_s, "grace_period_s": e.grace_period_s,
+                             "requeue": e.requeue})
 
     def _call(self, what: str, fn: Any) -> Any:
         try:

@@ -57,9 +57,10 @@ class Schedule:
         if self.trigger is not None and state:
             self.trigger.load_state_dict(state)
 
-    def doomed(self, checkpoints: Sequence[Any], tags: Mapping[str, set[str]], keep: str | None) -> list[str]:
-        """Names retention deletes now (oldest first; never the newest, never ``keep``)."""
+    def doomed(self, checkpoints: Sequence[Any], tags: Mapping[str, set[str]], keep: str | None = None,
+               protect: Sequence[str] = ()) -> list[str]:
+        """Names retention deletes now (oldest first; never the newest, never ``keep`` or ``protect``)."""
         if self.retention is None:
             return []
         metas = [CheckpointMeta.of(c, tags=tags.get(c.name, ())) for c in checkpoints]
-        return to_delete(self.retention, metas, protect=[keep] if keep else [])
+        return to_delete(self.retention, metas, protect=[*([keep] if keep else []), *protect])

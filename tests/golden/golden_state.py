@@ -85,7 +85,7 @@ def write() -> Path:
     if target.exists():
         raise SystemExit(f"{target} exists: golden checkpoints are never rewritten")
     target.parent.mkdir(parents=True)
-    ckpt = unbroken.Checkpointer(target.parent, signals=(), rng=False)
+    ckpt = unbroken.Checkpointer(target.parent, preemption=None, rng=False)
     ckpt.progress.step = 42
     state = golden_state()
     ckpt.save(state, metrics={"loss": 0.5})

@@ -28,7 +28,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -78,40 +78,64 @@ class StepStart:
 
 
 class StepGuard:
-    """Context manager returned by :meth:`unbroken.Checkpointer.guard`."""
+    """Context manager returned by :meth:`unbroken.Checkpointer.guard`.
 
-    def __init__(self, ckpt: Any, state: Mapping[str, Any]) -> None:
-        self.ckpt = ckpt
+    ``attach(guard_or_None)`` tells the Checkpointer which guard to :meth:`mark` at each
+    step boundary; ``on_error(guard, exc)`` writes the emergency checkpoint.
+    """
+
+    def __init__(self, state: Mapping[str, Any], progress: Any, attach: Callable[[Any], None],
+                 on_error: Callable[["StepGuard", BaseException | None], Any]) -> None:
         self.state = state
+        self.progress = progress
+        self.attach, self.on_error = attach, on_error
         self.stepped = False
+        self.stepping = False
         self.start: StepStart | None = None
         self._hooks: list[Any] = []
 
-    def mark(self) -> None:
-        """A new step begins now."""
-        self.start = StepStart(self.state, self.ckpt.progress.state_dict())
-        self.stepped = False
+    def prepare(self, progress: dict[str, int]) -> StepStart:
+        """What the next step's start looks like, with ``progress`` as its counters: computed
+        before anything changes, so that marking the boundary cannot fail half-way."""
+        return StepStart(self.state, progress)
+
+    def mark(self, start: StepStart | None = None) -> None:
+        """A new step begins now (``start``: from :meth:`prepare`)."""
+        self.start = start if start is not None else StepStart(self.state, self.progress.state_dict())
+        self.stepped = self.stepping = False
+
+    def torn(self) -> str | None:
+        """Why the live state is not one instant, if it is not: an optimizer step that raised
+        half-way (some parameters updated), or a step whose bookkeeping did not finish."""
+        if self.stepping and not self.stepped:
+            return "the optimizer was stepping (some parameters may be updated, others not)"
+        return None
+
+    def _on_optimizer_pre_step(self, *args: Any, **kwargs: Any) -> None:
+        self.stepping = True
 
     def _on_optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         self.stepped = True
+        self.stepping = False
 
     def __enter__(self) -> "StepGuard":
         for obj in self.state.values():
             if isinstance(obj, torch.optim.Optimizer):
+                self._hooks.append(obj.register_step_pre_hook(self._on_optimizer_pre_step))
                 self._hooks.append(obj.register_step_post_hook(self._on_optimizer_step))
         self.mark()
-        self.ckpt._guard = self
+        self.attach(self)
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        self.ckpt._guard = None
+        self.attach(None)
         if exc_type is None or issubclass(exc_type, (SystemExit, GeneratorExit)):
             return False
         try:
-            self.ckpt._emergency_save(self, exc)
+            self.on_error(self, exc)
         except Exception as err:  # never hide the original exception
             log.error("emergency checkpoint failed: %s: %s", type(err).__name__, err)
         return False

@@ -1,7 +1,8 @@
-"""What the Checkpointer does when a signal arrived or a step raised.
+"""What a :class:`~unbroken.Checkpointer` does when a signal arrived or a step raised.
 
-``self`` is the :class:`unbroken.Checkpointer`; these are its methods, kept here so the
-manager stays one concept (the run) and this module the other (the failure paths).
+Both paths use the Checkpointer's public API only (``save``, ``wait``, ``close``,
+``progress``, ``last_saved``, ``preemption``, ``events``), so they are a plug-in like
+any other.
 """
 
 from __future__ import annotations
@@ -12,58 +13,63 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from ..events import Preempted
 from . import EXIT_PREEMPTED, slurm
 from .guard import StepGuard
 
 log = logging.getLogger("unbroken")
 
 
-def preempt_and_exit(self: Any, state: Mapping[str, Any]) -> None:
-    """Save (unless just saved), log the timing against the grace period, requeue, exit 75."""
-    sig = self._signals.received
-    assert sig is not None and self._signals.received_at is not None
-    waited = time.monotonic() - self._signals.received_at
+def preempt_and_exit(ckpt: Any, state: Mapping[str, Any], sig: signal.Signals, received_at: float) -> None:
+    """Save (unless just saved), wait for the upload if tiered, requeue, exit 75."""
+    grace = ckpt.preemption.grace_period
+    waited = time.monotonic() - received_at
     t0 = time.monotonic()
-    if self._last_saved is None or self._last_saved[0] != self.progress.step:
-        self.save(state, kind="preemption")
+    last = ckpt.last_saved
+    if last is None or last.step != ckpt.progress.step:
+        last = ckpt.save(state, kind="preemption")
     took = time.monotonic() - t0
-    budget = f" of the {self.grace_period:.0f} s grace period" if self.grace_period else ""
+    budget = f" of the {grace:.0f} s grace period" if grace else ""
     log.warning("%s received: finished step %d %.1f s later, saved in %.1f s%s; exiting with %d",
-                signal.Signals(sig).name, self.progress.step, waited, took, budget, EXIT_PREEMPTED)
-    if self.grace_period and waited + took > self.grace_period:
+                sig.name, ckpt.progress.step, waited, took, budget, EXIT_PREEMPTED)
+    if grace and waited + took > grace:
         log.error("the preemption save ended %.1f s after the signal, past the %.0f s grace period: "
                   "ask the scheduler for a longer warning (e.g. --signal=USR1@%d)",
-                  waited + took, self.grace_period, int(2 * (waited + took)) + 30)
-    print(f"preempted at step {self.progress.step}", flush=True)
-    self._record("event", "preempted", signal.Signals(sig).name, step=self.progress.step,
-                 checkpoint=self._last_saved[1] if self._last_saved else None,
-                 data={"waited_s": waited, "save_s": took, "grace_period_s": self.grace_period,
-                       "requeue": self.requeue})
-    if self.requeue:
+                  waited + took, grace, int(2 * (waited + took)) + 30)
+    if grace and not ckpt.wait(timeout=max(1.0, grace - (time.monotonic() - received_at) - 5)):
+        log.error("the preemption checkpoint is not yet uploaded; it is kept locally")
+    print(f"preempted at step {ckpt.progress.step}", flush=True)
+    ckpt.events.publish(Preempted(sig.name, ckpt.progress.step, last.name if last else None, waited, took,
+                                  grace, ckpt.preemption.requeue))
+    if ckpt.preemption.requeue:
         slurm.requeue()
-    self.close()
+    ckpt.close()
     raise SystemExit(EXIT_PREEMPTED)
 
-def emergency_save(self: Any, guard: StepGuard, exc: BaseException | None) -> Any:
+
+def emergency_save(ckpt: Any, guard: StepGuard, exc: BaseException | None) -> Any:
     """The exact emergency checkpoint after a step raised (see :mod:`unbroken.faults.guard`)."""
     what = f"{type(exc).__name__}: {exc}" if exc is not None else "an exception"
+    torn = guard.torn()
+    if torn:
+        log.error("step %d raised %s while %s; no emergency checkpoint (it would mix two steps): "
+                  "resuming uses the last committed checkpoint", ckpt.progress.step + 1, what, torn)
+        return None
     if guard.stepped:
-        self.progress.step += 1
-        self.progress.micro_step = 0
-        info = self.save(guard.state, kind="emergency")
+        ckpt.progress.step += 1
+        ckpt.progress.micro_step = 0
+        info = ckpt.save(guard.state, kind="emergency")
         log.error("step %d raised %s after the optimizer stepped; emergency checkpoint of the "
-                  "post-step state: %s",
-                  self.progress.step, what, info.name)
+                  "post-step state: %s", ckpt.progress.step, what, info.name)
         return info
     start = guard.start
     assert start is not None
-    if self._last_saved is not None and self._last_saved[0] == start.progress["step"]:
+    last = ckpt.last_saved
+    if last is not None and last.step == start.progress["step"]:
         log.error("step %d raised %s; no emergency checkpoint needed: %s already holds the state "
-                  "at its start",
-                  start.progress["step"] + 1, what, self._last_saved[1])
+                  "at its start", start.progress["step"] + 1, what, last.name)
         return None
-    info = self._write(start.rebuild(guard.state), start.progress, start.rng, kind="emergency")
+    info = ckpt.save(start.rebuild(guard.state), kind="emergency", progress=start.progress, rng=start.rng)
     log.error("step %d raised %s; emergency checkpoint of the state at its start: %s "
-              "(resuming re-runs the step)",
-              start.progress["step"] + 1, what, info.name)
+              "(resuming re-runs the step)", start.progress["step"] + 1, what, info.name)
     return info

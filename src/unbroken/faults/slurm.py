@@ -72,9 +72,23 @@ def submit_script(run_dir: str | os.PathLike[str], signal_seconds: int = 120) ->
 
 def write_submit_script(run_dir: str | os.PathLike[str]) -> Path:
     """Write ``submit.slurm`` into the run folder (atomically) and return its path."""
+    from ..store.local import write_file_atomic
+
     path = Path(run_dir) / "submit.slurm"
-    tmp = path.with_name(f".submit.slurm.{os.getpid()}")
-    tmp.write_text(submit_script(run_dir))
-    tmp.chmod(0o755)
-    os.replace(tmp, path)
+    write_file_atomic(path, submit_script(run_dir).encode(), mode=0o755)
     return path
+
+
+class SubmitScript:
+    """Plug-in: after the first save inside a SLURM job, write ``submit.slurm`` into ``run_dir``
+    (the run folder, or the local cache folder of a remote run)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir, self.done = run_dir, False
+
+    def on_event(self, event: object) -> None:
+        from ..events import Saved
+
+        if isinstance(event, Saved) and not self.done and job_id():
+            self.done = True
+            log.info("wrote %s", write_submit_script(self.run_dir))

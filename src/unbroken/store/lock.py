@@ -1,4 +1,4 @@
-"""One writer per run folder: an advisory lock held for the writer's lifetime.
+"""One writer per run folder on a filesystem: an advisory lock held for the writer's lifetime.
 
 The lock is ``fcntl.flock`` on ``<run>/.lock``: the kernel releases it when the
 holder dies, however it dies, so a stale lock from a killed process cannot block
@@ -12,19 +12,25 @@ working locks it may succeed for everyone, which is no worse than no lock.
 
 from __future__ import annotations
 
-import fcntl
+import errno
 import os
 import socket
+import stat
 import threading
 from pathlib import Path
 
 from ..errors import RunLockedError
 
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; the lock then only guards this process
+    fcntl = None  # type: ignore[assignment]
+
 _held: dict[str, tuple[int, int]] = {}  # realpath -> (fd, refcount)
 _mutex = threading.Lock()
 
 
-class RunLock:
+class FlockLock:
     """The writer lock of one run folder; :meth:`acquire` is idempotent."""
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
@@ -47,9 +53,20 @@ class RunLock:
                 self._key = key
                 return
             path = os.path.join(key, ".lock")
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+            try:  # O_NOFOLLOW: a planted .lock link must not make us write to a file elsewhere
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+                             | getattr(os, "O_CLOEXEC", 0), 0o644)
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    raise RunLockedError(f"{path} is a symbolic link; remove it (unbroken never follows "
+                                         "links inside a run folder)") from None
+                raise
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise RunLockedError(f"{path} is not a regular file; remove it")
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if fcntl is not None:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "unknown"
                 os.close(fd)
@@ -61,6 +78,9 @@ class RunLock:
             os.pwrite(fd, f"host {socket.gethostname()} pid {os.getpid()}\n".encode(), 0)
             _held[key] = (fd, 1)
             self._key = key
+
+    def verify(self) -> None:
+        """A flock cannot be lost while the process lives."""
 
     def release(self) -> None:
         if self._key is None:

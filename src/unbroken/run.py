@@ -1,0 +1,285 @@
+"""A run opened for writing: its store(s), the writer lock, commits, discovery and retention.
+
+:class:`Run` is what the :class:`~unbroken.Checkpointer` stands on. It opens the run
+location once (:func:`unbroken.store.open_store`), and, for a tiered run, the remote
+tier with its :class:`~unbroken.tiers.Uploader`. It knows nothing about training: it
+writes snapshots, lists and verifies checkpoints, quarantines bad ones, prunes by the
+rules it is given, and publishes what it did as events.
+
+Ordering across tiers is by ``seq`` (the commit counter in every manifest): a
+checkpoint keeps its seq when it is uploaded or downloaded, so "newest" means the same
+thing in both places.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Mapping
+
+from .api import CheckpointInfo
+from .discovery import discover, manifests
+from .errors import CorruptCheckpointError, StorageError, UnbrokenError
+from .events import CorruptionFound, Event, Pruned, Quarantined
+from .format.manifest import Manifest
+from .persist import write_snapshot
+from .reader import LoadedCheckpoint, read_checkpoint
+from .scheduling import Schedule
+from .snapshot import Snapshot
+from .store import open_store
+from .store.retry import is_transient
+from .tags import TAGS_FILE, load_tags, save_tags, tags_by_checkpoint
+from .tiers import Remote, Uploader, copy_checkpoint
+
+log = logging.getLogger("unbroken")
+
+
+class Run:
+    """One run location (plus an optional remote tier), opened by URL or path."""
+
+    def __init__(self, location: Any, *, storage_options: Mapping[str, Any] | None = None,
+                 remote: Remote | None = None, publish: Callable[[Event], None] | None = None) -> None:
+        self.store = open_store(location, storage_options)
+        self.remote: Remote | None = remote
+        self.remote_store = open_store(remote.location, remote.storage_options) if remote else None
+        if self.remote_store is not None and self.remote_store.url == self.store.url:
+            raise StorageError("the remote tier must be another location than the run itself")
+        self.remote_schedule = Schedule(None, None, remote.keep_last, remote.retention) if remote else None
+        self.publish = publish or (lambda e: None)
+        self.lock = self.store.lock()
+        self.remote_lock = self.remote_store.lock() if self.remote_store is not None else None
+        self.uploader: Uploader | None = None
+        self._next_seq = 0
+        self._remote_ok = True
+
+    @property
+    def url(self) -> str:
+        return self.store.url
+
+    # ------------------------------------------------------------------ lifecycle
+    def check(self) -> None:
+        """Fail before training on a location that cannot work (unknown scheme, no bucket,
+        denied). An unreachable *remote tier* only warns: uploads catch up later."""
+        self.store.check()
+        if self.remote_store is not None:
+            try:
+                self.remote_store.check()
+            except StorageError as e:
+                if "cannot reach" not in str(e):
+                    raise
+                self._remote_ok = False
+                log.warning("%s; training goes on, checkpoints are kept locally and uploaded when it is back", e)
+
+    @property
+    def writing(self) -> bool:
+        return self.lock.held
+
+    def begin(self) -> None:
+        """Become this run's writer (idempotent): lock, clean leftovers, start uploading."""
+        if self.lock.held:
+            return
+        self.lock.acquire()
+        for name in self.store.clean_stale():
+            log.info("removed leftover %s of an interrupted save", name)
+        if self.remote_store is not None:
+            self._begin_remote()
+
+    def _begin_remote(self) -> None:
+        assert self.remote_store is not None and self.remote_lock is not None
+        try:
+            self.remote_lock.acquire()
+            for name in self.remote_store.clean_stale():
+                log.info("removed leftover %s of an interrupted upload", name)
+        except UnbrokenError:
+            raise
+        except Exception as e:
+            if not is_transient(e):
+                raise
+            log.warning("remote tier %s unreachable (%s); uploads start when it is back", self.remote_store.url, e)
+        self.uploader = Uploader(self.store, self.remote_store, self.remote_lock, self.publish,
+                                 self._prune_remote, self._sync_tags)
+        self.uploader.start()
+        try:  # catch up: local checkpoints newer than the newest remote one
+            remote_seq = max((m.seq for m in manifests(self.remote_store).values()), default=-1)
+        except Exception:
+            remote_seq = None
+        if remote_seq is not None:
+            for name, m in sorted(manifests(self.store).items(), key=lambda kv: kv[1].seq):
+                if m.seq > remote_seq:
+                    self.uploader.enqueue(name)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for background work (uploads); False if some is still pending after ``timeout``."""
+        return self.uploader.wait(timeout) if self.uploader is not None else True
+
+    def close(self) -> None:
+        if self.uploader is not None:
+            assert self.remote is not None
+            if not self.uploader.wait(self.remote.close_timeout_s):
+                log.error("giving up waiting for uploads after %.0f s: %s not durable on %s (they are "
+                          "uploaded by the next run)", self.remote.close_timeout_s,
+                          ", ".join(self.uploader.pending()), self.remote.location)
+            self.uploader.stop()
+            self.uploader = None
+        if self.remote_lock is not None:
+            self.remote_lock.release()
+        self.lock.release()
+
+    # ----------------------------------------------------------------- discovery
+    def checkpoints(self) -> list[CheckpointInfo]:
+        """Committed checkpoints with a readable manifest in every tier, newest first."""
+        local = discover(self.store, "local" if self.remote_store is not None else "")
+        if self.remote_store is None:
+            return local
+        try:
+            remote = discover(self.remote_store, "remote")
+        except Exception as e:
+            log.warning("cannot list the remote tier %s: %s", self.remote_store.url, e)
+            remote = []
+        merged: dict[tuple[int, int], CheckpointInfo] = {}
+        for c in remote + local:  # local last: its path wins
+            key = (c.seq, c.step)
+            if key in merged:
+                from dataclasses import replace
+
+                c = replace(c, tiers=tuple(sorted(set(merged[key].tiers) | set(c.tiers))),
+                            tags=tuple(sorted(set(merged[key].tags) | set(c.tags))))
+            merged[key] = c
+        return sorted(merged.values(), key=lambda c: (c.seq, c.step), reverse=True)
+
+    def next_seq(self) -> int:
+        seqs = [c.seq for c in discover(self.store)]
+        if self.remote_store is not None and self._next_seq == 0:
+            try:
+                seqs += [m.seq for m in manifests(self.remote_store).values()]
+            except Exception as e:
+                log.warning("cannot list the remote tier %s: %s", self.remote_store.url, e)
+        self._next_seq = max(max(seqs, default=-1) + 1, self._next_seq)
+        return self._next_seq
+
+    # --------------------------------------------------------------------- write
+    def write(self, snapshot: Snapshot, name: str, **fields: Any) -> tuple[str, Manifest]:
+        """Commit ``snapshot`` as ``name`` (or ``name-2``...) in the primary store; queue its upload."""
+        seq = self.next_seq()
+        self.lock.verify()
+        final, manifest = write_snapshot(snapshot, self.store, name, seq=seq, **fields)
+        self._next_seq = seq + 1
+        if self.uploader is not None:
+            self.uploader.enqueue(final)
+        return final, manifest
+
+    def describe(self, name: str) -> str:
+        return self.store.describe(name)
+
+    # ---------------------------------------------------------------------- read
+    def newest_valid(self) -> tuple[LoadedCheckpoint | None, str, int]:
+        """The newest checkpoint that verifies in any tier (downloaded if only the remote has it),
+        where it was read, and how many committed checkpoints were seen. Invalid ones are
+        reported, quarantined and skipped."""
+        local = self._manifests(self.store)
+        remote = self._manifests(self.remote_store) if self.remote_store is not None else {}
+        candidates = sorted({(m.seq, m.step) for m in [*local.values(), *remote.values()]}, reverse=True)
+        by_key = lambda found: {(m.seq, m.step): n for n, m in found.items()}  # noqa: E731
+        local_by, remote_by = by_key(local), by_key(remote)
+        for key in candidates:
+            if key in local_by:
+                try:
+                    loaded = read_checkpoint(self.store, local_by[key])
+                    return loaded, self.store.describe(loaded.name), len(candidates)
+                except CorruptCheckpointError as e:
+                    self.invalid(self.store, local_by[key], str(e))
+            if key in remote_by and self.remote_store is not None:
+                try:
+                    name = self.download(remote_by[key])
+                except CorruptCheckpointError as e:
+                    self.invalid(self.remote_store, remote_by[key], str(e), tier="remote")
+                    continue
+                loaded = read_checkpoint(self.store, name)
+                return loaded, self.store.describe(name), len(candidates)
+        return None, "", len(candidates)
+
+    def _manifests(self, store: Any) -> dict[str, Manifest]:
+        """Readable manifests; unreadable committed ones are reported as invalid."""
+        from .reader import read_manifest
+
+        out = {}
+        try:
+            names = store.list_committed()
+        except Exception as e:
+            if store is self.store or not is_transient(e):
+                raise
+            log.warning("remote tier %s unreachable (%s); resuming from the local tier only", store.url, e)
+            return {}
+        for name in names:
+            try:
+                out[name] = read_manifest(store, name)
+            except CorruptCheckpointError as e:
+                self.invalid(store, name, str(e), tier="primary" if store is self.store else "remote")
+        return out
+
+    def download(self, name: str) -> str:
+        """Copy a checkpoint from the remote tier into the local one, verified; its local name."""
+        assert self.remote_store is not None
+        log.info("downloading %s", self.remote_store.describe(name))
+        final, _ = copy_checkpoint(self.remote_store, name, self.store)
+        if self.uploader is not None:
+            self.uploader.uploaded[final] = name
+        return final
+
+    def invalid(self, store: Any, name: str, reason: str, tier: str = "primary") -> None:
+        self.publish(CorruptionFound(name, reason, tier))
+        moved = store.quarantine(name, reason)
+        if moved:
+            self.publish(Quarantined(name, reason, moved, tier))
+            log.warning("checkpoint %s is invalid and was quarantined to %s: %s", store.describe(name), moved, reason)
+        else:
+            log.warning("checkpoint %s is invalid (and could not be moved to quarantine/): %s",
+                        store.describe(name), reason)
+
+    # ------------------------------------------------------------------ retention
+    def prune(self, schedule: Schedule, keep: str | None) -> list[str]:
+        """Delete what ``schedule``'s retention does not keep in the primary store (never the
+        newest, never ``keep``, never the newest checkpoint still waiting for its upload)."""
+        infos = discover(self.store)
+        protect = [keep] if keep else []
+        if self.uploader is not None:
+            pending = [n for n in self.uploader.pending() if n in {c.name for c in infos}]
+            protect += pending[-1:]
+        doomed = schedule.doomed(infos, {c.name: set(c.tags) for c in infos}, None, protect=protect)
+        for name in doomed:
+            self.store.delete(name)
+            self.publish(Pruned(name))
+            log.info("retention: deleted %s", self.store.describe(name))
+        return doomed
+
+    def _prune_remote(self) -> list[str]:
+        assert self.remote_store is not None and self.remote_schedule is not None
+        infos = discover(self.remote_store)
+        doomed = self.remote_schedule.doomed(infos, {c.name: set(c.tags) for c in infos}, None)
+        for name in doomed:
+            self.remote_store.delete(name)
+            log.info("remote retention: deleted %s", self.remote_store.describe(name))
+        return doomed
+
+    # ----------------------------------------------------------------------- tags
+    def tags(self) -> dict[str, str]:
+        return load_tags(self.store)
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        save_tags(self.store, tags)
+        if self.remote_store is not None and self.uploader is not None:
+            self._sync_tags()
+
+    def _sync_tags(self) -> None:
+        """Copy the run-level tags to the remote tier, mapped to the names there."""
+        assert self.remote_store is not None
+        if self.uploader is None:
+            return
+        raw = self.store.read_meta(TAGS_FILE)
+        if raw is None:
+            return
+        names = self.uploader.uploaded
+        local = load_tags(self.store)
+        save_tags(self.remote_store, {t: names.get(n, n) for t, n in local.items()})
+
+    def tags_of(self, infos: dict[str, list[str]]) -> dict[str, set[str]]:
+        return tags_by_checkpoint(self.store, infos)

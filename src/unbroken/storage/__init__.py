@@ -1,1 +1,0 @@
-"""Where bytes go: storage backends with an atomic commit."""

@@ -1,0 +1,161 @@
+"""The store protocol: where a run's bytes go, and how a checkpoint commits.
+
+A store holds the checkpoints of one run, each a named folder of flat files, plus a
+few small run-level files (``tags.json``, the lock). Every caller gets its store from
+:func:`unbroken.store.open_store`; nobody constructs a backend by hand.
+
+The writer's call order is fixed::
+
+    store.check()                          # reachable and usable (raises StorageError)
+    lock = store.lock(); lock.acquire()    # one writer per run
+    store.clean_stale()                    # leftovers of writers that died mid-save
+    staging = store.stage(name)            # a private place no reader looks at
+    with staging.open(file) as f: ...      # once per data file, then COMMIT_FILE last
+    staging.commit()                       # visible, whole or not at all; returns the final name
+    # or staging.abort() on any error: nothing becomes visible
+
+Readers call :meth:`Store.list_committed`, then :meth:`Store.read` per file. How a
+backend commits is its own strategy (orbax calls this "atomicity"):
+
+- **rename** (:mod:`.local`): stage in a hidden sibling folder, fsync, ``rename`` it
+  into place, fsync the parent. POSIX rename of a folder is atomic.
+- **commit file** (:mod:`.fsspec`): object stores have no rename, but a single object
+  PUT is atomic. Data objects are uploaded first, ``manifest.json`` last; a checkpoint
+  without its manifest does not exist for readers and is removed by the next writer.
+
+Retention calls :meth:`Store.delete` only for checkpoints older than one that has
+already committed; deletion un-commits first (rename away, or remove the manifest
+first), so a half-deleted checkpoint is never visible either.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, BinaryIO, Protocol, runtime_checkable
+
+from ..errors import CorruptCheckpointError
+
+Buffer = Any
+"""A writable object supporting the buffer protocol (bytearray, uint8 numpy array)."""
+
+COMMIT_FILE = "manifest.json"
+"""The file whose presence makes a checkpoint committed (written last)."""
+QUARANTINE = "quarantine"
+"""Where checkpoints that failed verification are moved, inside the run."""
+MAX_META_BYTES = 1 << 20
+"""Run-level files (``tags.json``) larger than this are refused, never read into memory."""
+
+_SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+
+
+def check_name(name: Any, what: str = "file") -> str:
+    """``name`` if it is one plain path component (no ``/``, ``..``, leading dot), else raise."""
+    if not isinstance(name, str) or not _SAFE.match(name) or name in (".", ".."):
+        raise CorruptCheckpointError(f"unsafe or invalid {what} name {name!r}")
+    return name
+
+
+class Staging(Protocol):
+    """A checkpoint being written."""
+
+    name: str
+
+    def open(self, file: str) -> BinaryIO:
+        """A new file for writing. Its bytes are durable once :meth:`commit` returns."""
+        ...
+
+    def commit(self) -> str:
+        """Publish the checkpoint under its final name (returned); atomic."""
+        ...
+
+    def abort(self) -> None:
+        """Discard everything written; never raises."""
+        ...
+
+
+@runtime_checkable
+class RunLock(Protocol):
+    """The writer lock of a run: one process writes a run at a time."""
+
+    @property
+    def held(self) -> bool: ...
+
+    def acquire(self) -> None:
+        """Take the lock, or raise :class:`~unbroken.errors.RunLockedError` naming the holder."""
+        ...
+
+    def verify(self) -> None:
+        """Raise :class:`~unbroken.errors.RunLockedError` if the lock was lost (a lease that
+        expired and was taken over); called before every commit."""
+        ...
+
+    def release(self) -> None: ...
+
+
+class Store(Protocol):
+    """Checkpoints of one run. See the module docstring for the call order."""
+
+    url: str
+    """Where the run lives (a path or a URL), never with credentials."""
+    remote: bool
+    """True for object stores and other non-local filesystems."""
+
+    def check(self) -> None:
+        """Fail now, clearly, if the location cannot be used (no bucket, denied, unsafe folder)."""
+        ...
+
+    def stage(self, name: str) -> Staging: ...
+
+    def list_committed(self) -> list[str]:
+        """Names of checkpoints whose commit completed (not yet verified)."""
+        ...
+
+    def list_uncommitted(self) -> list[str]:
+        """Names of checkpoints being written, or left behind by a writer that died."""
+        ...
+
+    def read(self, name: str, file: str, size: int | None = None) -> Buffer:
+        """The whole content of one file of a committed checkpoint, in a writable buffer;
+        ``size`` is the expected size, if known. A missing, oversized or odd file raises
+        :class:`~unbroken.errors.CorruptCheckpointError`."""
+        ...
+
+    def delete(self, name: str) -> None: ...
+
+    def quarantine(self, name: str, reason: str) -> str | None:
+        """Move a bad checkpoint out of the way, keeping it for inspection; where it went."""
+        ...
+
+    def quarantined(self) -> "Store | None":
+        """A read-only view of the quarantined checkpoints (or None if there are none)."""
+        ...
+
+    def clean_stale(self) -> list[str]:
+        """Remove leftovers of writers that died mid-save; return what was removed."""
+        ...
+
+    def describe(self, name: str) -> str:
+        """Where checkpoint ``name`` is, for people (path or URL, no credentials)."""
+        ...
+
+    def free_bytes(self) -> int | None:
+        """Free space for the pre-save check, or None where it is unknown (object stores)."""
+        ...
+
+    def read_meta(self, file: str) -> bytes | None:
+        """A small run-level file (``tags.json``), or None if absent."""
+        ...
+
+    def write_meta(self, file: str, data: bytes) -> None:
+        """Replace a small run-level file atomically."""
+        ...
+
+    def lock(self) -> RunLock:
+        """This run's writer lock (not yet acquired)."""
+        ...
+
+    def local_dir(self) -> Path:
+        """A local folder for data derived from this run (the index, ``submit.slurm``): the run
+        folder itself on a filesystem, a cache folder for a remote store."""
+        ...

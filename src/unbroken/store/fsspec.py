@@ -1,0 +1,334 @@
+"""A run on an object store or any other fsspec filesystem, committed by its manifest.
+
+Object stores have no rename, but a single PUT is atomic: an object is either absent
+or whole. So a checkpoint's data objects are uploaded first (in parallel, large files
+as multipart uploads), and ``manifest.json`` is PUT last: it is the commit marker.
+Readers list ``<run>/*/manifest.json`` and never look at a folder without one; the next
+writer (holding the run's lease) removes such leftovers, and aborts multipart uploads a
+dead writer left open. Deletion removes the manifest first, so a half-deleted checkpoint
+is never visible.
+
+Every remote call is retried with backoff for transient errors (:mod:`.retry`); each
+file part is retried on its own, so a server that restarts in the middle of an upload
+costs a few seconds, not the checkpoint. Downloads fetch large files as parallel ranged
+GETs straight into the reader's buffer; the caller verifies the checksum.
+
+Credentials stay in ``storage_options`` (or the backend's own environment variables):
+the store's ``url`` and every message carry the location only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from ..errors import CorruptCheckpointError, StorageError
+from .base import COMMIT_FILE, MAX_META_BYTES, QUARANTINE, Buffer, check_name
+from .local import MAX_MANIFEST_BYTES, allocate
+from .retry import Retry
+
+log = logging.getLogger("unbroken")
+PART_SIZE = 64 * 1024 * 1024
+"""Multipart part size and ranged-read size (S3 allows 5 MiB to 5 GiB per part)."""
+
+
+def cache_root() -> Path:
+    """Where data derived from remote runs (their index) is kept: ``$UNBROKEN_CACHE_DIR`` or
+    ``~/.cache/unbroken``."""
+    return Path(os.environ.get("UNBROKEN_CACHE_DIR") or Path.home() / ".cache" / "unbroken")
+
+
+class FsspecStore:
+    """A run at ``root`` (a path in ``fs``, e.g. ``bucket/prefix``) of an fsspec filesystem."""
+
+    remote = True
+
+    def __init__(self, fs: Any, root: str, url: str, *, retry: Retry | None = None,
+                 part_size: int = PART_SIZE, workers: int = 8, readonly: bool = False) -> None:
+        self.fs, self.root, self.url = fs, root.rstrip("/"), url.rstrip("/")
+        self.retry = retry or Retry()
+        self.part_size, self.workers, self.readonly = part_size, workers, readonly
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    # ----------------------------------------------------------------- helpers
+    def path(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    def pool(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="unbroken-io")
+            return self._pool
+
+    def call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` with retries; errors become messages about this run."""
+        return self.retry.call(f"{what} ({self.url})", lambda: fn(*args, **kwargs))
+
+    def _objects(self) -> dict[str, set[str]]:
+        """``{checkpoint name: {file, ...}}`` from one listing of the run (quarantine excluded)."""
+        self.fs.invalidate_cache(self.root)
+        try:
+            keys = self.call("list", self.fs.find, self.root, detail=False)
+        except FileNotFoundError:
+            return {}
+        out: dict[str, set[str]] = {}
+        prefix = self.root + "/"
+        for key in keys:
+            key = key.lstrip("/") if not prefix.startswith("/") else key
+            if not key.startswith(prefix):
+                continue
+            parts = key[len(prefix):].split("/")
+            if len(parts) == 2 and parts[0] != QUARANTINE and not parts[0].startswith("."):
+                out.setdefault(parts[0], set()).add(parts[1])
+            elif len(parts) > 2 and parts[0] != QUARANTINE:
+                out.setdefault(parts[0], set())  # nested junk: an uncommitted leftover at best
+        return out
+
+    # ------------------------------------------------------------------- setup
+    def check(self) -> None:
+        try:
+            self.call("check", self.fs.ls, self.root.split("/")[0], detail=False)
+        except FileNotFoundError:
+            raise StorageError(f"{self.url}: the bucket or container {self.root.split('/')[0]!r} does not "
+                               "exist; create it first (unbroken never creates buckets)") from None
+        except PermissionError as e:
+            raise StorageError(f"{self.url}: access denied ({e}); check the credentials (storage_options "
+                               "key/secret, a profile, or the AWS_* / backend environment variables)") from None
+        except StorageError:
+            raise
+        except Exception as e:
+            raise StorageError(f"{self.url}: cannot reach the store: {type(e).__name__}: {e}") from None
+
+    def lock(self) -> Any:
+        from .lease import LeaseLock
+
+        return LeaseLock(self)
+
+    def local_dir(self) -> Path:
+        path = cache_root() / "runs" / hashlib.sha256(self.url.encode()).hexdigest()[:16]
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "location.txt").write_text(self.url + "\n")
+        return path
+
+    def describe(self, name: str) -> str:
+        return f"{self.url}/{name}"
+
+    def free_bytes(self) -> int | None:
+        return None
+
+    # ------------------------------------------------------------------- write
+    def stage(self, name: str) -> "FsspecStaging":
+        return FsspecStaging(self, self.free_name(check_name(name, "checkpoint")))
+
+    def free_name(self, name: str) -> str:
+        taken = set(self._objects())
+        qdir = self.quarantined()
+        taken |= set(qdir._objects()) if qdir is not None else set()
+        candidate, n = name, 1
+        while candidate in taken:
+            n += 1
+            candidate = f"{name}-{n}"
+        return candidate
+
+    def open_writer(self, path: str, staging: "FsspecStaging") -> BinaryIO:
+        """A writer for one data object; backends specialise this (S3: parallel multipart)."""
+        return self.fs.open(path, "wb")
+
+    def put(self, path: str, data: bytes) -> None:
+        self.call("upload", self.fs.pipe_file, path, data)
+
+    def remove(self, paths: list[str]) -> None:
+        if paths:
+            self.call("delete", self.fs.rm, paths)
+
+    def delete(self, name: str) -> None:
+        check_name(name, "checkpoint")
+        files = self._objects().get(name, set())
+        if COMMIT_FILE in files:
+            self.remove([self.path(name, COMMIT_FILE)])  # un-commit first
+        self.remove([self.path(name, f) for f in sorted(files - {COMMIT_FILE})])
+
+    def quarantine(self, name: str, reason: str) -> str | None:
+        files = self._objects().get(name)
+        if not files:
+            return None
+        qdir = FsspecStore(self.fs, self.path(QUARANTINE), self.url + "/" + QUARANTINE, retry=self.retry)
+        target = name
+        existing = set(qdir._objects())
+        n = 1
+        while target in existing:
+            n += 1
+            target = f"{name}.{n}"
+        try:
+            for f in sorted(files - {COMMIT_FILE}) + ([COMMIT_FILE] if COMMIT_FILE in files else []):
+                self.call("copy", self.fs.copy, self.path(name, f), qdir.path(target, f))
+            qdir.put(qdir.path(f"{target}.reason.txt"), (reason + "\n").encode())
+            self.delete(name)
+        except Exception as e:
+            log.warning("could not quarantine %s: %s", self.describe(name), e)
+            return None
+        return qdir.describe(target)
+
+    def clean_stale(self) -> list[str]:
+        """Remove every uncommitted checkpoint: call only while holding the run's lease."""
+        removed = []
+        for name, files in self._objects().items():
+            if COMMIT_FILE not in files:
+                self.remove([self.path(name, f) for f in sorted(files)])
+                removed.append(name)
+        return removed
+
+    def write_meta(self, file: str, data: bytes) -> None:
+        self.put(self.path(check_name(file)), data)
+
+    # -------------------------------------------------------------------- read
+    def list_committed(self) -> list[str]:
+        return sorted(n for n, files in self._objects().items() if COMMIT_FILE in files and _plain(n))
+
+    def list_uncommitted(self) -> list[str]:
+        return sorted(n for n, files in self._objects().items() if COMMIT_FILE not in files)
+
+    def quarantined(self) -> "FsspecStore | None":
+        q = FsspecStore(self.fs, self.path(QUARANTINE), self.url + "/" + QUARANTINE, retry=self.retry,
+                        readonly=True)
+        return q if q._objects() else None
+
+    def size_of(self, path: str) -> int | None:
+        try:
+            info = self.call("stat", self.fs.info, path)
+        except FileNotFoundError:
+            return None
+        if info.get("type") not in (None, "file"):
+            return None
+        return int(info["size"])
+
+    def read(self, name: str, file: str, size: int | None = None) -> Buffer:
+        if file != COMMIT_FILE:
+            check_name(file)
+        path = self.path(check_name(name, "checkpoint"), file)
+        actual = self.size_of(path)
+        if actual is None:
+            raise CorruptCheckpointError(f"{file} is missing")
+        if size is None and actual > MAX_MANIFEST_BYTES:
+            raise CorruptCheckpointError(f"{file} is implausibly large ({actual} bytes)")
+        if size is not None and actual != size:
+            raise CorruptCheckpointError(f"{file} has {actual} bytes, the manifest says {size}")
+        return self.read_into(path, allocate(actual, file), file)
+
+    def read_into(self, path: str, buf: Buffer, file: str) -> Buffer:
+        """Fill ``buf`` with the object at ``path``: parallel ranged reads for large objects."""
+        n = len(buf)
+        spans = [(i, min(i + self.part_size, n)) for i in range(0, n, self.part_size)] or [(0, 0)]
+
+        def fetch(span: tuple[int, int]) -> None:
+            start, end = span
+            data = self.call("download", self.fs.cat_file, path, start=start, end=end) if end > start else b""
+            if len(data) != end - start:
+                raise CorruptCheckpointError(f"{file} changed size while being read")
+            buf[start:end] = memoryview(data)
+
+        if len(spans) == 1:
+            fetch(spans[0])
+        else:
+            futures = [self.pool().submit(fetch, s) for s in spans]
+            wait_all(futures)
+        return buf
+
+    def read_meta(self, file: str) -> bytes | None:
+        path = self.path(check_name(file))
+        size = self.size_of(path)
+        if size is None:
+            return None
+        if size > MAX_META_BYTES:
+            raise CorruptCheckpointError(f"{self.url}/{file} is implausibly large ({size} bytes)")
+        return bytes(self.read_into(path, bytearray(size), file))
+
+
+def _plain(name: str) -> bool:
+    try:
+        check_name(name)
+        return True
+    except CorruptCheckpointError:
+        return False
+
+
+def wait_all(futures: list[Future]) -> None:
+    """Wait for every future; on the first failure cancel the rest and raise it."""
+    done, pending = wait(futures, return_when="FIRST_EXCEPTION")
+    for f in done:
+        if f.exception() is not None:
+            for p in pending:
+                p.cancel()
+            wait(pending)
+            raise f.exception()  # type: ignore[misc]
+
+
+class _ManifestBuffer:
+    """The manifest is held until :meth:`FsspecStaging.commit`, where its PUT is the commit."""
+
+    def __init__(self, staging: "FsspecStaging") -> None:
+        self.staging, self.data = staging, bytearray()
+
+    def write(self, data: Any) -> int:
+        self.data += data
+        return len(data)
+
+    def close(self) -> None:
+        self.staging.manifest = bytes(self.data)
+
+    def __enter__(self) -> "_ManifestBuffer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is None:
+            self.close()
+
+
+class FsspecStaging:
+    """A checkpoint being uploaded: data objects now (in the background), the manifest at commit."""
+
+    def __init__(self, store: FsspecStore, name: str) -> None:
+        self.store, self.name = store, name
+        self.futures: list[Future] = []
+        self.writers: list[Any] = []
+        self.manifest: bytes | None = None
+
+    def open(self, file: str) -> BinaryIO:
+        if file == COMMIT_FILE:
+            return _ManifestBuffer(self)  # type: ignore[return-value]
+        writer = self.store.open_writer(self.store.path(self.name, check_name(file)), self)
+        self.writers.append(writer)
+        return writer
+
+    def commit(self) -> str:
+        wait_all(self.futures)
+        for w in self.writers:
+            finish = getattr(w, "finish", None)
+            if finish is not None:
+                finish()  # complete multipart uploads
+        if self.manifest is None:
+            raise RuntimeError("commit() before the manifest was written")
+        self.store.put(self.store.path(self.name, COMMIT_FILE), self.manifest)
+        return self.name
+
+    def abort(self) -> None:
+        for f in self.futures:
+            f.cancel()
+        wait(self.futures)
+        for w in self.writers:
+            try:
+                getattr(w, "abort", lambda: None)()
+            except Exception:
+                pass
+        try:
+            quick = FsspecStore(self.store.fs, self.store.root, self.store.url, retry=Retry(deadline_s=5))
+            files = quick._objects().get(self.name, set())
+            quick.remove([quick.path(self.name, f) for f in sorted(files)])
+        except Exception as e:  # the server may be down: the next writer removes the leftover
+            log.info("could not remove the aborted upload %s yet: %s", self.store.describe(self.name), e)

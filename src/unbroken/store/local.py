@@ -1,0 +1,327 @@
+"""A run on a local or network filesystem, committed by an atomic rename.
+
+Why rename: a POSIX ``rename`` of a folder is atomic, so a reader sees either no
+checkpoint or the whole one. Files are written into a hidden staging folder beside
+the target (same filesystem, so the rename cannot degrade into a copy), each file is
+fsynced, the manifest is written last, the staging folder is fsynced, renamed to its
+final name, and the parent folder is fsynced so the rename itself survives a power
+cut. Deletion is the same in reverse: rename to a hidden trash name first, then
+remove, so a half-deleted checkpoint is never visible either.
+
+Hidden leftovers (``.staging-*``, ``.trash-*``) carry the writer's host and pid; a
+later writer removes those whose process is gone.
+
+The run folder is a boundary: files are opened with ``O_NOFOLLOW`` relative to a
+folder opened with ``O_NOFOLLOW``, temporary files with ``O_EXCL``, and nothing the
+store renames or deletes is followed if it is a symbolic link.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+import socket
+import stat
+import uuid
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+
+from ..errors import CorruptCheckpointError, StorageError
+from .base import COMMIT_FILE, MAX_META_BYTES, QUARANTINE, Buffer, check_name
+from .lock import FlockLock
+
+_HIDDEN = re.compile(r"^\.(staging|trash)-(?P<host>[^_]+)_(?P<pid>\d+)_(?:[0-9a-f]{8})_(?P<name>.*)$")
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a folder's entries (creations, renames) durable."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """The one atomic small-file write: a fresh hidden temp file (``O_EXCL|O_NOFOLLOW``, so a
+    planted link is never written through), fsync, ``rename`` over ``path`` (which replaces a
+    link rather than following it), fsync the folder."""
+    tmp = path.with_name(f".{path.name}.{_tag()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, mode)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    fsync_dir(path.parent)
+
+
+def _tag() -> str:
+    host = re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname())[:40] or "host"
+    return f"{host}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_tree(path: str) -> None:
+    """Remove a folder we created; a symbolic link in its place is unlinked, never followed."""
+    if os.path.islink(path):
+        os.unlink(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+class _DurableFile:
+    """A write-only file that is flushed and fsynced when closed."""
+
+    def __init__(self, path: Path) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o644)
+        self._f = os.fdopen(fd, "wb", buffering=0)
+
+    def write(self, data: bytes | memoryview) -> int:
+        mv = memoryview(data)
+        done = 0
+        while done < len(mv):  # raw files may write partially
+            done += self._f.write(mv[done:])
+        return done
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if not self._f.closed:
+            try:
+                os.fsync(self._f.fileno())
+            finally:
+                self._f.close()
+
+    def __enter__(self) -> "_DurableFile":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is None:
+            self.close()
+        else:
+            self._f.close()
+
+
+class LocalStaging:
+    """A checkpoint being written into a hidden sibling folder."""
+
+    def __init__(self, store: "LocalStore", name: str) -> None:
+        self.store = store
+        self.name = name
+        self.path = store.root / f".staging-{_tag()}_{name}"
+        self.path.mkdir()
+
+    def open(self, file: str) -> BinaryIO:
+        return _DurableFile(self.path / check_name(file))  # type: ignore[return-value]
+
+    def commit(self) -> str:
+        fsync_dir(self.path)
+        final = self.store.free_name(self.name)
+        os.rename(self.path, self.store.root / final)
+        self.name = final
+        try:
+            fsync_dir(self.store.root)
+        except OSError as e:  # the rename happened: the checkpoint is committed, maybe not yet durable
+            import logging
+
+            logging.getLogger("unbroken").warning(
+                "%s committed, but syncing the run folder failed (%s): it may not survive a power cut",
+                final, e)
+        return final
+
+    def abort(self) -> None:
+        _remove_tree(str(self.path))
+
+
+class LocalStore:
+    """A run folder on a filesystem. Checkpoints are its non-hidden sub-folders."""
+
+    remote = False
+
+    def __init__(self, root: str | os.PathLike[str], readonly: bool = False) -> None:
+        self.root = Path(root)
+        self.url = str(self.root)
+        self.readonly = readonly
+
+    # ------------------------------------------------------------------ setup
+    def check(self) -> None:
+        if self.root.exists() and not self.root.is_dir():
+            raise StorageError(f"{self.root} exists and is not a folder; choose another run location")
+
+    def ensure(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def lock(self) -> FlockLock:
+        return FlockLock(self.root)
+
+    def local_dir(self) -> Path:
+        return self.root
+
+    def describe(self, name: str) -> str:
+        return str(self.root / name)
+
+    def free_bytes(self) -> int | None:
+        """Free space on the run folder's filesystem, for the pre-save check."""
+        self.ensure()
+        return shutil.disk_usage(self.root).free
+
+    # ------------------------------------------------------------------ write
+    def stage(self, name: str) -> LocalStaging:
+        self.ensure()
+        return LocalStaging(self, check_name(name, "checkpoint"))
+
+    def free_name(self, name: str) -> str:
+        """``name`` if unused, else ``name-2``, ``name-3``, ..."""
+        candidate, n = name, 1
+        while os.path.lexists(self.root / candidate) or os.path.lexists(self.root / QUARANTINE / candidate):
+            n += 1
+            candidate = f"{name}-{n}"
+        return candidate
+
+    def delete(self, name: str) -> None:
+        check_name(name, "checkpoint")
+        trash = self.root / f".trash-{_tag()}_{name}"
+        os.rename(self.root / name, trash)
+        _remove_tree(str(trash))
+
+    def quarantine(self, name: str, reason: str) -> str | None:
+        qdir = self.root / QUARANTINE
+        if qdir.is_symlink():  # a planted link would move checkpoints (and write) outside the run
+            return None
+        qdir.mkdir(exist_ok=True)
+        target = qdir / name
+        n = 1
+        while os.path.lexists(target) or os.path.lexists(qdir / f"{target.name}.reason.txt"):
+            n += 1
+            target = qdir / f"{name}.{n}"
+        try:
+            os.rename(self.root / name, target)
+        except OSError:
+            return None
+        # O_EXCL|O_NOFOLLOW: never write through a link planted under the reason file's name.
+        fd = os.open(qdir / f"{target.name}.reason.txt", os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                     | _NOFOLLOW | _CLOEXEC, 0o644)
+        with os.fdopen(fd, "w") as f:
+            f.write(reason + "\n")
+        fsync_dir(self.root)
+        return str(target)
+
+    def clean_stale(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        removed = []
+        here = _tag().split("_")[0]
+        for entry in os.scandir(self.root):
+            m = _HIDDEN.match(entry.name)
+            if not m:
+                continue
+            if m["host"] != here or _pid_alive(int(m["pid"])):
+                continue  # a live writer, or another host's that may be: leave it
+            _remove_tree(entry.path)
+            removed.append(entry.name)
+        return removed
+
+    def write_meta(self, file: str, data: bytes) -> None:
+        self.ensure()
+        write_file_atomic(self.root / check_name(file), data)
+
+    # ------------------------------------------------------------------- read
+    def list_committed(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        out = []
+        for entry in os.scandir(self.root):
+            if entry.name.startswith(".") or entry.name == QUARANTINE:
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                out.append(entry.name)
+        return sorted(out)
+
+    def list_uncommitted(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return sorted(m["name"] for e in os.scandir(self.root) if (m := _HIDDEN.match(e.name))
+                      and e.name.startswith(".staging-"))
+
+    def quarantined(self) -> "LocalStore | None":
+        qdir = self.root / QUARANTINE
+        if not qdir.is_dir() or qdir.is_symlink():
+            return None
+        return LocalStore(qdir, readonly=True)
+
+    def read(self, name: str, file: str, size: int | None = None) -> Buffer:
+        try:
+            return _read_file(self.root / name, file, size, MAX_MANIFEST_BYTES)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{file} is missing") from None
+
+    def read_meta(self, file: str) -> bytes | None:
+        try:
+            return bytes(_read_file(self.root, check_name(file), None, MAX_META_BYTES))
+        except FileNotFoundError:
+            return None
+
+
+def _read_file(folder: Path, file: str, size: int | None, max_unsized: int) -> Buffer:
+    """Read ``folder/file`` whole into uninitialised memory; the file itself is never a link.
+    ``FileNotFoundError`` if it is missing, :class:`CorruptCheckpointError` if it is odd."""
+    flags = os.O_RDONLY | _NOFOLLOW | _CLOEXEC | getattr(os, "O_NONBLOCK", 0)  # O_NONBLOCK: a FIFO must not hang
+    dfd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC)
+    try:
+        fd = os.open(file if file == COMMIT_FILE else check_name(file), flags, dir_fd=dfd)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CorruptCheckpointError(f"{file} is a symbolic link; refusing to follow it") from None
+        raise
+    finally:
+        os.close(dfd)
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptCheckpointError(f"{file} is not a regular file")
+        os.set_blocking(fd, True)
+        if size is None and st.st_size > max_unsized:  # refuse before allocating
+            raise CorruptCheckpointError(f"{file} is implausibly large ({st.st_size} bytes)")
+        if size is not None and st.st_size != size:
+            raise CorruptCheckpointError(f"{file} has {st.st_size} bytes, the manifest says {size}")
+        buf = allocate(st.st_size, file)
+        view, got = memoryview(buf), 0
+        while got < len(buf):
+            n = f.readinto(view[got:])
+            if not n:
+                raise CorruptCheckpointError(f"{file} shrank while being read")
+            got += n
+        return buf
+
+
+def allocate(size: int, file: str) -> Buffer:
+    """Uninitialised memory for reading a file (zero-filling cost as much as the read itself)."""
+    try:
+        return torch.empty(size, dtype=torch.uint8).numpy()
+    except (RuntimeError, MemoryError) as e:
+        raise StorageError(f"cannot allocate {size} bytes to read {file}: {e}") from None

@@ -1,0 +1,96 @@
+"""Turn a path or URL into a store: the one place that knows every backend.
+
+- a path (``runs/exp1``, ``/scratch/exp1``) or ``file://`` URL: :class:`.local.LocalStore`;
+- ``s3://bucket/prefix``: :class:`.s3.S3Store` (needs ``pip install 'unbroken[s3]'``);
+- any other URL fsspec knows (``gs://``, ``az://``, ``abfs://``, ``memory://``, ...):
+  :class:`.fsspec.FsspecStore`, with the backend package fsspec names.
+
+``storage_options`` go to the fsspec filesystem unchanged (``endpoint_url``, ``key``,
+``secret``, ``profile``, ``anon``, ``client_kwargs``...); they are never written to a
+manifest, the index or a log. An unknown scheme is an error, never a local folder
+named ``s3:``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+from urllib.parse import unquote, urlsplit, urlunsplit
+
+from ..errors import StorageError
+from .fsspec import FsspecStore
+from .local import LocalStore
+
+EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure",
+          "abfss": "azure", "adl": "azure"}
+"""URL scheme -> the ``unbroken[...]`` extra that installs its backend."""
+
+
+def is_url(location: str | os.PathLike[str]) -> bool:
+    return isinstance(location, str) and "://" in location
+
+
+def redact(url: str) -> str:
+    """A URL without any ``user:password@`` part (for messages, manifests, the index)."""
+    if not is_url(url):
+        return url
+    parts = urlsplit(url)
+    host = parts.netloc.rsplit("@", 1)[-1]
+    return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
+
+
+def open_store(location: str | os.PathLike[str] | Any, storage_options: Mapping[str, Any] | None = None,
+               *, readonly: bool = False) -> Any:
+    """The store of the run at ``location`` (a path, a URL, or a store, returned as is)."""
+    if hasattr(location, "list_committed") and hasattr(location, "stage"):
+        return location
+    if not is_url(location):
+        if storage_options:
+            raise StorageError(f"storage_options were given, but {location!r} is a local path")
+        return LocalStore(os.fspath(location), readonly=readonly)
+    url = str(location).rstrip("/")
+    scheme = url.split("://", 1)[0].lower()
+    if scheme == "file":
+        return LocalStore(unquote(urlsplit(url).path), readonly=readonly)
+    try:
+        import fsspec
+        from fsspec.registry import known_implementations
+
+        if scheme not in known_implementations and scheme not in fsspec.registry.registry:
+            raise StorageError(f"unknown storage scheme {scheme!r} in {redact(url)}: use a local path, file://, "
+                               "s3://, gs://, az://, memory:// or another fsspec protocol")
+        cls = fsspec.get_filesystem_class(scheme)
+    except ImportError as e:
+        extra = EXTRAS.get(scheme)
+        hint = f"pip install 'unbroken[{extra}]'" if extra else f"install the fsspec backend for {scheme}://"
+        raise StorageError(f"{redact(url)} needs a package that is not installed ({e}); {hint}") from None
+    options = dict(storage_options or {})
+    try:
+        fs = cls(**options)
+    except TypeError as e:
+        raise StorageError(f"invalid storage_options for {scheme}://: {e}") from None
+    root = cls._strip_protocol(url)
+    if isinstance(root, list):
+        root = root[0]
+    root = root.rstrip("/")
+    if not root.strip("/"):
+        raise StorageError(f"{redact(url)} names no bucket or folder; use {scheme}://bucket/run-name")
+    clean = redact(url)
+    if scheme in ("s3", "s3a"):
+        from .s3 import S3Store
+
+        return S3Store(fs, root, clean, readonly=readonly)
+    return FsspecStore(fs, root, clean, readonly=readonly)
+
+
+def split_checkpoint(location: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+                     ) -> tuple[Any, str]:
+    """``(store of the run, checkpoint name)`` for the location of one checkpoint folder."""
+    if is_url(location):
+        url = str(location).rstrip("/")
+        parent, _, name = url.rpartition("/")
+        if "://" not in parent or not parent.split("://", 1)[1]:
+            raise StorageError(f"{redact(url)} is not the location of a checkpoint inside a run")
+        return open_store(parent, storage_options), name
+    path = os.path.abspath(os.fspath(location))
+    return open_store(os.path.dirname(path), storage_options), os.path.basename(path)

@@ -1,0 +1,186 @@
+"""Tiered checkpoints: save to a fast local folder, upload to a remote store in the background.
+
+``Checkpointer("runs/exp1", keep_last=2, remote=Remote("s3://bucket/exp1", keep_last=20))``:
+every save commits locally first (the training loop waits only for that), then the
+:class:`Uploader` thread copies the checkpoint to the remote: each file is read back
+from the local disk and its checksum checked against the manifest *before* it is sent
+(a local bit flip is never uploaded), data objects first and the manifest last. A
+checkpoint is **durable** once its remote commit succeeded (:class:`~unbroken.events.Uploaded`).
+
+- **Outages** never stop training: a failed upload is retried with backoff (5 s doubling
+  to 60 s) for as long as it takes; saves go on locally meanwhile, and the uploads catch
+  up, oldest pending first.
+- **Retention per tier**: the local tier follows the Checkpointer's rules, the remote
+  tier the :class:`Remote`'s. Local retention never deletes the newest checkpoint that is
+  not yet uploaded, so the remote always receives the newest state once it is back
+  (older pending ones may be pruned locally before they were uploaded: documented).
+- **Restore** (:mod:`unbroken.run`) picks the newest valid checkpoint across both tiers
+  and downloads it, verified, when only the remote has it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from .errors import CorruptCheckpointError
+from .events import Event, Pruned, Uploaded, UploadFailed
+from .format.manifest import MANIFEST, Manifest, new_hasher
+from .policies import Retention
+
+log = logging.getLogger("unbroken")
+
+
+@dataclass
+class Remote:
+    """The remote tier of a :class:`~unbroken.Checkpointer`.
+
+    Args:
+        location: ``s3://bucket/run`` or any fsspec URL (or a local path: a second disk).
+        keep_last: how many checkpoints to keep remotely (``None``: all).
+        retention: more rules for the remote tier (``KeepBest(...) | KeepEveryNSteps(...)``).
+        storage_options: passed to the fsspec filesystem (endpoint, credentials, profile).
+        close_timeout_s: how long :meth:`Checkpointer.close` (and a preemption exit) waits
+            for pending uploads before giving up with an error in the log.
+    """
+
+    location: str
+    keep_last: int | None = 20
+    retention: Retention | None = None
+    storage_options: Mapping[str, Any] | None = field(default=None, repr=False)
+    close_timeout_s: float = 300.0
+
+
+def copy_checkpoint(src: Any, name: str, dst: Any, *, lock: Any = None) -> tuple[str, Manifest]:
+    """Copy checkpoint ``name`` from store ``src`` to store ``dst``, verifying every file against
+    the manifest before it is written; the manifest is written last (the commit). Returns the
+    name it got in ``dst`` and its manifest. A damaged source raises CorruptCheckpointError."""
+    raw = bytes(src.read(name, MANIFEST))
+    manifest = Manifest.from_json(raw)
+    staging = dst.stage(name)
+    try:
+        for fname, entry in sorted(manifest.files.items()):
+            buf = src.read(name, fname, entry.size)
+            h = new_hasher()
+            h.update(buf)
+            if h.hexdigest() != entry.xxh3_128:
+                raise CorruptCheckpointError(f"{src.describe(name)}: {fname}: checksum mismatch")
+            with staging.open(fname) as f:
+                f.write(memoryview(buf))
+            del buf
+        with staging.open(MANIFEST) as f:
+            f.write(raw)
+        if lock is not None:
+            lock.verify()
+        final = staging.commit()
+    except BaseException:
+        staging.abort()
+        raise
+    return final, manifest
+
+
+class Uploader:
+    """The background thread that makes local checkpoints durable on the remote tier."""
+
+    def __init__(self, local: Any, remote: Any, remote_lock: Any, publish: Callable[[Event], None],
+                 prune_remote: Callable[[], list[str]], sync_meta: Callable[[], None]) -> None:
+        self.local, self.remote, self.remote_lock = local, remote, remote_lock
+        self.publish, self.prune_remote, self.sync_meta = publish, prune_remote, sync_meta
+        self._queue: deque[str] = deque()
+        self._cv = threading.Condition()
+        self._busy: str | None = None
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.uploaded: dict[str, str] = {}  # local name -> remote name
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="unbroken-upload", daemon=True)
+            self._thread.start()
+
+    def enqueue(self, name: str) -> None:
+        with self._cv:
+            if name not in self._queue and name != self._busy:
+                self._queue.append(name)
+            self._cv.notify_all()
+
+    def pending(self) -> list[str]:
+        """Local checkpoints not yet durable remotely, oldest first."""
+        with self._cv:
+            return ([self._busy] if self._busy else []) + list(self._queue)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until nothing is pending; False if ``timeout`` passed first."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while self._queue or self._busy:
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cv.wait(timeout=left if left is None else min(left, 1.0))
+        return True
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+            self._thread = None
+
+    def _loop(self) -> None:
+        attempt, wait_s = 0, 5.0
+        while True:
+            with self._cv:
+                while not self._queue and not self._stop:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                self._busy = self._queue.popleft()
+            name = self._busy
+            try:
+                self._upload(name)
+                attempt, wait_s = 0, 5.0
+                with self._cv:
+                    self._busy = None
+                    self._cv.notify_all()
+            except CorruptCheckpointError as e:  # the local copy is damaged: never upload it
+                log.error("not uploading %s: %s", name, e)
+                self.publish(UploadFailed(name, str(e), attempt + 1, will_retry=False))
+                with self._cv:
+                    self._busy = None
+                    self._cv.notify_all()
+            except Exception as e:
+                attempt += 1
+                level = logging.WARNING if attempt == 1 or attempt % 10 == 0 else logging.INFO
+                log.log(level, "upload of %s to %s failed (attempt %d: %s: %s); training goes on, retrying in "
+                        "%.0f s", name, self.remote.url, attempt, type(e).__name__, str(e)[:200], wait_s)
+                self.publish(UploadFailed(name, f"{type(e).__name__}: {e}", attempt))
+                with self._cv:
+                    self._queue.appendleft(name)
+                    self._busy = None
+                    self._cv.notify_all()
+                    self._cv.wait_for(lambda: self._stop, timeout=wait_s)
+                wait_s = min(wait_s * 2, 60.0)
+
+    def _upload(self, name: str) -> None:
+        if name not in self.local.list_committed():
+            log.info("%s was pruned locally before it could be uploaded", name)
+            return
+        if not self.remote_lock.held:
+            self.remote.check()
+            self.remote_lock.acquire()
+            self.remote.clean_stale()
+        t0 = time.monotonic()
+        final, _ = copy_checkpoint(self.local, name, self.remote, lock=self.remote_lock)
+        took = time.monotonic() - t0
+        self.uploaded[name] = final
+        log.info("uploaded %s to %s in %.1f s", name, self.remote.describe(final), took)
+        self.publish(Uploaded(final, self.remote.describe(final), took))
+        self.sync_meta()
+        for gone in self.prune_remote():
+            self.publish(Pruned(gone, tier="remote"))

@@ -1,0 +1,42 @@
+"""Shared fixtures: a real S3 server (SeaweedFS) started once per session, and a private cache."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from s3_server import S3Server  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Derived data of remote runs (their index) goes to a temp folder, not ~/.cache."""
+    os.environ["UNBROKEN_CACHE_DIR"] = str(tmp_path_factory.mktemp("unbroken-cache"))
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> S3Server:
+    """One SeaweedFS server for the session (fresh folder, explicit ports, stopped at the end)."""
+    server = S3Server()
+    server.start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture()
+def s3(s3_server: S3Server) -> S3Server:
+    """The session's S3 server, running (a test may have killed it: it is restarted)."""
+    if s3_server.proc is None or s3_server.proc.poll() is not None:
+        s3_server.proc = None
+        s3_server.start()
+    return s3_server
+
+
+@pytest.fixture()
+def s3_url(s3: S3Server) -> str:
+    """A run location in a fresh bucket of the test S3 server."""
+    return f"s3://{s3.new_bucket()}/run"

