@@ -118,6 +118,12 @@ class S3Server:
 
         return s3fs.S3FileSystem(skip_instance_cache=True, **self.storage_options)
 
+    def new_prefix(self) -> str:
+        """A fresh folder in the session's bucket (creating a bucket costs about a second)."""
+        if not getattr(self, "_bucket", None):
+            self._bucket = self.new_bucket()
+        return f"{self._bucket}/{uuid.uuid4().hex[:16]}"
+
     def new_bucket(self) -> str:
         name = f"t-{uuid.uuid4().hex[:16]}"
         self.fs().mkdir(name)

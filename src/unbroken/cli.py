@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Checkpoints that survive anything, and resume bitwise identically.")
 console = Console()
 _options: dict[str, object] = {}
@@ -38,7 +38,9 @@ def _store(location: str):
     from .store import open_store
 
     try:
-        return open_store(location, _options or None, readonly=True)
+        store = open_store(location, _options or None, readonly=True)
+        store.check()
+        return store
     except StorageError as e:
         console.print(f"[red]{e}[/]")
         raise typer.Exit(1)
@@ -212,8 +214,14 @@ def metrics(run: str = typer.Argument(..., help="Run folder or URL."),
 
 def main() -> None:
     """Entry point of the ``unbroken`` script."""
+    from .errors import UnbrokenError
+
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    app()
+    try:
+        app()
+    except (UnbrokenError, OSError) as e:  # a library error is a message, not a traceback
+        console.print(f"[red]{type(e).__name__}: {e}[/]")
+        sys.exit(1)
 
 
 if __name__ == "__main__":

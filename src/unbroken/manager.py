@@ -87,6 +87,7 @@ class Checkpointer:
         self.schedule = Schedule(save_every, trigger, keep_last, retention)
         self.events = EventBus()
         self.run = Run(location, storage_options=storage_options, remote=remote, publish=self.events.publish)
+        self._storage_options = storage_options
         self.run.check()
         self.location: str = self.run.url
         self.progress = Progress()
@@ -184,7 +185,8 @@ class Checkpointer:
                 raise NoCheckpointError(f"no checkpoint of {self.location} is tagged {tag!r}")
             path = found[0].path
         if path is not None:
-            return self._apply(state, read_path(path), os.fspath(path))
+            opts = self._storage_options if isinstance(path, str) and "://" in path else None
+            return self._apply(state, read_path(path, opts), os.fspath(path))
         loaded, where, seen = self.run.newest_valid()
         if loaded is not None:
             return self._apply(state, loaded, where)

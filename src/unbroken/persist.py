@@ -9,12 +9,13 @@ reader would look at and every earlier checkpoint untouched.
 
 from __future__ import annotations
 
+import errno
 import json
 import time
 from typing import Any
 
 from . import _faults
-from .errors import InsufficientSpaceError
+from .errors import InsufficientSpaceError, StorageError, UnbrokenError
 from .format.manifest import MANIFEST, STATE_FILE, FileEntry, Manifest, new_hasher
 from .format.tensorfile import write_tensor_file
 from .snapshot import Snapshot
@@ -63,6 +64,15 @@ def write_snapshot(
             f.write(manifest.to_json())
         _faults.point("save.before_commit")
         final = staging.commit()
+    except UnbrokenError:
+        staging.abort()
+        raise
+    except Exception as e:  # a disk, a server: one library error that keeps the errno
+        staging.abort()
+        code = e.errno if isinstance(e, OSError) and e.errno else errno.EIO
+        raise StorageError(code, f"could not write checkpoint {name} to {getattr(storage, 'url', storage)} "
+                                 f"({type(e).__name__}: {e}); nothing was committed and earlier checkpoints "
+                                 "are intact") from e
     except BaseException:
         staging.abort()
         raise

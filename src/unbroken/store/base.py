@@ -56,6 +56,11 @@ def check_name(name: Any, what: str = "file") -> str:
     return name
 
 
+def check_meta_name(name: Any) -> str:
+    """A run-level file name: like :func:`check_name`, or hidden (``.lock.json``)."""
+    return "." + check_name(name[1:]) if isinstance(name, str) and name.startswith(".") else check_name(name)
+
+
 class Staging(Protocol):
     """A checkpoint being written."""
 

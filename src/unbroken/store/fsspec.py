@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import CorruptCheckpointError, StorageError
-from .base import COMMIT_FILE, MAX_META_BYTES, QUARANTINE, Buffer, check_name
+from .base import COMMIT_FILE, MAX_META_BYTES, QUARANTINE, Buffer, check_meta_name, check_name
 from .local import MAX_MANIFEST_BYTES, allocate
 from .retry import Retry
 
@@ -93,7 +93,8 @@ class FsspecStore:
     # ------------------------------------------------------------------- setup
     def check(self) -> None:
         try:
-            self.call("check", self.fs.ls, self.root.split("/")[0], detail=False)
+            quick = Retry(deadline_s=min(self.retry.deadline_s, 15.0))
+            quick.call(f"check ({self.url})", lambda: self.fs.ls(self.root.split("/")[0], detail=False))
         except FileNotFoundError:
             raise StorageError(f"{self.url}: the bucket or container {self.root.split('/')[0]!r} does not "
                                "exist; create it first (unbroken never creates buckets)") from None
@@ -185,7 +186,7 @@ class FsspecStore:
         return removed
 
     def write_meta(self, file: str, data: bytes) -> None:
-        self.put(self.path(check_name(file)), data)
+        self.put(self.path(check_meta_name(file)), data)
 
     # -------------------------------------------------------------------- read
     def list_committed(self) -> list[str]:
@@ -241,7 +242,7 @@ class FsspecStore:
         return buf
 
     def read_meta(self, file: str) -> bytes | None:
-        path = self.path(check_name(file))
+        path = self.path(check_meta_name(file))
         size = self.size_of(path)
         if size is None:
             return None

@@ -136,10 +136,11 @@ class LeaseLock:
             else:
                 doc, etag_seen = current
                 holder = f"host {doc.get('host')} pid {doc.get('pid')}"
-                dead = doc.get("host") == socket.gethostname() and not _pid_alive(int(doc.get("pid", -1)))
+                here = doc.get("host") == socket.gethostname()
+                dead = here and not _pid_alive(int(doc.get("pid", -1)))
                 expired = float(doc.get("expires", 0)) < time.time()
                 if not (dead or expired):
-                    if waited_for is not None and waited_for != etag_seen or time.monotonic() > deadline:
+                    if here or waited_for is not None and waited_for != etag_seen or time.monotonic() > deadline:
                         raise RunLockedError(
                             f"{self.store.url} is being written by another process ({holder}, lease renewed "
                             f"until {time.ctime(float(doc.get('expires', 0)))}). Two writers would corrupt "

@@ -31,7 +31,7 @@ from typing import BinaryIO
 import torch
 
 from ..errors import CorruptCheckpointError, StorageError
-from .base import COMMIT_FILE, MAX_META_BYTES, QUARANTINE, Buffer, check_name
+from .base import COMMIT_FILE, MAX_META_BYTES, QUARANTINE, Buffer, check_meta_name, check_name
 from .lock import FlockLock
 
 _HIDDEN = re.compile(r"^\.(staging|trash)-(?P<host>[^_]+)_(?P<pid>\d+)_(?:[0-9a-f]{8})_(?P<name>.*)$")
@@ -248,7 +248,7 @@ class LocalStore:
 
     def write_meta(self, file: str, data: bytes) -> None:
         self.ensure()
-        write_file_atomic(self.root / check_name(file), data)
+        write_file_atomic(self.root / check_meta_name(file), data)
 
     # ------------------------------------------------------------------- read
     def list_committed(self) -> list[str]:
@@ -276,13 +276,14 @@ class LocalStore:
 
     def read(self, name: str, file: str, size: int | None = None) -> Buffer:
         try:
-            return _read_file(self.root / name, file, size, MAX_MANIFEST_BYTES)
+            return _read_file(self.root / name, file if file == COMMIT_FILE else check_name(file), size,
+                              MAX_MANIFEST_BYTES)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{file} is missing") from None
 
     def read_meta(self, file: str) -> bytes | None:
         try:
-            return bytes(_read_file(self.root, check_name(file), None, MAX_META_BYTES))
+            return bytes(_read_file(self.root, check_meta_name(file), None, MAX_META_BYTES))
         except FileNotFoundError:
             return None
 
@@ -293,7 +294,7 @@ def _read_file(folder: Path, file: str, size: int | None, max_unsized: int) -> B
     flags = os.O_RDONLY | _NOFOLLOW | _CLOEXEC | getattr(os, "O_NONBLOCK", 0)  # O_NONBLOCK: a FIFO must not hang
     dfd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC)
     try:
-        fd = os.open(file if file == COMMIT_FILE else check_name(file), flags, dir_fd=dfd)
+        fd = os.open(file, flags, dir_fd=dfd)  # callers checked the name: one plain component
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise CorruptCheckpointError(f"{file} is a symbolic link; refusing to follow it") from None

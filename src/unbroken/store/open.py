@@ -48,15 +48,16 @@ def open_store(location: str | os.PathLike[str] | Any, storage_options: Mapping[
         if storage_options:
             raise StorageError(f"storage_options were given, but {location!r} is a local path")
         return LocalStore(os.fspath(location), readonly=readonly)
-    url = str(location).rstrip("/")
-    scheme = url.split("://", 1)[0].lower()
+    scheme, _, rest = str(location).partition("://")
+    scheme = scheme.lower()
+    url = f"{scheme}://{rest.rstrip('/')}"
     if scheme == "file":
         return LocalStore(unquote(urlsplit(url).path), readonly=readonly)
     try:
         import fsspec
-        from fsspec.registry import known_implementations
+        from fsspec.registry import known_implementations, registry
 
-        if scheme not in known_implementations and scheme not in fsspec.registry.registry:
+        if scheme not in known_implementations and scheme not in registry:
             raise StorageError(f"unknown storage scheme {scheme!r} in {redact(url)}: use a local path, file://, "
                                "s3://, gs://, az://, memory:// or another fsspec protocol")
         cls = fsspec.get_filesystem_class(scheme)
@@ -74,7 +75,7 @@ def open_store(location: str | os.PathLike[str] | Any, storage_options: Mapping[
         root = root[0]
     root = root.rstrip("/")
     if not root.strip("/"):
-        raise StorageError(f"{redact(url)} names no bucket or folder; use {scheme}://bucket/run-name")
+        raise StorageError(f"{scheme}:// names no bucket or folder; use {scheme}://bucket/run-name")
     clean = redact(url)
     if scheme in ("s3", "s3a"):
         from .s3 import S3Store

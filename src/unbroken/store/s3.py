@@ -22,6 +22,7 @@ from typing import Any
 
 from ..errors import StorageError
 from .fsspec import FsspecStaging, FsspecStore
+from .retry import Retry
 
 log = logging.getLogger("unbroken")
 
@@ -44,7 +45,8 @@ class S3Store(FsspecStore):
     def check(self) -> None:
         bucket = self.root.split("/")[0]
         try:
-            self.s3("check", "head_bucket", Bucket=bucket)
+            quick = Retry(deadline_s=min(self.retry.deadline_s, 15.0))
+            quick.call(f"check ({self.url})", lambda: self.fs.call_s3("head_bucket", Bucket=bucket))
         except FileNotFoundError:
             raise StorageError(f"{self.url}: the bucket {bucket!r} does not exist; create it first "
                                "(unbroken never creates buckets)") from None
