@@ -14,6 +14,7 @@ thing in both places.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any, Callable, Mapping
 
 from .api import CheckpointInfo
@@ -50,6 +51,8 @@ class Run:
         self.uploader: Uploader | None = None
         self._next_seq = 0
         self._remote_ok = True
+        self._prune_lock = threading.Lock()
+        self._schedule: Schedule | None = None  # the local retention, for prunes after uploads
 
     @property
     def url(self) -> str:
@@ -62,7 +65,7 @@ class Run:
         self.store.check()
         if self.remote_store is not None:
             try:
-                self.remote_store.check()
+                self.remote_store.check(deadline_s=5.0)
             except StorageError as e:
                 if "cannot reach" not in str(e):
                     raise
@@ -86,6 +89,8 @@ class Run:
     def _begin_remote(self) -> None:
         assert self.remote_store is not None and self.remote_lock is not None
         try:
+            if not self._remote_ok:  # known down: the uploader takes the lease when it is back
+                raise ConnectionError("unreachable at start")
             self.remote_lock.acquire()
             for name in self.remote_store.clean_stale():
                 log.info("removed leftover %s of an interrupted upload", name)
@@ -95,17 +100,21 @@ class Run:
             if not is_transient(e):
                 raise
             log.warning("remote tier %s unreachable (%s); uploads start when it is back", self.remote_store.url, e)
+        assert self.remote is not None
         self.uploader = Uploader(self.store, self.remote_store, self.remote_lock, self.publish,
-                                 self._prune_remote, self._sync_tags)
+                                 self._prune_remote, self._sync_tags,
+                                 (self.remote.retry_wait_s, self.remote.retry_max_wait_s))
         self.uploader.start()
         try:  # catch up: local checkpoints newer than the newest remote one
+            if not self._remote_ok:
+                raise ConnectionError("unreachable at start")
             remote_seq = max((m.seq for m in manifests(self.remote_store).values()), default=-1)
         except Exception:
             remote_seq = None
-        if remote_seq is not None:
-            for name, m in sorted(manifests(self.store).items(), key=lambda kv: kv[1].seq):
-                if m.seq > remote_seq:
-                    self.uploader.enqueue(name)
+        local = sorted(manifests(self.store).items(), key=lambda kv: kv[1].seq)
+        for name, m in local if remote_seq is not None else local[-1:]:  # unknown: the newest (deduplicated)
+            if remote_seq is None or m.seq > remote_seq:
+                self.uploader.enqueue(name)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for background work (uploads); False if some is still pending after ``timeout``."""
@@ -130,6 +139,8 @@ class Run:
         local = discover(self.store, "local" if self.remote_store is not None else "")
         if self.remote_store is None:
             return local
+        if not self._remote_ok and self.uploader is not None and self.uploader.failing:
+            return local
         try:
             remote = discover(self.remote_store, "remote")
         except Exception as e:
@@ -148,7 +159,7 @@ class Run:
 
     def next_seq(self) -> int:
         seqs = [c.seq for c in discover(self.store)]
-        if self.remote_store is not None and self._next_seq == 0:
+        if self.remote_store is not None and self._next_seq == 0 and self._remote_ok:
             try:
                 seqs += [m.seq for m in manifests(self.remote_store).values()]
             except Exception as e:
@@ -176,7 +187,7 @@ class Run:
         where it was read, and how many committed checkpoints were seen. Invalid ones are
         reported, quarantined and skipped."""
         local = self._manifests(self.store)
-        remote = self._manifests(self.remote_store) if self.remote_store is not None else {}
+        remote = self._manifests(self.remote_store) if self.remote_store is not None and self._remote_ok else {}
         candidates = sorted({(m.seq, m.step) for m in [*local.values(), *remote.values()]}, reverse=True)
         by_key = lambda found: {(m.seq, m.step): n for n, m in found.items()}  # noqa: E731
         local_by, remote_by = by_key(local), by_key(remote)
@@ -238,21 +249,28 @@ class Run:
     # ------------------------------------------------------------------ retention
     def prune(self, schedule: Schedule, keep: str | None) -> list[str]:
         """Delete what ``schedule``'s retention does not keep in the primary store (never the
-        newest, never ``keep``, never the newest checkpoint still waiting for its upload)."""
-        infos = discover(self.store)
-        protect = [keep] if keep else []
-        if self.uploader is not None:
-            pending = [n for n in self.uploader.pending() if n in {c.name for c in infos}]
-            protect += pending[-1:]
-        doomed = schedule.doomed(infos, {c.name: set(c.tags) for c in infos}, None, protect=protect)
-        for name in doomed:
-            self.store.delete(name)
-            self.publish(Pruned(name))
-            log.info("retention: deleted %s", self.store.describe(name))
+        newest, never ``keep``, never a checkpoint waiting for its upload; during an outage,
+        never the newest one waiting: see :mod:`unbroken.tiers`)."""
+        self._schedule = schedule
+        with self._prune_lock:  # the uploader thread prunes too, after each upload
+            infos = discover(self.store)
+            protect = [keep] if keep else []
+            if self.uploader is not None:
+                pending = [n for n in self.uploader.pending() if n in {c.name for c in infos}]
+                protect += pending[-1:] if self.uploader.failing else pending
+            doomed = schedule.doomed(infos, {c.name: set(c.tags) for c in infos}, None, protect=protect)
+            for name in doomed:
+                self.store.delete(name)
+                self.publish(Pruned(name))
+                log.info("retention: deleted %s", self.store.describe(name))
         return doomed
 
     def _prune_remote(self) -> list[str]:
+        """After an upload: apply the remote tier's retention, and the local one (what waited
+        for this upload may go now)."""
         assert self.remote_store is not None and self.remote_schedule is not None
+        if self._schedule is not None:
+            self.prune(self._schedule, None)
         infos = discover(self.remote_store)
         doomed = self.remote_schedule.doomed(infos, {c.name: set(c.tags) for c in infos}, None)
         for name in doomed:

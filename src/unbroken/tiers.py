@@ -7,13 +7,14 @@ from the local disk and its checksum checked against the manifest *before* it is
 (a local bit flip is never uploaded), data objects first and the manifest last. A
 checkpoint is **durable** once its remote commit succeeded (:class:`~unbroken.events.Uploaded`).
 
-- **Outages** never stop training: a failed upload is retried with backoff (5 s doubling
-  to 60 s) for as long as it takes; saves go on locally meanwhile, and the uploads catch
+- **Outages** never stop training: a failed upload is retried with backoff (by default 5 s
+  doubling to 60 s) for as long as it takes; saves go on locally meanwhile, and the uploads catch
   up, oldest pending first.
 - **Retention per tier**: the local tier follows the Checkpointer's rules, the remote
-  tier the :class:`Remote`'s. Local retention never deletes the newest checkpoint that is
-  not yet uploaded, so the remote always receives the newest state once it is back
-  (older pending ones may be pruned locally before they were uploaded: documented).
+  tier the :class:`Remote`'s. Local retention never deletes a checkpoint waiting for its
+  upload while the remote is healthy. During an outage it keeps only the *newest* waiting
+  one beyond its own rules, so the local disk stays bounded and the remote receives the
+  newest state once it is back (the older waiting ones are then skipped).
 - **Restore** (:mod:`unbroken.run`) picks the newest valid checkpoint across both tiers
   and downloads it, verified, when only the remote has it.
 """
@@ -46,6 +47,8 @@ class Remote:
         storage_options: passed to the fsspec filesystem (endpoint, credentials, profile).
         close_timeout_s: how long :meth:`Checkpointer.close` (and a preemption exit) waits
             for pending uploads before giving up with an error in the log.
+        retry_wait_s: after a failed upload, wait this long before the next attempt, doubling
+            up to ``retry_max_wait_s``.
     """
 
     location: str
@@ -53,6 +56,8 @@ class Remote:
     retention: Retention | None = None
     storage_options: Mapping[str, Any] | None = field(default=None, repr=False)
     close_timeout_s: float = 300.0
+    retry_wait_s: float = 5.0
+    retry_max_wait_s: float = 60.0
 
 
 def copy_checkpoint(src: Any, name: str, dst: Any, *, lock: Any = None) -> tuple[str, Manifest]:
@@ -87,13 +92,16 @@ class Uploader:
     """The background thread that makes local checkpoints durable on the remote tier."""
 
     def __init__(self, local: Any, remote: Any, remote_lock: Any, publish: Callable[[Event], None],
-                 prune_remote: Callable[[], list[str]], sync_meta: Callable[[], None]) -> None:
+                 prune_remote: Callable[[], list[str]], sync_meta: Callable[[], None],
+                 wait_s: tuple[float, float] = (5.0, 60.0)) -> None:
         self.local, self.remote, self.remote_lock = local, remote, remote_lock
+        self.wait_s = wait_s
         self.publish, self.prune_remote, self.sync_meta = publish, prune_remote, sync_meta
         self._queue: deque[str] = deque()
         self._cv = threading.Condition()
         self._busy: str | None = None
         self._stop = False
+        self.failing = False  # the last attempt failed: the remote is (probably) down
         self._thread: threading.Thread | None = None
         self.uploaded: dict[str, str] = {}  # local name -> remote name
 
@@ -133,7 +141,7 @@ class Uploader:
             self._thread = None
 
     def _loop(self) -> None:
-        attempt, wait_s = 0, 5.0
+        attempt, wait_s = 0, self.wait_s[0]
         while True:
             with self._cv:
                 while not self._queue and not self._stop:
@@ -144,18 +152,22 @@ class Uploader:
             name = self._busy
             try:
                 self._upload(name)
-                attempt, wait_s = 0, 5.0
+                attempt, wait_s, self.failing = 0, self.wait_s[0], False
                 with self._cv:
                     self._busy = None
                     self._cv.notify_all()
-            except CorruptCheckpointError as e:  # the local copy is damaged: never upload it
-                log.error("not uploading %s: %s", name, e)
-                self.publish(UploadFailed(name, str(e), attempt + 1, will_retry=False))
+            except CorruptCheckpointError as e:
+                if name not in self.local.list_committed():
+                    log.info("%s was pruned locally while it was being uploaded", name)
+                else:  # the local copy is damaged: never upload it
+                    log.error("not uploading %s: %s", name, e)
+                    self.publish(UploadFailed(name, str(e), attempt + 1, will_retry=False))
                 with self._cv:
                     self._busy = None
                     self._cv.notify_all()
             except Exception as e:
                 attempt += 1
+                self.failing = True
                 level = logging.WARNING if attempt == 1 or attempt % 10 == 0 else logging.INFO
                 log.log(level, "upload of %s to %s failed (attempt %d: %s: %s); training goes on, retrying in "
                         "%.0f s", name, self.remote.url, attempt, type(e).__name__, str(e)[:200], wait_s)
@@ -165,7 +177,7 @@ class Uploader:
                     self._busy = None
                     self._cv.notify_all()
                     self._cv.wait_for(lambda: self._stop, timeout=wait_s)
-                wait_s = min(wait_s * 2, 60.0)
+                wait_s = min(wait_s * 2, self.wait_s[1])
 
     def _upload(self, name: str) -> None:
         if name not in self.local.list_committed():
@@ -176,7 +188,11 @@ class Uploader:
             self.remote_lock.acquire()
             self.remote.clean_stale()
         t0 = time.monotonic()
-        final, _ = copy_checkpoint(self.local, name, self.remote, lock=self.remote_lock)
+        if name in self.remote.list_committed() and \
+                bytes(self.remote.read(name, MANIFEST)) == bytes(self.local.read(name, MANIFEST)):
+            final = name  # a retry after a commit whose answer was lost: already there
+        else:
+            final, _ = copy_checkpoint(self.local, name, self.remote, lock=self.remote_lock)
         took = time.monotonic() - t0
         self.uploaded[name] = final
         log.info("uploaded %s to %s in %.1f s", name, self.remote.describe(final), took)

@@ -106,8 +106,9 @@ class Store(Protocol):
     remote: bool
     """True for object stores and other non-local filesystems."""
 
-    def check(self) -> None:
-        """Fail now, clearly, if the location cannot be used (no bucket, denied, unsafe folder)."""
+    def check(self, deadline_s: float = 15.0) -> None:
+        """Fail now, clearly, if the location cannot be used (no bucket, denied, unsafe folder);
+        an unreachable server is retried for up to ``deadline_s``."""
         ...
 
     def stage(self, name: str) -> Staging: ...

@@ -91,9 +91,9 @@ class FsspecStore:
         return out
 
     # ------------------------------------------------------------------- setup
-    def check(self) -> None:
+    def check(self, deadline_s: float = 15.0) -> None:
         try:
-            quick = Retry(deadline_s=min(self.retry.deadline_s, 15.0))
+            quick = Retry(deadline_s=min(self.retry.deadline_s, deadline_s))
             quick.call(f"check ({self.url})", lambda: self.fs.ls(self.root.split("/")[0], detail=False))
         except FileNotFoundError:
             raise StorageError(f"{self.url}: the bucket or container {self.root.split('/')[0]!r} does not "

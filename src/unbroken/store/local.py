@@ -169,7 +169,7 @@ class LocalStore:
         self.readonly = readonly
 
     # ------------------------------------------------------------------ setup
-    def check(self) -> None:
+    def check(self, deadline_s: float = 15.0) -> None:
         if self.root.exists() and not self.root.is_dir():
             raise StorageError(f"{self.root} exists and is not a folder; choose another run location")
 

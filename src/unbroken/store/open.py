@@ -66,6 +66,8 @@ def open_store(location: str | os.PathLike[str] | Any, storage_options: Mapping[
         hint = f"pip install 'unbroken[{extra}]'" if extra else f"install the fsspec backend for {scheme}://"
         raise StorageError(f"{redact(url)} needs a package that is not installed ({e}); {hint}") from None
     options = dict(storage_options or {})
+    if scheme != "memory":
+        options.setdefault("use_listings_cache", False)  # several writers and readers: never a stale listing
     try:
         fs = cls(**options)
     except TypeError as e:

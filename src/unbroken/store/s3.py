@@ -42,10 +42,10 @@ class S3Store(FsspecStore):
     def s3(self, what: str, method: str, **kwargs: Any) -> Any:
         return self.call(what, self.fs.call_s3, method, **kwargs)
 
-    def check(self) -> None:
+    def check(self, deadline_s: float = 15.0) -> None:
         bucket = self.root.split("/")[0]
         try:
-            quick = Retry(deadline_s=min(self.retry.deadline_s, 15.0))
+            quick = Retry(deadline_s=min(self.retry.deadline_s, deadline_s))
             quick.call(f"check ({self.url})", lambda: self.fs.call_s3("head_bucket", Bucket=bucket))
         except FileNotFoundError:
             raise StorageError(f"{self.url}: the bucket {bucket!r} does not exist; create it first "

@@ -1,0 +1,190 @@
+"""Tiered checkpoints: saved to a local folder, uploaded to S3 in the background, each tier
+with its own retention; resume picks the newest valid checkpoint across both tiers."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import unbroken
+from unbroken.events import Uploaded, UploadFailed
+from unbroken.store import open_store
+from unbroken.store.retry import Retry
+
+
+class Events:
+    def __init__(self) -> None:
+        self.seen: list = []
+
+    def on_event(self, event) -> None:
+        self.seen.append(event)
+
+    def of(self, kind) -> list:
+        return [e for e in self.seen if isinstance(e, kind)]
+
+
+def make_state(seed: int = 0) -> dict:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(64, 32)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    return {"model": model, "optimizer": opt}
+
+
+def train_step(state: dict) -> None:
+    loss = state["model"](torch.randn(8, 64)).pow(2).mean()
+    loss.backward()
+    state["optimizer"].step()
+    state["optimizer"].zero_grad()
+
+
+def weights(state: dict) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in state["model"].state_dict().items()}
+
+
+def tiered(local: Path, s3, url: str, **kw) -> unbroken.Checkpointer:
+    remote = unbroken.Remote(url, keep_last=kw.pop("remote_keep", 4), storage_options=s3.storage_options,
+                             retry_wait_s=0.5, retry_max_wait_s=1.0, close_timeout_s=60)
+    ckpt = unbroken.Checkpointer(local, keep_last=kw.pop("keep_last", 2), remote=remote, preemption=None, **kw)
+    return ckpt
+
+
+def names(store) -> list[str]:
+    return store.list_committed()
+
+
+def test_saves_locally_uploads_in_background_and_keeps_per_tier(tmp_path: Path, s3, s3_url) -> None:
+    state = make_state()
+    ckpt = tiered(tmp_path / "run", s3, s3_url, save_every=1)
+    events = Events()
+    ckpt.events.subscribe(events)
+    ckpt.restore(state)
+    for _ in range(6):
+        train_step(state)
+        ckpt.step(state)
+    assert ckpt.wait(timeout=60)
+    local, remote = open_store(tmp_path / "run"), open_store(s3_url, s3.storage_options)
+    assert names(local) == ["step-000000005", "step-000000006"]  # keep_last=2 locally
+    assert names(remote) == [f"step-00000000{i}" for i in range(3, 7)]  # keep_last=4 remotely
+    assert len(events.of(Uploaded)) == 6 and not events.of(UploadFailed)
+    infos = ckpt.checkpoints()
+    assert [c.step for c in infos] == [6, 5, 4, 3]
+    assert infos[0].tiers == ("local", "remote") and infos[-1].tiers == ("remote",)
+    for name in names(remote):
+        unbroken.verify(f"{s3_url}/{name}", storage_options=s3.storage_options)
+    ckpt.close()
+
+
+def test_local_copy_deleted_resume_downloads_from_the_remote(tmp_path: Path, s3, s3_url) -> None:
+    state = make_state()
+    with tiered(tmp_path / "run", s3, s3_url, save_every=2) as ckpt:
+        ckpt.restore(state)
+        for _ in range(6):
+            train_step(state)
+            ckpt.step(state)
+        saved = weights(state)
+    shutil.rmtree(tmp_path / "run")  # a new node: nothing local
+    fresh = make_state(seed=1)
+    with tiered(tmp_path / "run", s3, s3_url, save_every=2) as ckpt:
+        info = ckpt.restore(fresh)
+        assert info is not None and info.step == 6
+        assert all(torch.equal(saved[k], v) for k, v in weights(fresh).items())
+        assert "step-000000006" in names(open_store(tmp_path / "run"))  # downloaded and kept
+
+
+def test_a_damaged_local_copy_falls_back_to_the_remote_copy_of_the_same_step(tmp_path: Path, s3, s3_url) -> None:
+    state = make_state()
+    with tiered(tmp_path / "run", s3, s3_url, save_every=3) as ckpt:
+        ckpt.restore(state)
+        for _ in range(6):
+            train_step(state)
+            ckpt.step(state)
+        saved = weights(state)
+    victim = next((tmp_path / "run" / "step-000000006").glob("t00-*.safetensors"))
+    data = bytearray(victim.read_bytes())
+    data[-3] ^= 0x10
+    victim.write_bytes(bytes(data))
+    fresh = make_state(seed=1)
+    with tiered(tmp_path / "run", s3, s3_url) as ckpt:
+        assert ckpt.restore(fresh).step == 6  # not step 3: the remote copy of step 6 is good
+    assert all(torch.equal(saved[k], v) for k, v in weights(fresh).items())
+    assert (tmp_path / "run" / "quarantine" / "step-000000006").is_dir()
+
+
+def test_resume_picks_the_newest_checkpoint_across_tiers(tmp_path: Path, s3, s3_url) -> None:
+    state = make_state()
+    with tiered(tmp_path / "a", s3, s3_url, save_every=2) as ckpt:  # node A trains to step 4
+        ckpt.restore(state)
+        for _ in range(4):
+            train_step(state)
+            ckpt.step(state)
+    with tiered(tmp_path / "b", s3, s3_url, save_every=2) as ckpt:  # node B continues to step 8
+        ckpt.restore(state)
+        for _ in range(4):
+            train_step(state)
+            ckpt.step(state)
+        saved = weights(state)
+    fresh = make_state(seed=2)
+    with tiered(tmp_path / "a", s3, s3_url) as ckpt:  # back on node A: its local copy is older
+        assert ckpt.restore(fresh).step == 8
+    assert all(torch.equal(saved[k], v) for k, v in weights(fresh).items())
+
+
+def test_a_remote_outage_never_stops_training_and_uploads_catch_up(tmp_path: Path, s3, s3_url) -> None:
+    state = make_state()
+    ckpt = tiered(tmp_path / "run", s3, s3_url, save_every=1, keep_last=2, remote_keep=3)
+    ckpt.run.remote_store.retry = Retry(deadline_s=1.0)
+    events = Events()
+    ckpt.events.subscribe(events)
+    ckpt.restore(state)
+    train_step(state)
+    ckpt.step(state)
+    assert ckpt.wait(timeout=60)
+    s3.kill()
+    train_step(state)
+    ckpt.step(state)  # step 2 commits locally; its upload fails
+    deadline = time.monotonic() + 60
+    while not events.of(UploadFailed) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert events.of(UploadFailed)
+    for _ in range(4):  # steps 3..6 while the server is down: every save commits locally
+        train_step(state)
+        ckpt.step(state)
+    assert not ckpt.wait(timeout=1)
+    local = names(open_store(tmp_path / "run"))
+    assert "step-000000006" in local and len(local) <= 3  # keep_last=2 plus the newest pending
+    s3.start()
+    assert ckpt.wait(timeout=120)
+    remote = names(open_store(s3_url, s3.storage_options))
+    assert remote[-1] == "step-000000006" and len(remote) <= 3
+    assert events.of(UploadFailed) and events.of(Uploaded)[-1].name == "step-000000006"
+    for name in remote:
+        unbroken.verify(f"{s3_url}/{name}", storage_options=s3.storage_options)
+    ckpt.close()
+
+
+def test_an_unreachable_remote_at_start_only_warns(tmp_path: Path, s3, s3_url, caplog) -> None:
+    s3.kill()
+    try:
+        remote = unbroken.Remote(s3_url, storage_options=s3.storage_options, retry_wait_s=0.5,
+                                 retry_max_wait_s=1.0, close_timeout_s=60)
+        ckpt = unbroken.Checkpointer(tmp_path / "run", save_every=1, remote=remote, preemption=None)
+        ckpt.run.remote_store.retry = Retry(deadline_s=1.0)
+        state = make_state()
+        ckpt.restore(state)
+        train_step(state)
+        ckpt.step(state)
+        assert "uploaded when it is back" in caplog.text
+    finally:
+        s3.start()
+    assert ckpt.wait(timeout=120)
+    assert names(open_store(s3_url, s3.storage_options)) == ["step-000000001"]
+    ckpt.close()
+
+
+def test_the_remote_must_be_another_location(tmp_path: Path) -> None:
+    with pytest.raises(unbroken.StorageError, match="another location"):
+        unbroken.Checkpointer(tmp_path / "run", remote=unbroken.Remote(str(tmp_path / "run")))
