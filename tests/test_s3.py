@@ -4,6 +4,7 @@ the middle of an upload, the writer lease, credentials that never leak, the CLI 
 from __future__ import annotations
 
 import json
+import shutil
 import logging
 import os
 import subprocess
@@ -283,3 +284,26 @@ def test_cli_lists_verifies_and_inspects_a_remote_run(s3, s3_url) -> None:
     out = subprocess.run(base + ["list", "s3://no-such-bucket-here/run"], capture_output=True, text=True,
                          env=env, timeout=120)
     assert out.returncode == 1 and "does not exist" in out.stdout and "Traceback" not in out.stderr, out
+
+
+# --------------------------------------------------------------- the index
+def test_the_index_of_a_remote_run_is_a_local_cache_rebuilt_from_the_manifests(s3, s3_url) -> None:
+    from unbroken.index import RunIndex
+
+    state = multi_file_state()
+    with unbroken.Checkpointer(s3_url, storage_options=s3.storage_options, preemption=None) as ckpt:
+        ckpt.restore(state)
+        for _ in range(3):
+            ckpt.step(state, loss=0.5)
+            ckpt.save(state)
+        cache = ckpt.run.store.local_dir()
+    assert (cache / "index.sqlite").is_file() and (cache / "location.txt").read_text().strip() == s3_url
+    with RunIndex(s3_url, storage_options=s3.storage_options, readonly=True) as idx:
+        assert not idx.in_memory
+        assert [r["name"] for r in idx.checkpoints("committed")] == ["step-000000003", "step-000000002",
+                                                                       "step-000000001"]
+        assert idx.events("saved") and idx.metric("loss")
+    shutil.rmtree(cache)  # derived data: a new machine has none
+    with RunIndex(s3_url, storage_options=s3.storage_options, readonly=True) as idx:
+        assert idx.in_memory  # rebuilt from the remote manifests
+        assert [r["step"] for r in idx.checkpoints("committed")] == [3, 2, 1]
