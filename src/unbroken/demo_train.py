@@ -140,6 +140,7 @@ def train(args: argparse.Namespace) -> int:
             print(f"step {ckpt.progress.step + 1}", flush=True)
             ckpt.step(state, loss=total)  # saves every --save-every steps; saves and exits on SIGTERM
 
+    ckpt.close()  # release the run (and wait for uploads of a tiered run)
     write_final(out, model, opt, sched, scaler)
     print("done", flush=True)
     return 0

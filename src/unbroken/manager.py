@@ -10,8 +10,10 @@ by URL, plus an optional remote tier), preemption and emergency checkpoints to
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import weakref
 import time
 import warnings
 from collections.abc import Mapping, MutableMapping
@@ -44,6 +46,17 @@ from .tiers import Remote
 
 log = logging.getLogger("unbroken")
 RESERVED = "__unbroken__"
+_open: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """A script that never calls close(): wait for its uploads and release its lock/lease."""
+    for ckpt in list(_open):
+        try:
+            ckpt.close()
+        except Exception as e:  # exiting anyway
+            log.error("closing %s at exit failed: %s", ckpt.location, e)
 
 
 class Checkpointer:
@@ -111,6 +124,7 @@ class Checkpointer:
         if self.run.writing:
             return
         self.run.begin()
+        _open.add(self)
         self._signals.install()
         self._recorder = Recorder(self.run.store)
         self._plugins = [self._recorder, slurm.SubmitScript(self.run.store.local_dir())]
@@ -123,6 +137,7 @@ class Checkpointer:
 
     def close(self) -> None:
         """Wait for pending uploads, release the run and restore the previous signal handlers."""
+        _open.discard(self)
         self._signals.uninstall()
         self.run.close()
         for p in self._plugins:

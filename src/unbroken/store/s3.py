@@ -4,9 +4,10 @@ What S3 adds to :class:`~unbroken.store.fsspec.FsspecStore`:
 
 - **Parallel multipart uploads.** A data file is cut into ``part_size`` parts as the
   writer produces it; each part is uploaded by the shared I/O pool with its own retries
-  (a part upload is idempotent), at most ``2 × workers`` parts in memory at once, and
-  several files upload at the same time. :meth:`FsspecStaging.commit` waits for every
-  part, completes the uploads, then PUTs the manifest.
+  (a part upload is idempotent), and several files upload at the same time; at most ``workers`` parts are in memory (8 × 64
+  MiB by default) and each byte is copied once, from the writer into its part.
+  :meth:`FsspecStaging.commit` waits for every part, completes the uploads, then PUTs the
+  manifest.
 - **Conditional writes** for the run's lease (:mod:`.lease`): ``If-None-Match: *`` to
   create it and ``If-Match: <etag>`` to renew or take it over, so two writers can never
   both believe they hold it. Servers that ignore these headers are detected at first use
@@ -32,7 +33,7 @@ class S3Store(FsspecStore):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._inflight = threading.BoundedSemaphore(2 * self.workers)
+        self._inflight = threading.BoundedSemaphore(self.workers)
         self.conditional: bool | None = None  # learnt by the lease on first use
 
     def split(self, path: str) -> tuple[str, str]:
@@ -153,7 +154,7 @@ class _MultipartWriter:
             out = self.store.s3("start upload", "create_multipart_upload", Bucket=self.bucket, Key=self.key)
             self.upload_id = out["UploadId"]
         self.count += 1
-        number, data, self.buf = self.count, bytes(self.buf), bytearray()
+        number, data, self.buf = self.count, self.buf, bytearray()  # handed over, not copied
         self.store._inflight.acquire()  # backpressure: bounded parts in memory
 
         def upload() -> None:
@@ -171,7 +172,7 @@ class _MultipartWriter:
             return
         self.closed = True
         if self.upload_id is None:  # small file: one PUT, in the background
-            data, self.buf = bytes(self.buf), bytearray()
+            data, self.buf = self.buf, bytearray()
             self.staging.futures.append(self.store.pool().submit(self.store.put, self.path, data))
         elif self.buf:
             self._submit_part()
