@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import torch
+from sealing import load_doc, save_doc
 
 import unbroken
 from unbroken.format.manifest import new_hasher
@@ -34,11 +35,11 @@ def _retag_as_cuda(ckpt: Path) -> None:
     walk(tree)
     raw = json.dumps(tree).encode()
     state_file.write_bytes(raw)
-    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest = load_doc(ckpt)
     h = new_hasher()
     h.update(raw)
     manifest["files"]["state.json"] = {"size": len(raw), "xxh3_128": h.hexdigest()}
-    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    save_doc(ckpt, manifest)
 
 
 def test_gpu_written_checkpoint_loads_on_cpu(tmp_path: Path) -> None:

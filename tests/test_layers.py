@@ -16,12 +16,12 @@ LAYERS: dict[str, int] = {
     # 0: foundations, each package self-contained
     "errors": 0, "events": 0, "_faults": 0, "policies": 0, "tags": 0, "probe": 0, "environment": 0,
     "state": 0, "data": 0, "format": 0, "store": 0,
-    # 1: capture, bytes on disk, reading
-    "snapshot": 1, "persist": 1, "reader": 1,
+    # 1: capture, bytes on disk, reading, ranks
+    "snapshot": 1, "persist": 1, "reader": 1, "dist": 1,
     # 2: single checkpoints, discovery, the index, tiers, the schedule
     "api": 2, "discovery": 2, "index": 2, "tiers": 2, "scheduling": 2,
-    # 3: the run, plug-ins
-    "run": 3, "recorder": 3, "faults": 3,
+    # 3: the run, plug-ins, collectives, restoring into the live state
+    "run": 3, "recorder": 3, "faults": 3, "collective": 3, "restoring": 3,
     # 4: the orchestrator
     "manager": 4,
     # 5: the public surface and thin tools

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+from sealing import load_doc, save_doc
 import torch
 
 import unbroken
@@ -145,9 +146,9 @@ def digest(raw: bytes) -> str:
 def relist(ckpt: Path, fname: str) -> None:
     """Rewrite the manifest entry of ``fname`` so its size and checksum match."""
     raw = (ckpt / fname).read_bytes()
-    doc = json.loads((ckpt / "manifest.json").read_text())
+    doc = load_doc(ckpt)
     doc["files"][fname] = {"size": len(raw), "xxh3_128": digest(raw)}
-    (ckpt / "manifest.json").write_text(json.dumps(doc, indent=1))
+    save_doc(ckpt, doc)
 
 
 def every_way_to_read(run: Path, ckpt: Path) -> None:
@@ -380,9 +381,9 @@ def test_symlinked_checkpoint_folder_outside_the_run_is_ignored(
     """
     outside = tmp_path / "elsewhere" / "evil"
     shutil.copytree(run / "step-000000020", outside)
-    doc = json.loads((outside / "manifest.json").read_text())
+    doc = load_doc(outside)
     doc["step"], doc["seq"] = 99, 99
-    (outside / "manifest.json").write_text(json.dumps(doc))
+    save_doc(outside, doc)
     assert unbroken.verify(outside).step == 99
     before = {p.name: p.read_bytes() for p in outside.iterdir()}
     (run / "step-000000099").symlink_to(outside, target_is_directory=True)

@@ -203,3 +203,71 @@ exec {shlex.join([sys.executable, *train_args(work)])}
     # (4) bitwise identical to the uninterrupted run
     results = compare(ref / "out", work / "out")
     assert all(results.values()), f"not bitwise identical after preemption at step {step}: {results}\n{diag}"
+
+
+def test_two_task_job_preempted_requeued_resumed_bitwise(cluster: SlurmCluster, tmp_path: Path) -> None:
+    """``srun`` with 2 tasks (gloo): USR1 to the step -> both ranks save the same step -> rank 0
+    requeues -> SLURM starts the job again -> both ranks resume -> bitwise equal to 2 ranks run
+    straight through."""
+    import json
+    import socket
+
+    import torch
+    from safetensors.torch import load_file
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    script_py = Path(__file__).parent / "dist_train.py"
+    steps, save_every = 40, 5
+
+    def args(base: Path) -> list[str]:
+        return [str(script_py), "--run-dir", str(base / "run"), "--out", str(base / "out"), "--mode", "ddp",
+                "--steps", str(steps), "--save-every", str(save_every), "--requeue"]
+
+    ref = tmp_path / "reference"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           *args(ref)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    work = tmp_path / "slurm"
+    work.mkdir()
+    out = work / "job.out"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    task = (f"RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID MASTER_ADDR=127.0.0.1 "
+            f"MASTER_PORT={port} exec {shlex.join([sys.executable, *args(work)])}")
+    (work / "job.sh").write_text(f"""#!/bin/bash
+#SBATCH --job-name=unbroken-2tasks
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output={out}
+#SBATCH --chdir={work}
+#SBATCH --ntasks=2
+#SBATCH --cpus-per-task=1
+#SBATCH --time=10
+echo "attempt: restart ${{SLURM_RESTART_COUNT:-0}}"
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
+srun --kill-on-bad-exit=0 bash -c {shlex.quote(task)}
+""")
+    job = cluster.sbatch(str(work / "job.sh"))
+    wait_job(cluster, job, out, 120, "both tasks to print step 8",
+             lambda f, text: "rank 0 step 8" in text and "rank 1 step 8" in text)
+    cluster.run("scancel", "--signal=USR1", job)  # the job's steps: every task gets USR1
+    fields = wait_job(cluster, job, out, 90, "the job to save, requeue itself and be PENDING again",
+                      lambda f, _: f.get("JobState") == "PENDING" and int(f.get("Restarts", "0")) >= 1)
+    fields = wait_job(cluster, job, out, 120 + CRED_EXPIRE, "the requeued job to run to the end",
+                      lambda f, _: f.get("JobState") == "COMPLETED")
+    text = read(out)
+    diag = cluster.diagnostics(out)
+    assert fields.get("Restarts") == "1", f"{fields}\n{diag}"
+    preempted = re.findall(r"^preempted at step (\d+)$", text, re.MULTILINE)
+    assert len(preempted) == 2 and len(set(preempted)) == 1, diag  # both ranks, the same step
+    step = int(preempted[0])
+    assert text.count(f"resumed from step {step}") == 2, diag
+    a, b = load_file(str(ref / "out" / "final.safetensors")), load_file(str(work / "out" / "final.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), diag
+    for rank in (0, 1):
+        rows = [json.loads(x) for x in (work / "out" / f"losses-r{rank}.jsonl").read_text().splitlines()]
+        refs = [json.loads(x) for x in (ref / "out" / f"losses-r{rank}.jsonl").read_text().splitlines()]
+        assert {r["step"]: r["loss"] for r in rows} == {r["step"]: r["loss"] for r in refs}, diag

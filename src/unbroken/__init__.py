@@ -27,8 +27,9 @@ from .errors import (  # noqa: E402
     UnbrokenError,
     UnsupportedStateError,
 )
-from .state.stateful import Gradients, Progress, Stateful  # noqa: E402
+from .state.stateful import Gradients, PerRank, Progress, Stateful  # noqa: E402
 from .api import CheckpointInfo, load, save, verify  # noqa: E402
+from .dist.comm import init_distributed  # noqa: E402
 from .environment import EnvCheck  # noqa: E402
 from .faults import Preemption  # noqa: E402
 from .manager import Checkpointer  # noqa: E402
@@ -44,6 +45,8 @@ __all__ = [
     "Stateful",
     "Progress",
     "Gradients",
+    "PerRank",
+    "init_distributed",
     "save",
     "load",
     "verify",

@@ -1,7 +1,8 @@
 """Deterministic fault injection for the end-to-end tests (not public API).
 
 ``UNBROKEN_FAULTS="save.mid_file=2,save.before_commit=1"`` makes this process
-SIGKILL itself the 2nd time it reaches ``save.mid_file``, and so on. The points sit
+SIGKILL itself the 2nd time it reaches ``save.mid_file``, and so on; ``save.mid_file@1=2``
+arms the point on rank 1 only (``RANK`` in the environment, as torchrun sets it). The points sit
 at the dangerous moments of a save: half-way through a tensor file, after the data
 files but before the manifest, and after the manifest but before the commit.
 Unset (the normal case), a point costs one dictionary lookup.
@@ -16,15 +17,17 @@ from collections import Counter
 POINTS = ("save.mid_file", "save.before_manifest", "save.before_commit", "save.after_commit")
 
 
-def _parse(spec: str) -> dict[str, int]:
+def _parse(spec: str, rank: str) -> dict[str, int]:
     out = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, _, nth = part.partition("=")
-        out[name] = int(nth or 1)
+        name, _, only = name.partition("@")
+        if not only or only == rank:
+            out[name] = int(nth or 1)
     return out
 
 
-_SPEC = _parse(os.environ.get("UNBROKEN_FAULTS", ""))
+_SPEC = _parse(os.environ.get("UNBROKEN_FAULTS", ""), os.environ.get("RANK", "0"))
 _hits: Counter[str] = Counter()
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import signal
 import weakref
 import time
 import warnings
@@ -37,10 +38,12 @@ from .recorder import Recorder
 from .run import Run
 from .scheduling import Schedule
 from .snapshot import Snapshotter
-from .state.apply import apply_state
+from .data.loader import ResumableLoader
+from .dist.comm import Comm
+from .restoring import apply_parts, load_sharded_parts, restore_rng
 from .state.checks import UnbrokenWarning, clean_metrics, find_forgotten_state
 from .state.rng import GlobalRNG
-from .state.stateful import Gradients, Progress
+from .state.stateful import Gradients, PerRank, Progress
 from .tags import check_tag
 from .tiers import Remote
 
@@ -99,7 +102,9 @@ class Checkpointer:
                  probe: ProbeFn | None = None, rng: bool = True, strict: bool = True) -> None:
         self.schedule = Schedule(save_every, trigger, keep_last, retention)
         self.events = EventBus()
-        self.run = Run(location, storage_options=storage_options, remote=remote, publish=self.events.publish)
+        self.comm = Comm()
+        self.run = Run(location, storage_options=storage_options, remote=remote, publish=self.events.publish,
+                       comm=self.comm)
         self._storage_options = storage_options
         self.run.check()
         self.location: str = self.run.url
@@ -111,6 +116,7 @@ class Checkpointer:
         self.rng, self.strict = rng, strict
         self.last_saved: CheckpointInfo | None = None
         self._snapshotter = Snapshotter(copy=False)
+        self._rank_snapshotter = Snapshotter(copy=False)
         self._signals = SignalWatcher(self.preemption.signals)
         self._guard: StepGuard | None = None
         self._environment: dict[str, Any] | None = None
@@ -126,8 +132,9 @@ class Checkpointer:
         self.run.begin()
         _open.add(self)
         self._signals.install()
-        self._recorder = Recorder(self.run.store)
-        self._plugins = [self._recorder, slurm.SubmitScript(self.run.store.local_dir())]
+        if self.comm.coordinator:  # one index, one submit script per run
+            self._recorder = Recorder(self.run.store)
+            self._plugins = [self._recorder, slurm.SubmitScript(self.run.store.local_dir())]
         for p in self._plugins:
             self.events.subscribe(p)
 
@@ -214,17 +221,25 @@ class Checkpointer:
         return None
 
     def _apply(self, state: MutableMapping[str, Any], loaded: Any, where: str) -> CheckpointInfo:
+        """Load ``loaded`` into ``state`` (see :mod:`unbroken.restoring` for the order)."""
         check_environment(loaded.manifest.environment, self.environment(), self.env.policy)
         saved = dict(loaded.state)
         extra = saved.pop(RESERVED, None)
-        apply_state(state, saved, strict=self.strict)
-        if isinstance(extra, dict):
-            if "progress" in extra:
-                self.progress.load_state_dict(getattr(extra["progress"], "value", extra["progress"]))
-            if "trigger" in extra:
-                self.schedule.load_state_dict(getattr(extra["trigger"], "value", extra["trigger"]))
-            if self.rng and "rng" in extra:  # last: nothing may draw from an RNG after this
-                GlobalRNG().load_state_dict(getattr(extra["rng"], "value", extra["rng"]))
+        extra = extra if isinstance(extra, dict) else {}
+        saved = load_sharded_parts(state, saved, loaded, self.comm.group)
+        mine = (loaded.rank_state or {}).get("state")
+        apply_parts(state, saved, mine if isinstance(mine, dict) else None, list(extra.get("per_rank", [])),
+                    self.strict, self.comm.rank)
+        if "progress" in extra:
+            self.progress.load_state_dict(getattr(extra["progress"], "value", extra["progress"]))
+        if "trigger" in extra:
+            self.schedule.load_state_dict(getattr(extra["trigger"], "value", extra["trigger"]))
+        rng = restore_rng(loaded, extra.get("rng"), self.comm.rank, self.comm.world) if self.rng else "not restored"
+        self._sync_data_position(state)
+        if loaded.manifest.world_size != self.comm.world:
+            log.warning("world size changed from %d to %d: sharded tensors resharded, the data continues at global "
+                        "sample %d of epoch %d, RNGs %s", loaded.manifest.world_size, self.comm.world,
+                        self.progress.samples, self.progress.epoch, rng)
         if self.probe is not None and loaded.manifest.probe:
             self._check_probe(loaded.manifest.probe)  # in a fork of the RNGs: changes nothing
         self.metrics = dict(loaded.manifest.metrics)
@@ -250,6 +265,7 @@ class Checkpointer:
         self._begin()
         # The step boundary is one transition: everything that can fail is computed first.
         clean = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
+        self._sync_data_position(state)
         after = {**self.progress.state_dict(), "step": self.progress.step + 1, "micro_step": 0}
         start = self._guard.prepare(after) if self._guard is not None else None
         self.progress.step, self.progress.micro_step = after["step"], 0
@@ -257,10 +273,12 @@ class Checkpointer:
             self._guard.mark(start)
         self.metrics.update(clean)  # tensors stay tensors (no .item(): no GPU sync per step)
         self.events.publish(StepEnded(self.progress.step, clean))
-        info = self._maybe_save(state, epoch_end=False)
-        if self._signals.received is not None:
-            assert self._signals.received_at is not None
-            preempt_and_exit(self, state, self._signals.received, self._signals.received_at)
+        # the ranks agree on saving and on preemption: one small collective per step (none at world size 1)
+        flags = self.comm.max((1 if self._due(epoch_end=False) else 0) | (2 if self._signals.received else 0))
+        info = self.save(state) if flags & 1 else None
+        if flags & 2:
+            sig = self._signals.received or signal.SIGTERM  # a peer's signal: stop at the same step
+            preempt_and_exit(self, state, sig, self._signals.received_at or time.monotonic())
         return info
 
     def end_epoch(self, state: Mapping[str, Any], **metrics: Any) -> CheckpointInfo | None:
@@ -268,15 +286,13 @@ class Checkpointer:
         asks (``AtEpochEnd()``, ``OnImprovement("val_loss")``). Does not advance the step."""
         self._begin()
         self.metrics.update({k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()})
-        return self._maybe_save(state, epoch_end=True)
+        return self.save(state) if self.comm.any(self._due(epoch_end=True)) else None
 
-    def _maybe_save(self, state: Mapping[str, Any], epoch_end: bool) -> CheckpointInfo | None:
+    def _due(self, epoch_end: bool) -> bool:
         sched = self.schedule
         if not sched.due(self.progress.step, self.progress.epoch, epoch_end, self.metrics):
-            return None
-        if sched.already_saved(self.progress.step, clean_metrics(self.metrics)):
-            return None
-        return self.save(state)
+            return False
+        return not sched.already_saved(self.progress.step, clean_metrics(self.metrics))
 
     def save(self, state: Mapping[str, Any], metrics: dict[str, Any] | None = None, *, kind: str = "regular",
              tag: str | None = None, progress: Mapping[str, int] | None = None,
@@ -293,19 +309,25 @@ class Checkpointer:
             self.metrics.update(metrics)
         self._first_save_checks(state)
         tags = [check_tag(tag)] if tag else []
+        if progress is None:
+            self._sync_data_position(state)
         prog = dict(progress) if progress is not None else self.progress.state_dict()
-        full: dict[str, Any] = dict(state)
-        full[RESERVED] = {"progress": dict(prog)}
+        shared: dict[str, Any] = {k: v for k, v in state.items() if not isinstance(v, PerRank)}
+        shared[RESERVED] = {"progress": dict(prog)}
         if self.schedule.trigger is not None:
-            full[RESERVED]["trigger"] = self.schedule.state_dict()
+            shared[RESERVED]["trigger"] = self.schedule.state_dict()
+        per_rank = {k: v for k, v in state.items() if isinstance(v, PerRank)}
+        if per_rank:
+            shared[RESERVED]["per_rank"] = sorted(per_rank)
+        mine: dict[str, Any] = {"state": per_rank}
         if self.rng:
-            full[RESERVED]["rng"] = dict(rng) if rng is not None else GlobalRNG()
+            mine["rng"] = dict(rng) if rng is not None else GlobalRNG()
         t0 = time.monotonic()
         probe = run_probe(self.probe) if self.probe is not None and kind != "emergency" else None
         final, manifest = self.run.write(
-            self._snapshotter.capture(full), f"step-{prog['step']:09d}", step=prog["step"],
-            metrics=clean_metrics(self.metrics), progress=prog, environment=self.environment(), kind=kind,
-            probe=probe, tags=tags)
+            self._snapshotter.capture(shared), self._rank_snapshotter.capture(mine, prefix=f"r{self.comm.rank:05d}-"),
+            f"step-{prog['step']:09d}", step=prog["step"], metrics=clean_metrics(self.metrics), progress=prog,
+            environment=self.environment(), kind=kind, probe=probe or {}, tags=tags)
         took = time.monotonic() - t0
         info = CheckpointInfo.of(self.run.describe(final), final, manifest)
         self.last_saved = info
@@ -318,6 +340,13 @@ class Checkpointer:
                         "would not finish in time", took, grace)
         self.prune(keep=final)
         return info
+
+    def _sync_data_position(self, state: Mapping[str, Any]) -> None:
+        """Progress has one owner: with a ResumableLoader in the state, the epoch and the global
+        samples consumed are the loader's, never copied by hand."""
+        loaders = [v for v in state.values() if isinstance(v, ResumableLoader)]
+        if len(loaders) == 1:
+            self.progress.epoch, self.progress.samples = loaders[0].epoch, loaders[0].samples_seen
 
     def _first_save_checks(self, state: Mapping[str, Any]) -> None:
         if not self._checked_state:
@@ -343,9 +372,11 @@ class Checkpointer:
         name = checkpoint if checkpoint is not None else (names[0] if names else None)
         if name not in names:
             raise NoCheckpointError(f"no committed checkpoint {name!r} in {self.location}")
-        tags = self.run.tags()
-        tags[tag] = name
-        self.run.set_tags(tags)
+        if self.comm.coordinator:
+            tags = self.run.tags()
+            tags[tag] = name
+            self.run.set_tags(tags)
+        self.comm.barrier()
         self.events.publish(Tagged(tag, name))
         return name
 

@@ -1,10 +1,13 @@
 """Step two of a save: write a :class:`~unbroken.snapshot.Snapshot` and commit it.
 
 Every file is checksummed while it is written (no second read), made durable, and
-listed with its size and xxh3-128 digest in ``manifest.json``, which is written
-last; then the storage commits (an atomic rename on a filesystem). Any error, an
-interrupt included, aborts the staging area, so a failed save leaves nothing a
-reader would look at and every earlier checkpoint untouched.
+listed with its size and xxh3-128 digest in ``manifest.json``, which is written last;
+then the store commits (an atomic rename on a filesystem, the manifest PUT on an object
+store). With several ranks each rank writes its part (:func:`write_part`) into the
+staging area the coordinator opened, and the coordinator alone writes the manifest and
+commits (:func:`commit`); with one process :func:`write_snapshot` does both. Any error,
+an interrupt included, aborts the staging area, so a failed save leaves nothing a reader
+would look at and every earlier checkpoint untouched.
 """
 
 from __future__ import annotations
@@ -12,14 +15,63 @@ from __future__ import annotations
 import errno
 import json
 import time
-from typing import Any
+from typing import Any, Iterable
 
 from . import _faults
 from .errors import InsufficientSpaceError, StorageError, UnbrokenError
 from .format.manifest import MANIFEST, STATE_FILE, FileEntry, Manifest, new_hasher
-from .format.tensorfile import write_tensor_file
+from .format.tensorfile import TensorEntry, write_tensor_file
 from .snapshot import Snapshot
-from .store.base import Store
+from .store.base import Staging, Store
+
+
+def tree_bytes(snapshot: Snapshot) -> bytes:
+    return json.dumps(snapshot.tree, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+def write_tensors(staging: Staging, fname: str, entries: list[TensorEntry]) -> FileEntry:
+    """One safetensors file, checksummed while it is written."""
+    h = new_hasher()
+    with staging.open(fname) as f:
+        size = write_tensor_file(f, entries, h.update, metadata={"format": "unbroken"},
+                                 on_half=lambda: _faults.point("save.mid_file"))
+    return FileEntry(size, h.hexdigest())
+
+
+def write_blob(staging: Staging, fname: str, raw: bytes) -> FileEntry:
+    with staging.open(fname) as f:
+        f.write(raw)
+    return FileEntry(len(raw), new_hasher_digest(raw))
+
+
+def write_part(staging: Staging, snapshot: Snapshot, json_name: str | None, tensor_files: Iterable[str]
+               ) -> dict[str, FileEntry]:
+    """Write some of ``snapshot``'s tensor files, and its tree as ``json_name`` (if given)."""
+    files = {fname: write_tensors(staging, fname, snapshot.files[fname]) for fname in tensor_files}
+    if json_name is not None:
+        files[json_name] = write_blob(staging, json_name, tree_bytes(snapshot))
+    return files
+
+
+def commit(staging: Staging, files: dict[str, FileEntry], **fields: Any) -> tuple[str, Manifest]:
+    """Write the manifest of ``files`` (last) and commit; the final name and the manifest."""
+    _faults.point("save.before_manifest")
+    manifest = Manifest(files=files, **fields)
+    with staging.open(MANIFEST) as f:
+        f.write(manifest.to_json())
+    _faults.point("save.before_commit")
+    final = staging.commit()
+    return final, manifest
+
+
+def as_storage_error(e: Exception, name: str, where: Any) -> Exception:
+    """One library error for a failed write (a disk, a server), keeping the errno."""
+    if isinstance(e, UnbrokenError):
+        return e
+    code = e.errno if isinstance(e, OSError) and e.errno else errno.EIO
+    return StorageError(code, f"could not write checkpoint {name} to {getattr(where, 'url', where)} "
+                              f"({type(e).__name__}: {e}); nothing was committed and earlier checkpoints "
+                              "are intact")
 
 
 def write_snapshot(
@@ -36,43 +88,24 @@ def write_snapshot(
     probe: dict[str, float] | None = None,
     tags: list[str] | None = None,
 ) -> tuple[str, Manifest]:
-    """Write ``snapshot`` as checkpoint ``name``; return its committed name and manifest.
+    """Write ``snapshot`` as checkpoint ``name`` from one process; its committed name and manifest.
 
     Raises :class:`InsufficientSpaceError` before writing anything if the storage
     reports less free space than the checkpoint needs.
     """
+    if snapshot.sharded:
+        raise UnbrokenError("a snapshot with sharded tensors is saved by all ranks together (Checkpointer)")
     started = time.time()
-    raw = json.dumps(snapshot.tree, separators=(",", ":"), allow_nan=False).encode("utf-8")
-    check_space(storage, snapshot.nbytes + len(raw))
+    check_space(storage, snapshot.nbytes + len(tree_bytes(snapshot)))
     staging = storage.stage(name)
     try:
-        files: dict[str, FileEntry] = {}
-        for fname, entries in snapshot.files.items():
-            h = new_hasher()
-            with staging.open(fname) as f:
-                size = write_tensor_file(f, entries, h.update, metadata={"format": "unbroken"},
-                                         on_half=lambda: _faults.point("save.mid_file"))
-            files[fname] = FileEntry(size, h.hexdigest())
-        with staging.open(STATE_FILE) as f:
-            f.write(raw)
-        files[STATE_FILE] = FileEntry(len(raw), new_hasher_digest(raw))
-        _faults.point("save.before_manifest")
-        manifest = Manifest(step=step, seq=seq, files=files, created=started, metrics=dict(metrics or {}),
-                            progress=dict(progress or {}), environment=dict(environment or {}), kind=kind,
-                            probe=dict(probe or {}), tags=list(tags or []))
-        with staging.open(MANIFEST) as f:
-            f.write(manifest.to_json())
-        _faults.point("save.before_commit")
-        final = staging.commit()
-    except UnbrokenError:
+        files = write_part(staging, snapshot, STATE_FILE, snapshot.files)
+        final, manifest = commit(staging, files, step=step, seq=seq, created=started, metrics=dict(metrics or {}),
+                                 progress=dict(progress or {}), environment=dict(environment or {}), kind=kind,
+                                 probe=dict(probe or {}), tags=list(tags or []))
+    except Exception as e:
         staging.abort()
-        raise
-    except Exception as e:  # a disk, a server: one library error that keeps the errno
-        staging.abort()
-        code = e.errno if isinstance(e, OSError) and e.errno else errno.EIO
-        raise StorageError(code, f"could not write checkpoint {name} to {getattr(storage, 'url', storage)} "
-                                 f"({type(e).__name__}: {e}); nothing was committed and earlier checkpoints "
-                                 "are intact") from e
+        raise as_storage_error(e, name, storage) from e
     except BaseException:
         staging.abort()
         raise

@@ -1,17 +1,24 @@
 """Reading a checkpoint: verify every byte, then decode, never unpickle.
 
-Each listed file is read once into memory, its size and xxh3-128 checksum are
-compared with the manifest, and only those verified bytes are parsed, so what was
-checked is exactly what is loaded. Nothing outside the manifest's list is opened.
-Any defect raises :class:`~unbroken.errors.CorruptCheckpointError` before a single
-value reaches the live training state.
+Each file is read once into memory, its size and xxh3-128 checksum are compared with
+the manifest, and only those verified bytes are parsed, so what was checked is exactly
+what is loaded. Nothing outside the manifest's list is opened. Any defect raises
+:class:`~unbroken.errors.CorruptCheckpointError` before a single value reaches the live
+training state.
+
+A checkpoint of several ranks (format 2) holds ``state.json`` (what all ranks share),
+``rank-<r>.json`` per rank (its RNG and per-rank objects) and, for sharded tensors,
+``sharded.json`` plus ``s<r>.safetensors`` per writing rank. :func:`read_checkpoint`
+decodes the shared tree and this rank's part; sharded tensors stay :class:`ShardedRef`
+placeholders until they are loaded into live shards (:mod:`unbroken.dist.sharded`) or
+assembled into full tensors (:meth:`LoadedCheckpoint.materialize`).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Iterable
 
 import torch
 
@@ -19,62 +26,198 @@ from .errors import CorruptCheckpointError
 from .format.manifest import MANIFEST, STATE_FILE, Manifest, new_hasher, strict_object
 from .format.tensorfile import load_tensor_file
 from .snapshot import TOP
+from .state.codec import StatefulValue
 from .state.decoder import Decoder
 from .store.base import Store as Storage
 
 
-@dataclass
-class LoadedCheckpoint:
-    """A verified, decoded checkpoint: its manifest and its state tree."""
+def rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.json"
 
-    name: str
-    manifest: Manifest
-    state: dict[str, Any]
+
+@dataclass(frozen=True)
+class ShardedRef:
+    """A sharded tensor in a decoded tree, not loaded yet."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: str
 
 
 def read_manifest(storage: Storage, name: str) -> Manifest:
     return Manifest.from_json(bytes(storage.read(name, MANIFEST)))
 
 
-def read_checkpoint(storage: Storage, name: str) -> LoadedCheckpoint:
-    """Verify and decode checkpoint ``name``; raise ``CorruptCheckpointError`` on any defect."""
-    try:
-        manifest = read_manifest(storage, name)
-        blobs: dict[str, Any] = {}
-        for fname, entry in manifest.files.items():
-            buf = storage.read(name, fname, entry.size)
+class CheckpointFiles:
+    """The verified files of one checkpoint: each read, checked and parsed at most once."""
+
+    def __init__(self, storage: Storage, name: str, manifest: Manifest) -> None:
+        self.storage, self.name, self.manifest = storage, name, manifest
+        self._bytes: dict[str, Any] = {}
+        self._tensors: dict[str, dict[str, torch.Tensor]] = {}
+
+    def read(self, fname: str) -> Any:
+        """The bytes of ``fname``, verified against the manifest."""
+        if fname not in self._bytes:
+            entry = self.manifest.files.get(fname)
+            if entry is None:
+                raise CorruptCheckpointError(f"reference to unlisted file {fname!r}")
+            buf = self.storage.read(self.name, fname, entry.size)
             h = new_hasher()
             h.update(buf)
             if h.hexdigest() != entry.xxh3_128:
                 raise CorruptCheckpointError(f"{fname}: checksum mismatch (the file was altered or damaged)")
-            blobs[fname] = buf
+            self._bytes[fname] = buf
+        return self._bytes[fname]
+
+    def verify(self, fnames: Iterable[str]) -> None:
+        for fname in fnames:
+            self.read(fname)
+
+    def tensors(self, fname: str) -> dict[str, torch.Tensor]:
+        if not fname.endswith(".safetensors"):
+            raise CorruptCheckpointError(f"tensor reference to non-tensor file {fname!r}")
+        if fname not in self._tensors:
+            self._tensors[fname] = load_tensor_file(self.read(fname), fname)
+        return self._tensors[fname]
+
+    def json(self, fname: str) -> Any:
         try:
-            tree = json.loads(bytes(blobs[STATE_FILE]).decode("utf-8"), object_pairs_hook=strict_object)
+            return json.loads(bytes(self.read(fname)).decode("utf-8"), object_pairs_hook=strict_object)
         except (UnicodeDecodeError, ValueError, RecursionError) as e:
-            raise CorruptCheckpointError(f"{STATE_FILE} does not parse ({type(e).__name__})") from None
+            raise CorruptCheckpointError(f"{fname} does not parse ({type(e).__name__})") from None
+
+    def decode(self, fname: str) -> dict[str, Any]:
+        """Decode a state tree file (``state.json``, ``rank-<r>.json``)."""
+        tree = self.json(fname)
         if not isinstance(tree, dict) or not isinstance(tree.get(TOP), dict):
-            raise CorruptCheckpointError(f"{STATE_FILE} has no state")
-        tensors: dict[str, dict[str, torch.Tensor]] = {}
+            raise CorruptCheckpointError(f"{fname} has no state")
         complex_views: dict[tuple[str, str], torch.Tensor] = {}
 
         def resolve(ref: dict[str, Any]) -> torch.Tensor:
             fname, key = ref["file"], ref["key"]
-            if not isinstance(fname, str) or fname not in blobs or not fname.endswith(".safetensors"):
+            if not isinstance(fname, str) or fname not in self.manifest.files:
                 raise CorruptCheckpointError(f"tensor reference to unlisted file {fname!r}")
-            if fname not in tensors:
-                tensors[fname] = load_tensor_file(blobs[fname], fname)
-            if key not in tensors[fname]:
+            tensors = self.tensors(fname)
+            if key not in tensors:
                 raise CorruptCheckpointError(f"{fname} has no tensor {key!r}")
-            t = tensors[fname][key]
+            t = tensors[key]
             if not ref.get("complex"):
                 return t
-            # One complex view per stored tensor, so shared references stay one object.
-            ckey = (fname, key)
+            ckey = (fname, key)  # one complex view per stored tensor: shared references stay one object
             if ckey not in complex_views:
                 complex_views[ckey] = torch.view_as_complex(t)
             return complex_views[ckey]
 
-        decoded = Decoder(resolve).decode({"@": "dict", "v": tree[TOP]})
+        def sharded(ref: dict[str, Any]) -> ShardedRef:
+            shape = ref.get("shape")
+            if not isinstance(ref.get("fqn"), str) or not isinstance(shape, list) or \
+                    not all(type(d) is int and d >= 0 for d in shape):
+                raise CorruptCheckpointError(f"{fname}: malformed sharded tensor reference")
+            return ShardedRef(ref["fqn"], tuple(shape), str(ref.get("dtype")))
+
+        return Decoder(resolve, sharded).decode({"@": "dict", "v": tree[TOP]})
+
+
+@dataclass
+class LoadedCheckpoint:
+    """A verified, decoded checkpoint: its manifest, the shared state tree, this rank's part
+    (``None`` for a format-1 checkpoint, or a rank the checkpoint did not have), and the files
+    (for sharded tensors)."""
+
+    name: str
+    manifest: Manifest
+    state: dict[str, Any]
+    rank_state: dict[str, Any] | None = None
+    files: CheckpointFiles | None = field(default=None, repr=False)
+
+    def sharded_metadata(self) -> Any:
+        from .dist.sharded import SHARDED_FILE, decode_metadata
+
+        assert self.files is not None
+        return decode_metadata(bytes(self.files.read(SHARDED_FILE)), set(self.manifest.files))
+
+    def materialize(self, tree: Any = None) -> Any:
+        """Replace every :class:`ShardedRef` in ``tree`` (default: the state) by the full tensor
+        assembled from the saved pieces."""
+        from .dist.sharded import assemble
+
+        if not contains_sharded(self.state if tree is None else tree):
+            return self.state if tree is None else tree
+        assert self.files is not None
+        md = self.sharded_metadata()
+        return substitute(self.state if tree is None else tree,
+                          lambda ref: assemble(ref.fqn, md, self.files.tensors))  # type: ignore[union-attr]
+
+
+def contains_sharded(x: Any) -> bool:
+    if isinstance(x, ShardedRef):
+        return True
+    if isinstance(x, StatefulValue):
+        return contains_sharded(x.value)
+    if isinstance(x, dict):
+        return any(contains_sharded(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return any(contains_sharded(v) for v in x)
+    return False
+
+
+def substitute(x: Any, fill: Any) -> Any:
+    """``x`` with every :class:`ShardedRef` replaced by ``fill(ref)`` (containers rebuilt)."""
+    if isinstance(x, ShardedRef):
+        return fill(x)
+    if isinstance(x, StatefulValue):
+        return StatefulValue(x.cls, substitute(x.value, fill))
+    if isinstance(x, dict):
+        out = type(x)() if type(x) is not dict else {}
+        for k, v in x.items():
+            out[k] = substitute(v, fill)
+        return out
+    if isinstance(x, list):
+        return [substitute(v, fill) for v in x]
+    if isinstance(x, tuple):
+        return tuple(substitute(v, fill) for v in x)
+    return x
+
+
+def read_checkpoint(storage: Storage, name: str, rank: int = 0, files: CheckpointFiles | None = None,
+                    all_shards: bool = True) -> LoadedCheckpoint:
+    """Verify and decode checkpoint ``name`` for ``rank``; raise ``CorruptCheckpointError`` on
+    any defect. Every listed file is verified first, except other ranks' parts and, with
+    ``all_shards=False`` (several ranks, after :func:`verify_share`), the sharded pieces,
+    which are verified again as they are read."""
+    try:
+        manifest = files.manifest if files is not None else read_manifest(storage, name)
+        files = files or CheckpointFiles(storage, name, manifest)
+        mine = rank_file(rank)
+        others = {rank_file(r) for r in range(manifest.world_size)} - {mine}
+        needed = [f for f in manifest.files if f not in others and not _other_rank_tensor(f, rank)
+                  and (all_shards or not _is_shard(f))]
+        files.verify(needed)
+        if STATE_FILE not in manifest.files:
+            raise CorruptCheckpointError(f"the manifest does not list {STATE_FILE}")
+        state = files.decode(STATE_FILE)
+        rank_state = files.decode(mine) if mine in manifest.files else None
     except CorruptCheckpointError as e:
         raise CorruptCheckpointError(f"{storage.describe(name)}: {e}") from None
-    return LoadedCheckpoint(name=name, manifest=manifest, state=decoded)
+    return LoadedCheckpoint(name=name, manifest=manifest, state=state, rank_state=rank_state, files=files)
+
+
+def _is_shard(fname: str) -> bool:
+    return len(fname) == 18 and fname.startswith("s") and fname[1:6].isdigit() and fname.endswith(".safetensors")
+
+
+def _other_rank_tensor(fname: str, rank: int) -> bool:
+    return fname.startswith("r") and fname[1:6].isdigit() and fname[6:7] == "-" and int(fname[1:6]) != rank
+
+
+def verify_share(storage: Storage, name: str, rank: int, world: int) -> CheckpointFiles:
+    """Verify this rank's share of a checkpoint's files (every ``world``-th, all at world 1),
+    keeping them for the load that follows. Raises ``CorruptCheckpointError``."""
+    try:
+        manifest = read_manifest(storage, name)
+        files = CheckpointFiles(storage, name, manifest)
+        files.verify(f for i, f in enumerate(sorted(manifest.files)) if i % world == rank)
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(f"{storage.describe(name)}: {e}") from None
+    return files

@@ -6,6 +6,10 @@ tier with its :class:`~unbroken.tiers.Uploader`. It knows nothing about training
 writes snapshots, lists and verifies checkpoints, quarantines bad ones, prunes by the
 rules it is given, and publishes what it did as events.
 
+With several ranks, every rank has a ``Run`` over the same location; the coordinator
+(rank 0) alone holds the lock, cleans leftovers, uploads, prunes, quarantines and writes
+tags, and saving and choosing a checkpoint are collectives (:mod:`unbroken.collective`).
+
 Ordering across tiers is by ``seq`` (the commit counter in every manifest): a
 checkpoint keeps its seq when it is uploaded or downloaded, so "newest" means the same
 thing in both places.
@@ -15,15 +19,16 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from .api import CheckpointInfo
 from .discovery import discover, manifests
-from .errors import CorruptCheckpointError, StorageError, UnbrokenError
+from .errors import CorruptCheckpointError, RunLockedError, StorageError, UnbrokenError
 from .events import CorruptionFound, Event, Pruned, Quarantined
 from .format.manifest import Manifest
-from .persist import write_snapshot
-from .reader import LoadedCheckpoint, read_checkpoint
+from . import collective
+from .dist.comm import Comm
+from .reader import LoadedCheckpoint, read_checkpoint, verify_share
 from .scheduling import Schedule
 from .snapshot import Snapshot
 from .store import open_store
@@ -38,7 +43,9 @@ class Run:
     """One run location (plus an optional remote tier), opened by URL or path."""
 
     def __init__(self, location: Any, *, storage_options: Mapping[str, Any] | None = None,
-                 remote: Remote | None = None, publish: Callable[[Event], None] | None = None) -> None:
+                 remote: Remote | None = None, publish: Callable[[Event], None] | None = None,
+                 comm: Comm | None = None) -> None:
+        self.comm = comm or Comm()
         self.store = open_store(location, storage_options)
         self.remote: Remote | None = remote
         self.remote_store = open_store(remote.location, remote.storage_options) if remote else None
@@ -52,6 +59,7 @@ class Run:
         self._next_seq = 0
         self._remote_ok = True
         self._prune_lock = threading.Lock()
+        self._writing = False
         self._schedule: Schedule | None = None  # the local retention, for prunes after uploads
 
     @property
@@ -74,17 +82,29 @@ class Run:
 
     @property
     def writing(self) -> bool:
-        return self.lock.held
+        return self._writing
 
     def begin(self) -> None:
-        """Become this run's writer (idempotent): lock, clean leftovers, start uploading."""
-        if self.lock.held:
+        """Become this run's writer (idempotent; a collective): the coordinator locks, cleans
+        leftovers and starts uploading; if it cannot, every rank raises."""
+        if self._writing:
             return
-        self.lock.acquire()
-        for name in self.store.clean_stale():
-            log.info("removed leftover %s of an interrupted save", name)
-        if self.remote_store is not None:
-            self._begin_remote()
+        failure: BaseException | None = None
+        if self.comm.coordinator:
+            try:
+                self.lock.acquire()
+                for name in self.store.clean_stale():
+                    log.info("removed leftover %s of an interrupted save", name)
+                if self.remote_store is not None:
+                    self._begin_remote()
+            except BaseException as e:  # noqa: BLE001 - told to every rank, then raised here
+                failure = e
+        outcome = self.comm.broadcast(f"{type(failure).__name__}: {failure}" if failure else "")
+        if failure is not None:
+            raise failure
+        if outcome:
+            raise RunLockedError(f"the coordinator (rank 0) could not open {self.url}: {outcome}")
+        self._writing = True
 
     def _begin_remote(self) -> None:
         assert self.remote_store is not None and self.remote_lock is not None
@@ -132,6 +152,7 @@ class Run:
         if self.remote_lock is not None:
             self.remote_lock.release()
         self.lock.release()
+        self._writing = False
 
     # ----------------------------------------------------------------- discovery
     def checkpoints(self) -> list[CheckpointInfo]:
@@ -168,12 +189,12 @@ class Run:
         return self._next_seq
 
     # --------------------------------------------------------------------- write
-    def write(self, snapshot: Snapshot, name: str, **fields: Any) -> tuple[str, Manifest]:
-        """Commit ``snapshot`` as ``name`` (or ``name-2``...) in the primary store; queue its upload."""
-        seq = self.next_seq()
-        self.lock.verify()
-        final, manifest = write_snapshot(snapshot, self.store, name, seq=seq, **fields)
-        self._next_seq = seq + 1
+    def write(self, shared: Snapshot, mine: Snapshot, name: str, **fields: Any) -> tuple[str, Manifest]:
+        """Commit checkpoint ``name`` (or ``name-2``...) with every rank (a collective, see
+        :mod:`unbroken.collective`); the coordinator queues its upload."""
+        final, manifest = collective.write(self.comm, self.store, self.lock, name, shared, mine, self.next_seq,
+                                           **fields)
+        self._next_seq = manifest.seq + 1
         if self.uploader is not None:
             self.uploader.enqueue(final)
         return final, manifest
@@ -185,28 +206,41 @@ class Run:
     def newest_valid(self) -> tuple[LoadedCheckpoint | None, str, int]:
         """The newest checkpoint that verifies in any tier (downloaded if only the remote has it),
         where it was read, and how many committed checkpoints were seen. Invalid ones are
-        reported, quarantined and skipped."""
+        reported, quarantined and skipped. A collective: every rank gets its part."""
+        seen = [0]
+        rank, world = self.comm.rank, self.comm.world
+
+        def attempt(name: str) -> LoadedCheckpoint:
+            files = verify_share(self.store, name, rank, world)
+            return read_checkpoint(self.store, name, rank, files, all_shards=world == 1)
+
+        chosen = collective.choose(self.comm, self._candidates(seen) if self.comm.coordinator else None, attempt,
+                                   lambda name, reason: self.invalid(self.store, name, reason))
+        seen_all = self.comm.broadcast(seen[0])
+        if chosen is None:
+            return None, "", seen_all
+        name, loaded = chosen
+        return loaded, self.store.describe(name), seen_all
+
+    def _candidates(self, seen: list[int]) -> Iterator[str]:
+        """Names to try, newest first, in the primary store: a checkpoint only the remote tier
+        has (or whose local copy failed) is downloaded first."""
         local = self._manifests(self.store)
         remote = self._manifests(self.remote_store) if self.remote_store is not None and self._remote_ok else {}
-        candidates = sorted({(m.seq, m.step) for m in [*local.values(), *remote.values()]}, reverse=True)
+        keys = sorted({(m.seq, m.step) for m in [*local.values(), *remote.values()]}, reverse=True)
+        seen[0] = len(keys)
         by_key = lambda found: {(m.seq, m.step): n for n, m in found.items()}  # noqa: E731
         local_by, remote_by = by_key(local), by_key(remote)
-        for key in candidates:
+        for key in keys:
             if key in local_by:
-                try:
-                    loaded = read_checkpoint(self.store, local_by[key])
-                    return loaded, self.store.describe(loaded.name), len(candidates)
-                except CorruptCheckpointError as e:
-                    self.invalid(self.store, local_by[key], str(e))
+                yield local_by[key]
+                if local_by[key] in self.store.list_committed():
+                    continue  # invalid but could not be quarantined: not shadowed by a download
             if key in remote_by and self.remote_store is not None:
                 try:
-                    name = self.download(remote_by[key])
+                    yield self.download(remote_by[key])
                 except CorruptCheckpointError as e:
                     self.invalid(self.remote_store, remote_by[key], str(e), tier="remote")
-                    continue
-                loaded = read_checkpoint(self.store, name)
-                return loaded, self.store.describe(name), len(candidates)
-        return None, "", len(candidates)
 
     def _manifests(self, store: Any) -> dict[str, Manifest]:
         """Readable manifests; unreadable committed ones are reported as invalid."""
@@ -252,6 +286,8 @@ class Run:
         newest, never ``keep``, never a checkpoint waiting for its upload; during an outage,
         never the newest one waiting: see :mod:`unbroken.tiers`)."""
         self._schedule = schedule
+        if not self.comm.coordinator:
+            return []
         with self._prune_lock:  # the uploader thread prunes too, after each upload
             infos = discover(self.store)
             protect = [keep] if keep else []

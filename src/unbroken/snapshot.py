@@ -29,26 +29,31 @@ from .state.codec import Encoder, PathT, render_path
 
 @dataclass
 class Snapshot:
-    """A captured state: the JSON tree (``state.json``) and the tensors per file."""
+    """A captured state: the JSON tree, the tensors per file, and the sharded tensors
+    (DTensors: every rank holds a piece; they are written by all ranks together through
+    :mod:`unbroken.dist.sharded`), by reference name."""
 
     tree: dict[str, Any]
     files: dict[str, list[TensorEntry]] = field(default_factory=dict)
+    sharded: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
         return sum(e.tensor.numel() * e.tensor.element_size() for es in self.files.values() for e in es)
 
 
-def _file_for(index: int, top: Any) -> str:
+def _file_for(index: int, top: Any, prefix: str = "") -> str:
     stem = re.sub(r"[^A-Za-z0-9_-]+", "_", str(top))[:40].strip("_") or "x"
-    return f"t{index:02d}-{stem}.safetensors"
+    return f"{prefix}t{index:02d}-{stem}.safetensors"
 
 
 class _Sink:
-    def __init__(self, pool: dict[str, torch.Tensor], copy: bool) -> None:
+    def __init__(self, pool: dict[str, torch.Tensor], copy: bool, prefix: str = "") -> None:
         self.pool = pool
         self.copy = copy
+        self.prefix = prefix
         self.files: dict[str, list[TensorEntry]] = {}
+        self.sharded: dict[str, torch.Tensor] = {}
         self._file_of_top: dict[Any, str] = {}
         self._keys: set[str] = set()
         self._aliases: dict[tuple, dict[str, Any]] = {}
@@ -70,7 +75,7 @@ class _Sink:
             raise UnsupportedStateError(f"{render_path(path)} has dtype {t.dtype}, which cannot be saved.")
         top = path[0] if path else "root"
         if top not in self._file_of_top:
-            self._file_of_top[top] = _file_for(len(self._file_of_top), top)
+            self._file_of_top[top] = _file_for(len(self._file_of_top), top, self.prefix)
         fname = self._file_of_top[top]
         key = "/".join(str(p) for p in path) or "root"
         base, n = key, 1
@@ -83,6 +88,13 @@ class _Sink:
         if alias is not None:
             self._aliases[alias] = ref
         return ref
+
+    def add_sharded(self, tensor: torch.Tensor, path: PathT) -> dict[str, Any]:
+        fqn = "/".join(str(p) for p in path) or "root"
+        if fqn in self.sharded:
+            raise UnsupportedStateError(f"{render_path(path)}: two sharded tensors with one name {fqn!r}")
+        self.sharded[fqn] = tensor.detach()
+        return {"fqn": fqn, "shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch.")}
 
     def _host(self, t: torch.Tensor, slot: str) -> torch.Tensor:
         if t.device.type == "cpu" and t.is_contiguous() and not self.copy:
@@ -113,18 +125,19 @@ class Snapshotter:
         self.copy = copy
         self._pool: dict[str, torch.Tensor] = {}
 
-    def capture(self, state: Mapping[str, Any]) -> Snapshot:
+    def capture(self, state: Mapping[str, Any], prefix: str = "") -> Snapshot:
+        """Encode ``state``; tensor files are named ``<prefix>tNN-<key>.safetensors``."""
         if not isinstance(state, Mapping):
             raise UnsupportedStateError(f"the state must be a dict of named parts, got {type(state).__name__}")
         for k in state:
             if not isinstance(k, str):
                 raise UnsupportedStateError(f"top-level state keys must be strings, got {k!r}")
-        sink = _Sink(self._pool, self.copy)
+        sink = _Sink(self._pool, self.copy, prefix)
         encoder = Encoder(sink)
         tree = {TOP: {k: encoder.encode(v, (k,)) for k, v in state.items()}}
         if sink.used_cuda:
             torch.cuda.synchronize()
-        return Snapshot(tree=tree, files=sink.files)
+        return Snapshot(tree=tree, files=sink.files, sharded=sink.sharded)
 
 
 TOP = "state"

@@ -1,8 +1,8 @@
 """What a :class:`~unbroken.Checkpointer` does when a signal arrived or a step raised.
 
 Both paths use the Checkpointer's public API only (``save``, ``wait``, ``close``,
-``progress``, ``last_saved``, ``preemption``, ``events``), so they are a plug-in like
-any other.
+``progress``, ``last_saved``, ``preemption``, ``events``, ``comm``), so they are a plug-in
+like any other.
 """
 
 from __future__ import annotations
@@ -50,6 +50,11 @@ def preempt_and_exit(ckpt: Any, state: Mapping[str, Any], sig: signal.Signals, r
 def emergency_save(ckpt: Any, guard: StepGuard, exc: BaseException | None) -> Any:
     """The exact emergency checkpoint after a step raised (see :mod:`unbroken.faults.guard`)."""
     what = f"{type(exc).__name__}: {exc}" if exc is not None else "an exception"
+    if ckpt.comm.world > 1:  # the other ranks are inside the next step's collectives: no save together
+        log.error("step %d raised %s on rank %d of %d; no emergency checkpoint with several ranks (the others "
+                  "could not join it): the restart resumes from the last committed checkpoint",
+                  ckpt.progress.step + 1, what, ckpt.comm.rank, ckpt.comm.world)
+        return None
     torn = guard.torn()
     if torn:
         log.error("step %d raised %s while %s; no emergency checkpoint (it would mix two steps): "

@@ -5,6 +5,11 @@ code can read, and every file it lists exists with the recorded size and xxh3-12
 checksum. File names are single, plain path components (no ``/``, no ``..``, no
 absolute paths), so a manifest can never make a reader touch a file outside the
 checkpoint folder.
+
+Since format version 2 the manifest protects itself: it ends with exactly
+``,\n "manifest_xxh3_128": "<32 hex digits>"\n}\n`` and the digest is the xxh3-128 of
+every byte before that trailer. It is checked before any field is trusted, so a flipped
+digit in ``seq`` or ``step`` is corruption, not a rollback.
 """
 
 from __future__ import annotations
@@ -21,12 +26,15 @@ import xxhash
 from ..errors import CorruptCheckpointError, NewerFormatError
 
 FORMAT_NAME = "unbroken"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 STATE_FILE = "state.json"
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 _HEX128 = re.compile(r"^[0-9a-f]{32}$")
+TRAILER_KEY = b',\n "manifest_xxh3_128": "'
+TRAILER_END = b'"\n}\n'
+TRAILER_LEN = len(TRAILER_KEY) + 32 + len(TRAILER_END)
 
 
 def new_hasher() -> "xxhash.xxh3_128":
@@ -63,6 +71,7 @@ class Manifest:
     kind: str = "regular"
     probe: dict[str, float] = field(default_factory=dict)
     tags: list[str] = field(default_factory=list)
+    world_size: int = 1
     format_version: int = FORMAT_VERSION
 
     @property
@@ -81,16 +90,23 @@ class Manifest:
             "created": self.created,
             "metrics": self.metrics,
             "progress": self.progress,
+            "world_size": self.world_size,
             "files": {k: {"size": v.size, "xxh3_128": v.xxh3_128} for k, v in sorted(self.files.items())},
             "environment": self.environment,
         }
-        return json.dumps(doc, indent=1, allow_nan=False).encode("utf-8")
+        body = json.dumps(doc, indent=1, allow_nan=False).encode("utf-8")
+        assert body.endswith(b"\n}")
+        prefix = body[:-2]
+        h = new_hasher()
+        h.update(prefix)
+        return prefix + TRAILER_KEY + h.hexdigest().encode() + TRAILER_END
 
     @classmethod
     def from_json(cls, raw: bytes) -> "Manifest":
         """Parse and validate a manifest; any problem raises :class:`CorruptCheckpointError`."""
         if len(raw) > MAX_MANIFEST_BYTES:
             raise CorruptCheckpointError("manifest.json is implausibly large")
+        protected = _check_trailer(raw)
         try:
             doc = json.loads(raw.decode("utf-8"), object_pairs_hook=strict_object)
         except (UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: absurd nesting
@@ -100,6 +116,8 @@ class Manifest:
         version = doc.get("format_version")
         if type(version) is not int or version < 1:
             raise CorruptCheckpointError(f"manifest.json has an invalid format_version {version!r}")
+        if version >= 2 and not protected:
+            raise CorruptCheckpointError("manifest.json has no valid self-checksum trailer (damaged)")
         if version > FORMAT_VERSION:
             raise NewerFormatError(
                 f"checkpoint format version {version} is newer than this unbroken reads "
@@ -130,6 +148,9 @@ class Manifest:
             kind = doc.get("kind", "regular")
             if not isinstance(kind, str):
                 raise TypeError("kind must be a string")
+            world_size = doc.get("world_size", 1)
+            if type(world_size) is not int or not 1 <= world_size <= 1 << 20:
+                raise TypeError("world_size must be a positive integer")
         except CorruptCheckpointError:
             raise
         except (KeyError, TypeError, ValueError) as e:
@@ -138,7 +159,23 @@ class Manifest:
             raise CorruptCheckpointError(f"manifest.json does not list {STATE_FILE}")
         return cls(step=step, seq=seq, files=files, created=created, metrics=metrics,
                    progress=progress, environment=env, kind=kind, probe=probe, tags=tags,
-                   format_version=version)
+                   world_size=world_size, format_version=version)
+
+
+def _check_trailer(raw: bytes) -> bool:
+    """True if ``raw`` ends with a self-checksum trailer that matches; a trailer that does not
+    match is corruption. False if there is no trailer (format version 1)."""
+    tail = raw[-TRAILER_LEN:]
+    if len(raw) < TRAILER_LEN or not (tail.startswith(TRAILER_KEY) and tail.endswith(TRAILER_END)):
+        if b'"manifest_xxh3_128"' in raw:
+            raise CorruptCheckpointError("manifest.json: its self-checksum trailer is damaged")
+        return False
+    h = new_hasher()
+    h.update(raw[:-TRAILER_LEN])
+    if h.hexdigest().encode() != tail[len(TRAILER_KEY):len(TRAILER_KEY) + 32]:
+        raise CorruptCheckpointError("manifest.json: checksum mismatch (the manifest itself was altered "
+                                     "or damaged)")
+    return True
 
 
 def strict_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

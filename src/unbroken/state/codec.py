@@ -62,6 +62,10 @@ class TensorSink(Protocol):
         """Store ``tensor`` and return the JSON reference (``file``, ``key``)."""
         ...
 
+    def add_sharded(self, tensor: torch.Tensor, path: PathT) -> dict[str, Any]:
+        """Collect a DTensor (saved by all ranks together) and return its reference (``fqn``)."""
+        ...
+
 
 @dataclass(frozen=True)
 class StatefulValue:
@@ -74,6 +78,16 @@ class StatefulValue:
 def _qualname(obj: Any) -> str:
     t = type(obj)
     return f"{t.__module__}.{t.__qualname__}"
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    if type(t) in (torch.Tensor, torch.nn.Parameter):
+        return False
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a build without distributed support
+        return False
+    return isinstance(t, DTensor)
 
 
 class Encoder:
@@ -175,6 +189,10 @@ class Encoder:
         return node
 
     def _tensor(self, t: torch.Tensor, path: PathT) -> dict[str, Any]:
+        if _is_dtensor(t):  # sharded across ranks: saved through torch.distributed.checkpoint
+            ref = dict(self.sink.add_sharded(t, path))
+            ref[TAG] = "dtensor"
+            return ref
         if type(t) not in (torch.Tensor, torch.nn.Parameter):
             raise UnsupportedStateError(
                 f"{render_path(path)} is a tensor subclass {_qualname(t)}; save a plain "

@@ -30,8 +30,10 @@ def _corrupt(msg: str) -> CorruptCheckpointError:
 class Decoder:
     """Turns JSON nodes back into Python objects; ``resolve`` looks up tensors."""
 
-    def __init__(self, resolve: Callable[[dict[str, Any]], torch.Tensor]) -> None:
+    def __init__(self, resolve: Callable[[dict[str, Any]], torch.Tensor],
+                 sharded: Callable[[dict[str, Any]], Any] | None = None) -> None:
         self.resolve = resolve
+        self.sharded = sharded
         self._depth = 0
 
     def decode(self, node: Any) -> Any:
@@ -137,6 +139,11 @@ class Decoder:
         if n.get("requires_grad"):
             t.requires_grad_(True)
         return t
+
+    def _d_dtensor(self, n: dict) -> Any:
+        if self.sharded is None:
+            raise _corrupt("a sharded tensor where none can be")
+        return self.sharded(n)
 
     def _d_ndarray(self, n: dict) -> np.ndarray:
         dt = _np_dtype(n["dtype"], "biufc")

@@ -88,3 +88,27 @@ class Gradients:
                     p.grad.copy_(g)
                 else:
                     p.grad = g.to(device=p.device, dtype=p.dtype).clone()
+
+
+class PerRank:
+    """Marks state that differs from rank to rank (``state["loader"] = unbroken.PerRank(loader)``).
+
+    Everything else in the state is taken to be replicated (the same on every rank: a DDP
+    model, its optimizer, a :class:`~unbroken.data.ResumableLoader`, whose position is
+    global) and written once; a ``PerRank`` object is saved by every rank into its own
+    part of the checkpoint and restored on the same rank. If the world size changes, ranks
+    the checkpoint had get their own state back and new ranks keep theirs, with a warning.
+    Each rank's global RNGs are always per rank.
+    """
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def state_dict(self) -> Any:
+        return self.obj.state_dict() if is_stateful(self.obj) else self.obj
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        if is_stateful(self.obj):
+            self.obj.load_state_dict(state_dict)
+        else:
+            raise TypeError("PerRank wraps an object without load_state_dict; wrap a Stateful object")

@@ -62,12 +62,19 @@ def check_meta_name(name: Any) -> str:
 
 
 class Staging(Protocol):
-    """A checkpoint being written."""
+    """A checkpoint being written. With several ranks, the coordinator stages and the other
+    ranks :meth:`Store.join` it by its ``token`` to write their files into it."""
 
     name: str
+    token: str
+    """Identifies this staging area for :meth:`Store.join` (a JSON-able string)."""
 
     def open(self, file: str) -> BinaryIO:
-        """A new file for writing. Its bytes are durable once :meth:`commit` returns."""
+        """A new file for writing. Its bytes are durable once :meth:`flush` or :meth:`commit` returns."""
+        ...
+
+    def flush(self) -> None:
+        """Make every file opened so far durable (background uploads finished), without committing."""
         ...
 
     def commit(self) -> str:
@@ -112,6 +119,11 @@ class Store(Protocol):
         ...
 
     def stage(self, name: str) -> Staging: ...
+
+    def join(self, token: str) -> Staging:
+        """Another rank's view of a staging area the coordinator opened: ``open`` and ``flush``
+        only (the coordinator commits or aborts)."""
+        ...
 
     def list_committed(self) -> list[str]:
         """Names of checkpoints whose commit completed (not yet verified)."""

@@ -127,6 +127,9 @@ class FsspecStore:
     def stage(self, name: str) -> "FsspecStaging":
         return FsspecStaging(self, self.free_name(check_name(name, "checkpoint")))
 
+    def join(self, token: str) -> "FsspecStaging":
+        return FsspecStaging(self, check_name(token, "checkpoint"), joined=True)
+
     def free_name(self, name: str) -> str:
         taken = set(self._objects())
         qdir = self.quarantined()
@@ -294,8 +297,8 @@ class _ManifestBuffer:
 class FsspecStaging:
     """A checkpoint being uploaded: data objects now (in the background), the manifest at commit."""
 
-    def __init__(self, store: FsspecStore, name: str) -> None:
-        self.store, self.name = store, name
+    def __init__(self, store: FsspecStore, name: str, joined: bool = False) -> None:
+        self.store, self.name, self.token, self.joined = store, name, name, joined
         self.futures: list[Future] = []
         self.writers: list[Any] = []
         self.manifest: bytes | None = None
@@ -307,12 +310,17 @@ class FsspecStaging:
         self.writers.append(writer)
         return writer
 
-    def commit(self) -> str:
+    def flush(self) -> None:
         wait_all(self.futures)
         for w in self.writers:
             finish = getattr(w, "finish", None)
             if finish is not None:
                 finish()  # complete multipart uploads
+
+    def commit(self) -> str:
+        if self.joined:
+            raise RuntimeError("only the coordinator commits")
+        self.flush()
         if self.manifest is None:
             raise RuntimeError("commit() before the manifest was written")
         self.store.put(self.store.path(self.name, COMMIT_FILE), self.manifest)
@@ -327,6 +335,8 @@ class FsspecStaging:
                 getattr(w, "abort", lambda: None)()
             except Exception:
                 pass
+        if self.joined:
+            return  # the coordinator removes the objects
         try:
             quick = FsspecStore(self.store.fs, self.store.root, self.store.url, retry=Retry(deadline_s=5))
             files = quick._objects().get(self.name, set())

@@ -1,0 +1,113 @@
+"""Putting a loaded checkpoint into the live state, on every rank, in a fixed order.
+
+1. Sharded tensors (DTensors of FSDP2 models and their optimizers) are loaded into the
+   live shards through DCP (:func:`unbroken.dist.sharded.load_sharded`), whatever
+   sharding they were saved with; an optimizer that has not stepped yet is given its
+   state first, so there is a shard to load into. Where the live state holds a plain
+   tensor (one process, no FSDP), the full tensor is loaded.
+2. The shared state goes into the live objects (``load_state_dict``, in place), then this
+   rank's :class:`~unbroken.PerRank` objects.
+3. The RNGs, last. **The rule**: same world size, every rank gets its own RNG states back;
+   a different world size (or a rank the checkpoint did not have), every rank reseeds its
+   python, numpy, torch and CUDA generators from ``(seq, step, rank, world_size)`` of the
+   checkpoint, so the resumed run is bitwise reproducible given the new world size.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import warnings
+from collections.abc import MutableMapping
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from .reader import LoadedCheckpoint, ShardedRef, contains_sharded, substitute
+from .state.apply import apply_state, check_keys
+from .state.codec import StatefulValue
+from .state.rng import GlobalRNG
+from .state.stateful import PerRank, is_stateful
+
+log = logging.getLogger("unbroken")
+
+
+def _pair(saved: Any, live: Any, out: dict[str, torch.Tensor]) -> None:
+    """Find the live tensor at the place of every sharded reference in ``saved``."""
+    if isinstance(saved, ShardedRef):
+        if isinstance(live, torch.Tensor):
+            out[saved.fqn] = live
+        return
+    if isinstance(saved, StatefulValue):
+        saved = saved.value
+    if isinstance(saved, dict) and isinstance(live, dict):
+        for k, v in saved.items():
+            if k in live:
+                _pair(v, live[k], out)
+    elif isinstance(saved, (list, tuple)) and isinstance(live, (list, tuple)) and len(saved) == len(live):
+        for a, b in zip(saved, live):
+            _pair(a, b, out)
+
+
+def load_sharded_parts(live: MutableMapping[str, Any], saved: dict[str, Any], loaded: LoadedCheckpoint,
+                       group: Any) -> dict[str, Any]:
+    """``saved`` with every sharded reference replaced by a live tensor that now holds the
+    saved values (see the module docstring, step 1). A collective when it has any."""
+    from .dist.sharded import assemble, load_sharded
+
+    if not contains_sharded(saved):
+        return saved
+    targets: dict[str, torch.Tensor] = {}
+    for key, value in saved.items():
+        obj = live.get(key)
+        if not contains_sharded(value) or obj is None:
+            continue
+        if isinstance(obj, torch.optim.Optimizer) and not obj.state:
+            from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+            _init_optim_state(obj)  # a shard to load into (overwritten by the load)
+        _pair(value, obj.state_dict() if is_stateful(obj) else obj, targets)
+    metadata = loaded.sharded_metadata()
+    assert loaded.files is not None
+    load_sharded(targets, metadata, group, loaded.files.tensors)
+    return substitute(saved, lambda ref: targets[ref.fqn] if ref.fqn in targets
+                      else assemble(ref.fqn, metadata, loaded.files.tensors))  # type: ignore[union-attr]
+
+
+def apply_parts(state: MutableMapping[str, Any], saved: dict[str, Any], mine: dict[str, Any] | None,
+                per_rank: list[str], strict: bool, rank: int) -> None:
+    """Step 2: the shared state, then this rank's per-rank objects, into ``state`` in place."""
+    live_per_rank = [k for k, v in state.items() if isinstance(v, PerRank)]
+    shared_live = {k: v for k, v in state.items() if not isinstance(v, PerRank)}
+    check_keys(shared_live, saved, strict)
+    check_keys({k: None for k in live_per_rank}, {k: None for k in per_rank}, strict)
+    apply_state(shared_live, saved, strict=strict)
+    state.update(shared_live)  # plain values are replaced, objects were loaded in place
+    for key in live_per_rank:
+        if mine is not None and key in mine:
+            apply_state({key: state[key]}, {key: mine[key]}, strict=True)
+        elif key in per_rank:
+            warnings.warn(f"rank {rank} has no saved state for PerRank state[{key!r}] (the checkpoint was "
+                          "written by fewer ranks); it keeps its current state", stacklevel=4)
+
+
+def restore_rng(loaded: LoadedCheckpoint, shared_rng: Any, rank: int, world: int) -> str:
+    """Step 3 (see the module docstring); returns how the RNGs were restored."""
+    mine = loaded.rank_state or {}
+    own = mine.get("rng")
+    own = getattr(own, "value", own)
+    saved_world = loaded.manifest.world_size
+    if own is not None and saved_world == world:
+        GlobalRNG().load_state_dict(own)
+        return "restored"
+    if own is None and shared_rng is not None and world == 1 and saved_world == 1:
+        GlobalRNG().load_state_dict(getattr(shared_rng, "value", shared_rng))  # format 1
+        return "restored"
+    m = loaded.manifest
+    seed = xxhash.xxh64_intdigest(f"unbroken-rng:{m.seq}:{m.step}:{rank}:{world}".encode())
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # CPU and every CUDA device
+    return f"reseeded (world size {saved_world} -> {world})"

@@ -1,0 +1,207 @@
+"""Several ranks, one run: real processes on gloo (CPU), under torchrun or started by hand.
+
+The job is tests/dist_train.py (DDP or FSDP2, dropout, a sharded ResumableLoader with
+per-sample augmentation, AdamW + LambdaLR). Every test compares bitwise: final parameters
+and optimizer state, every rank's per-step losses, and the samples each step consumed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from unbroken.faults import EXIT_PREEMPTED
+from unbroken.store import open_store
+
+pytestmark = pytest.mark.e2e
+SCRIPT = str(Path(__file__).parent / "dist_train.py")
+STEPS, SAVE_EVERY = 16, 4
+ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+
+
+def torchrun(n: int, *args: str, restarts: int = 0) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+            f"--max-restarts={restarts}", SCRIPT, *args]
+
+
+def job(base: Path, *extra: str, mode: str = "ddp") -> list[str]:
+    return ["--run-dir", str(base / "run"), "--out", str(base / "out"), "--mode", mode, "--steps", str(STEPS),
+            "--save-every", str(SAVE_EVERY), *extra]
+
+
+def run(cmd: list[str], env: dict | None = None, timeout: float = 300, on_line=None) -> tuple[int, str]:
+    """Run ``cmd``, streaming its output to ``on_line(line, proc)``; (exit code, output)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env or ENV,
+                            start_new_session=True)
+    lines: list[str] = []
+    timer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
+    timer.start()
+    try:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if on_line is not None:
+                on_line(line, proc)
+        proc.wait()
+    finally:
+        timer.cancel()
+        if proc.poll() is None:  # a failed check above: never leave a job behind
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode, "".join(lines)
+
+
+def losses(out: Path, rank: int) -> dict[int, tuple[float, list[int]]]:
+    """step -> (loss, samples) of one rank, the last value logged for each step."""
+    rows = [json.loads(x) for x in (out / f"losses-r{rank}.jsonl").read_text().splitlines()]
+    return {r["step"]: (r["loss"], r["samples"]) for r in rows}
+
+
+def all_rows(out: Path, rank: int) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in map(json.loads, (out / f"losses-r{rank}.jsonl").read_text().splitlines())]
+
+
+def same_final(a: Path, b: Path) -> bool:
+    x, y = load_file(str(a / "final.safetensors")), load_file(str(b / "final.safetensors"))
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = tmp_path_factory.mktemp("ddp-reference")
+    code, out = run(torchrun(2, *job(base)))
+    assert code == 0, out
+    return base / "out"
+
+
+# ------------------------------------------------------------------------------ DDP
+@pytest.mark.parametrize("seed", [1])
+def test_ddp_rank_killed_at_a_random_step_torchrun_restarts_and_resumes_bitwise(reference, tmp_path, seed) -> None:
+    target = random.Random(seed).randint(SAVE_EVERY + 1, STEPS - 2)
+    killed: list[int] = []
+
+    def on_line(line: str, proc) -> None:  # the ranks' lines may interleave: search, do not split
+        if not killed and f"rank 1 step {target}" in line:
+            pid = int((tmp_path / "out" / "pid-r1").read_text())
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    code, out = run(torchrun(2, *job(tmp_path), restarts=2), on_line=on_line)
+    assert code == 0 and killed, out
+    assert "resumed from step" in out
+    assert same_final(reference, tmp_path / "out")
+    for rank in (0, 1):
+        ref, got = losses(reference, rank), losses(tmp_path / "out", rank)
+        assert got == ref  # every step's loss and samples, bitwise, on every rank
+        rerun = [s for s, _ in all_rows(tmp_path / "out", rank)]
+        assert len(rerun) > STEPS  # some steps really ran twice (after the resume), identically
+
+
+def test_ddp_rank_killed_inside_a_save_never_commits_half(reference, tmp_path) -> None:
+    # rank 1 writes two tensor files per save (its share of the replicated ones, its RNG): the 3rd
+    # time it is half-way through a file is in the 2nd save
+    env = dict(ENV, UNBROKEN_FAULTS="save.mid_file@1=3")
+    code, out = run(torchrun(2, *job(tmp_path), restarts=0), env=env)
+    assert code != 0
+    store = open_store(tmp_path / "run")
+    assert store.list_committed() == [f"step-{SAVE_EVERY:09d}"]  # the second save never committed
+    code, out = run(torchrun(2, *job(tmp_path)))
+    assert code == 0 and f"resumed from step {SAVE_EVERY}" in out, out
+    assert same_final(reference, tmp_path / "out")
+
+
+def _spawn(world: int, args: list[str], env: dict | None = None) -> list[subprocess.Popen]:
+    """Start the ranks by hand (no torchrun), to see each one's exit code."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(world):
+        e = dict(env or ENV, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                 MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, SCRIPT, *args], env=e, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def test_a_rank_failing_in_a_save_aborts_the_commit_and_every_rank_names_it(tmp_path) -> None:
+    procs = _spawn(2, job(tmp_path, "--fail-save-on-rank", "1"))
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode != 0 for p in procs), outs
+    for out in outs:  # both ranks raise, naming rank 1 and its error
+        assert "was not committed" in out or "No space left" in out, out
+        assert "rank 1" in out and "No space left on device" in out, out
+    store = open_store(tmp_path / "run")
+    assert store.list_committed() == [] and store.list_uncommitted() == []
+
+
+def test_sigterm_to_one_rank_makes_every_rank_save_the_same_step_and_exit_75(tmp_path) -> None:
+    procs = _spawn(2, job(tmp_path))
+    target = 6
+    outs = ["", ""]
+
+    def reader(i: int) -> None:
+        for line in procs[i].stdout:  # type: ignore[union-attr]
+            outs[i] += line
+            if i == 1 and f"rank 1 step {target}" in line:
+                procs[1].send_signal(signal.SIGTERM)
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    codes = [p.wait(timeout=60) for p in procs]
+    assert codes == [EXIT_PREEMPTED, EXIT_PREEMPTED], outs
+    steps = {line.split()[-1] for out in outs for line in out.splitlines() if line.startswith("preempted at step")}
+    assert len(steps) == 1, outs
+    step = int(steps.pop())
+    assert step >= target
+    assert f"step-{step:09d}" in open_store(tmp_path / "run").list_committed()
+
+
+# ----------------------------------------------------------------------------- FSDP2
+@pytest.fixture(scope="module")
+def fsdp_saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-rank FSDP2 run to step 20 uninterrupted (the reference), and the same run stopped at
+    step 8 (saved) with the full state dumped at that point."""
+    base = tmp_path_factory.mktemp("fsdp")
+    code, out = run(torchrun(2, *job(base / "ref", "--steps", "20", mode="fsdp")))
+    assert code == 0, out
+    code, out = run(torchrun(2, *job(base / "cut", "--steps", "20", "--stop-at", "8", mode="fsdp")))
+    assert code == 0, out
+    code, out = run(torchrun(2, *job(base / "cut", "--steps", "20", "--stop-at", "8",
+                                     "--dump-restored", str(base / "saved.safetensors"), mode="fsdp")))
+    assert code == 0 and "resumed from step 8" in out, out
+    return base
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_fsdp_saved_by_2_ranks_resumes_on_another_world_size(fsdp_saved: Path, tmp_path: Path, world: int) -> None:
+    import shutil
+
+    shutil.copytree(fsdp_saved / "cut" / "run", tmp_path / "run")
+    dump = tmp_path / "restored.safetensors"
+    batch = str(16 // world)  # the same global batch
+    code, out = run(torchrun(world, *job(tmp_path, "--steps", "20", "--batch", batch, "--dump-restored", str(dump),
+                                         mode="fsdp")))
+    assert code == 0, out
+    assert f"world size changed from 2 to {world}" in out and "global sample 128" in out, out
+    saved, restored = load_file(str(fsdp_saved / "saved.safetensors")), load_file(str(dump))
+    assert saved.keys() == restored.keys()
+    assert all(torch.equal(saved[k], restored[k]) for k in saved)  # model and optimizer, every value
+    # the data continues at the same global sample: every step's global batch is the reference's
+    ref = [losses(fsdp_saved / "ref" / "out", r) for r in range(2)]
+    got = [losses(tmp_path / "out", r) for r in range(world)]
+    for step in range(9, 21):
+        assert sorted(i for r in got for i in r[step][1]) == sorted(i for r in ref for i in r[step][1]), step
