@@ -85,9 +85,10 @@ def load(path: str | os.PathLike[str], state: MutableMapping[str, Any] | None = 
     Python values and CPU tensors. Never unpickles anything.
     """
     loaded = read_path(path, storage_options)
+    tree = loaded.materialize()  # sharded tensors (saved by several ranks) as full tensors
     if state is None:
-        return unwrap(loaded.state)
-    apply_state(state, loaded.state, strict=strict)
+        return unwrap(tree)
+    apply_state(state, tree, strict=strict)
     return dict(state)
 
 
