@@ -205,3 +205,21 @@ def test_fsdp_saved_by_2_ranks_resumes_on_another_world_size(fsdp_saved: Path, t
     got = [losses(tmp_path / "out", r) for r in range(world)]
     for step in range(9, 21):
         assert sorted(i for r in got for i in r[step][1]) == sorted(i for r in ref for i in r[step][1]), step
+
+
+def test_ddp_on_s3_saves_and_resumes_bitwise(reference, tmp_path, s3, s3_url) -> None:
+    """Both ranks write their parts of each checkpoint straight to S3 (objects first, the
+    coordinator's manifest last); the run is stopped half-way and resumed from S3."""
+    env = dict(ENV, **s3.env)
+    args = ["--run-dir", s3_url, "--out", str(tmp_path / "out"), "--mode", "ddp", "--steps", str(STEPS),
+            "--save-every", str(SAVE_EVERY)]
+    code, out = run(torchrun(2, *args, "--stop-at", str(2 * SAVE_EVERY + 1)), env=env)
+    assert code == 0, out
+    store = open_store(s3_url, s3.storage_options)
+    names = store.list_committed()
+    assert names == [f"step-{SAVE_EVERY:09d}", f"step-{2 * SAVE_EVERY:09d}"] and not store.list_uncommitted()
+    files = set(store._objects()[names[-1]])
+    assert {"manifest.json", "state.json", "rank-00000.json", "rank-00001.json"} <= files
+    code, out = run(torchrun(2, *args), env=env)
+    assert code == 0 and f"resumed from step {2 * SAVE_EVERY}" in out, out
+    assert same_final(reference, tmp_path / "out")
