@@ -2,7 +2,9 @@
 
 ``UNBROKEN_FAULTS="save.mid_file=2,save.before_commit=1"`` makes this process
 SIGKILL itself the 2nd time it reaches ``save.mid_file``, and so on; ``save.mid_file@1=2``
-arms the point on rank 1 only (``RANK`` in the environment, as torchrun sets it). The points sit
+arms the point on rank 1 only (``RANK`` in the environment, as torchrun sets it).
+``UNBROKEN_FAULT_ACTION=stop`` makes the point SIGSTOP the process instead (a test then
+signals it while it is frozen in the middle of a save, and SIGCONTs it). The points sit
 at the dangerous moments of a save: half-way through a tensor file, after the data
 files but before the manifest, and after the manifest but before the commit.
 Unset (the normal case), a point costs one dictionary lookup.
@@ -27,6 +29,7 @@ def _parse(spec: str, rank: str) -> dict[str, int]:
     return out
 
 
+_ACTION = signal.SIGSTOP if os.environ.get("UNBROKEN_FAULT_ACTION") == "stop" else signal.SIGKILL
 _SPEC = _parse(os.environ.get("UNBROKEN_FAULTS", ""), os.environ.get("RANK", "0"))
 _hits: Counter[str] = Counter()
 
@@ -36,4 +39,4 @@ def point(name: str) -> None:
     if name in _SPEC:
         _hits[name] += 1
         if _hits[name] == _SPEC[name]:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), _ACTION)

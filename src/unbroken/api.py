@@ -14,9 +14,10 @@ from typing import Any, Mapping
 from .errors import NoCheckpointError
 from .format.manifest import Manifest
 from .persist import write_snapshot
-from .reader import LoadedCheckpoint, read_checkpoint
+from .reader import LoadedCheckpoint, read_checkpoint, verify_all
 from .snapshot import Snapshotter
 from .state.apply import apply_state
+from .state.checks import clean_metrics
 from .state.codec import StatefulValue
 from .store import split_checkpoint
 
@@ -57,22 +58,26 @@ def save(path: str | os.PathLike[str], state: Mapping[str, Any], *, step: int = 
     if name in store.list_committed() or (not store.remote and os.path.lexists(os.fspath(path))):
         raise FileExistsError(f"{path} already exists; choose a new checkpoint path")
     snap = Snapshotter().capture(state)
-    final, manifest = write_snapshot(snap, store, name, step=step, seq=0, metrics=metrics)
+    final, manifest = write_snapshot(snap, store, name, step=step, seq=0, metrics=clean_metrics(dict(metrics or {})))
     return CheckpointInfo.of(store.describe(final), final, manifest)
 
 
-def read_path(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> LoadedCheckpoint:
-    """Verify and decode the checkpoint at ``path`` (NoCheckpointError if there is none)."""
+def read_path(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None,
+              rank: int = 0) -> LoadedCheckpoint:
+    """Verify and decode the checkpoint at ``path`` for ``rank`` (NoCheckpointError if there is none)."""
     store, name = split_checkpoint(path, storage_options)
     there = os.path.isdir(os.fspath(path)) if not store.remote else name in store.list_committed()
     if not there:
         raise NoCheckpointError(f"no checkpoint at {path}")
-    return read_checkpoint(store, name)
+    return read_checkpoint(store, name, rank)
 
 
 def verify(path: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None) -> CheckpointInfo:
-    """Fully verify a checkpoint (checksums, headers, state tree); raise if anything is wrong."""
-    loaded = read_path(path, storage_options)
+    """Fully verify a checkpoint: every file of every rank (size, checksum), the tensor headers
+    and the state trees; raise if anything is wrong."""
+    store, name = split_checkpoint(path, storage_options)
+    read_path(path, storage_options)  # NoCheckpointError, and rank 0's part decoded
+    loaded = verify_all(store, name)
     return CheckpointInfo.of(str(path), loaded.name, loaded.manifest)
 
 

@@ -78,7 +78,7 @@ def write(comm: Comm, store: Any, lock: Any, name: str, shared: Snapshot, mine: 
                               lambda f, entries: files.__setitem__(f, write_tensors(staging, f, entries)))
             if comm.coordinator and md is not None:
                 files[SHARDED_FILE] = write_blob(staging, SHARDED_FILE, md)
-        assigned = [f for i, f in enumerate(sorted(shared.files)) if i % comm.world == comm.rank]
+        assigned = share(shared, comm.rank, comm.world)
         files.update(write_part(staging, shared, STATE_FILE if comm.coordinator else None, assigned))
         files.update(write_part(staging, mine, rank_file(comm.rank), mine.files))
         staging.flush()
@@ -115,6 +115,19 @@ def write(comm: Comm, store: Any, lock: Any, name: str, shared: Snapshot, mine: 
     if comm.coordinator:
         _faults.point("save.after_commit")
     return decision["name"], manifest
+
+
+def share(shared: Snapshot, rank: int, world: int) -> list[str]:
+    """The replicated tensor files ``rank`` writes: largest first to the least loaded rank, so the
+    bytes (not just the files) are spread (the same answer on every rank)."""
+    sizes = {f: sum(e.tensor.numel() * e.tensor.element_size() for e in es) for f, es in shared.files.items()}
+    load, mine = [0] * world, []
+    for f in sorted(sizes, key=lambda f: (-sizes[f], f)):
+        r = min(range(world), key=lambda i: (load[i], i))
+        load[r] += sizes[f]
+        if r == rank:
+            mine.append(f)
+    return mine
 
 
 def choose(comm: Comm, candidates: Iterator[str] | None, attempt: Callable[[str], T],

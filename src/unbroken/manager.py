@@ -29,7 +29,7 @@ from .errors import NoCheckpointError, UnbrokenError
 from .events import EventBus, Restored, Saved, Started, StepEnded, Tagged
 from .faults import Preemption, slurm
 from .faults.guard import StepGuard
-from .faults.handlers import emergency_save, preempt_and_exit
+from .faults.handlers import preempt_and_exit, step_failed
 from .faults.signals import SignalWatcher
 from .policies import Retention, Trigger
 from .probe import ProbeFn, ProbeReport, run_probe
@@ -147,6 +147,7 @@ class Checkpointer:
         _open.discard(self)
         self._signals.uninstall()
         self.run.close()
+        self.comm.close()
         for p in self._plugins:
             self.events.unsubscribe(p)
         if self._recorder is not None:
@@ -164,8 +165,11 @@ class Checkpointer:
         """``with ckpt.guard(state):`` around the training loop: if a step raises, write an
         exact emergency checkpoint first (see :mod:`unbroken.faults.guard`), then re-raise."""
         self._begin()
-        return StepGuard(state, self.progress, attach=self._attach_guard,
-                         on_error=lambda g, exc: emergency_save(self, g, exc))
+        def on_error(guard: StepGuard, exc: BaseException | None) -> None:
+            got = self._signals.received
+            step_failed(self, guard, exc, (got, self._signals.received_at or time.monotonic()) if got else None)
+
+        return StepGuard(state, self.progress, attach=self._attach_guard, on_error=on_error)
 
     def _attach_guard(self, guard: StepGuard | None) -> None:
         self._guard = guard
@@ -208,7 +212,7 @@ class Checkpointer:
             path = found[0].path
         if path is not None:
             opts = self._storage_options if isinstance(path, str) and "://" in path else None
-            return self._apply(state, read_path(path, opts), os.fspath(path))
+            return self._apply(state, read_path(path, opts, self.comm.rank), os.fspath(path))
         loaded, where, seen = self.run.newest_valid()
         if loaded is not None:
             return self._apply(state, loaded, where)

@@ -211,6 +211,21 @@ def _other_rank_tensor(fname: str, rank: int) -> bool:
     return fname.startswith("r") and fname[1:6].isdigit() and fname[6:7] == "-" and int(fname[1:6]) != rank
 
 
+def verify_all(storage: Storage, name: str) -> LoadedCheckpoint:
+    """Verify every file of every rank and decode every state tree (``unbroken verify``)."""
+    files = verify_share(storage, name, 0, 1)
+    loaded = read_checkpoint(storage, name, 0, files)
+    try:
+        for r in range(1, loaded.manifest.world_size):
+            if rank_file(r) in loaded.manifest.files:
+                files.decode(rank_file(r))
+        if loaded.files is not None and "sharded.json" in loaded.manifest.files:
+            loaded.sharded_metadata()
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(f"{storage.describe(name)}: {e}") from None
+    return loaded
+
+
 def verify_share(storage: Storage, name: str, rank: int, world: int) -> CheckpointFiles:
     """Verify this rank's share of a checkpoint's files (every ``world``-th, all at world 1),
     keeping them for the load that follows. Raises ``CorruptCheckpointError``."""

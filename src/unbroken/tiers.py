@@ -151,8 +151,8 @@ class Uploader:
                 self._busy = self._queue.popleft()
             name = self._busy
             try:
-                self._upload(name)
-                attempt, wait_s, self.failing = 0, self.wait_s[0], False
+                if self._upload(name):  # not a name pruned meanwhile: the remote answered
+                    attempt, wait_s, self.failing = 0, self.wait_s[0], False
                 with self._cv:
                     self._busy = None
                     self._cv.notify_all()
@@ -179,10 +179,11 @@ class Uploader:
                     self._cv.wait_for(lambda: self._stop, timeout=wait_s)
                 wait_s = min(wait_s * 2, self.wait_s[1])
 
-    def _upload(self, name: str) -> None:
+    def _upload(self, name: str) -> bool:
+        """Upload ``name``; False if there was nothing to do (pruned locally meanwhile)."""
         if name not in self.local.list_committed():
             log.info("%s was pruned locally before it could be uploaded", name)
-            return
+            return False
         if not self.remote_lock.held:
             self.remote.check()
             self.remote_lock.acquire()
@@ -200,3 +201,4 @@ class Uploader:
         self.sync_meta()
         for gone in self.prune_remote():
             self.publish(Pruned(gone, tier="remote"))
+        return True

@@ -65,6 +65,42 @@ class _RankBatches:
         return -(-(o.epoch_length - o.position) // o.global_batch)
 
 
+class _WorkerInit:
+    """Worker processes outlive a preemption signal sent to the whole process group.
+
+    Schedulers signal the whole process group. A worker that died of that SIGTERM would
+    make the DataLoader raise in the main process at an arbitrary point, possibly in the
+    middle of the preemption save; the save needs nothing from the workers. So a worker
+    blocks SIGTERM, SIGUSR1 and SIGINT and a thread takes them with ``sigwaitinfo``: sent by
+    its parent (the DataLoader shutting it down, ``multiprocessing`` at exit) the worker
+    exits; sent by anyone else (the scheduler, a Ctrl-C to the terminal's process group) it
+    is ignored, and the worker ends with the main process. SIGKILL still ends it.
+    """
+
+    def __init__(self, user: Any) -> None:
+        self.user = user
+
+    def __call__(self, worker_id: int) -> None:
+        import os
+        import signal
+        import threading
+
+        watched = {getattr(signal, n) for n in ("SIGTERM", "SIGUSR1", "SIGINT") if hasattr(signal, n)}
+        if hasattr(signal, "pthread_sigmask") and hasattr(signal, "sigwaitinfo"):
+            signal.pthread_sigmask(signal.SIG_BLOCK, watched)
+            parent = os.getppid()
+
+            def take() -> None:
+                while True:
+                    info = signal.sigwaitinfo(watched)
+                    if info.si_pid == parent:
+                        os._exit(0)
+
+            threading.Thread(target=take, name="unbroken-worker-signals", daemon=True).start()
+        if self.user is not None:
+            self.user(worker_id)
+
+
 class ResumableLoader:
     """A ``DataLoader`` for map-style datasets whose data position is saved and restored.
 
@@ -108,6 +144,7 @@ class ResumableLoader:
         self.position = 0
         self.samples_seen = 0
         self._generator = torch.Generator()
+        loader_kwargs["worker_init_fn"] = _WorkerInit(loader_kwargs.get("worker_init_fn"))
         self._loader = DataLoader(dataset, batch_sampler=_RankBatches(self), generator=self._generator,
                                   **loader_kwargs)
 

@@ -15,10 +15,16 @@ When the step raises:
   state — exactly the state at the start of the failed step. Resuming re-runs that step
   from the same batch with the same dropout masks.
 - **the optimizer has stepped**: the step's update is kept and the checkpoint is the
-  state *after* the step (progress advanced by one). This is exact if whatever raised
-  came after the step's bookkeeping (``scheduler.step()``, ``scaler.update()``); keep
-  anything that can fail out of the code between ``optimizer.step()`` and
-  ``ckpt.step()``.
+  state *after* the step (progress advanced by one), once the step's bookkeeping is done.
+- **the state is torn** — the optimizer raised half-way through its update, or it stepped
+  but the bookkeeping did not finish (a ``GradScaler`` stepped but not ``update()``\ d, an
+  LR scheduler that advances every step but has not this time): no emergency checkpoint,
+  because none could describe one instant; the previous committed checkpoint stays the
+  newest and the resume re-runs from there, exactly.
+
+An exception inside ``Checkpointer.step`` (a failing save, a full disk) comes after the
+step boundary was marked, so it is "not stepped" with the start being the state after
+the step: the emergency checkpoint is exactly what the failed save would have written.
 
 Then the exception propagates unchanged.
 """
@@ -52,6 +58,8 @@ class StepStart:
     def __init__(self, state: Mapping[str, Any], progress: dict[str, int]) -> None:
         self.progress = dict(progress)
         self.rng = GlobalRNG().state_dict()  # get_state() calls already return copies
+        self.schedulers = {key: obj.last_epoch for key, obj in state.items()
+                           if isinstance(obj, torch.optim.lr_scheduler.LRScheduler)}
         self.light: dict[str, Any] = {}
         self.buffers: dict[str, dict[str, torch.Tensor]] = {}
         for key, obj in state.items():
@@ -92,6 +100,7 @@ class StepGuard:
         self.stepped = False
         self.stepping = False
         self.start: StepStart | None = None
+        self.per_step: set[str] = set()
         self._hooks: list[Any] = []
 
     def prepare(self, progress: dict[str, int]) -> StepStart:
@@ -101,7 +110,10 @@ class StepGuard:
 
     def mark(self, start: StepStart | None = None) -> None:
         """A new step begins now (``start``: from :meth:`prepare`)."""
+        previous = self.start
         self.start = start if start is not None else StepStart(self.state, self.progress.state_dict())
+        if previous is not None:  # learn which schedulers advance every step
+            self.per_step = {k for k, v in self.start.schedulers.items() if previous.schedulers.get(k) != v}
         self.stepped = self.stepping = False
 
     def torn(self) -> str | None:
@@ -109,6 +121,15 @@ class StepGuard:
         half-way (some parameters updated), or a step whose bookkeeping did not finish."""
         if self.stepping and not self.stepped:
             return "the optimizer was stepping (some parameters may be updated, others not)"
+        if not self.stepped or self.start is None:
+            return None
+        for key, obj in self.state.items():
+            if isinstance(obj, torch.amp.GradScaler) and any(
+                    st.get("stage") is not None and st["stage"].name != "READY"
+                    for st in getattr(obj, "_per_optimizer_states", {}).values()):
+                return f"state[{key!r}] (GradScaler) stepped the optimizer but update() was not called"
+            if key in self.per_step and obj.last_epoch == self.start.schedulers.get(key):
+                return f"state[{key!r}] (an LR scheduler stepped every step) has not stepped yet"
         return None
 
     def _on_optimizer_pre_step(self, *args: Any, **kwargs: Any) -> None:
@@ -135,7 +156,7 @@ class StepGuard:
         if exc_type is None or issubclass(exc_type, (SystemExit, GeneratorExit)):
             return False
         try:
-            self.on_error(self, exc)
+            self.on_error(self, exc)  # may end the process as a preemption (SystemExit 75)
         except Exception as err:  # never hide the original exception
             log.error("emergency checkpoint failed: %s: %s", type(err).__name__, err)
         return False

@@ -36,15 +36,35 @@ def preempt_and_exit(ckpt: Any, state: Mapping[str, Any], sig: signal.Signals, r
         log.error("the preemption save ended %.1f s after the signal, past the %.0f s grace period: "
                   "ask the scheduler for a longer warning (e.g. --signal=USR1@%d)",
                   waited + took, grace, int(2 * (waited + took)) + 30)
+    exit_preempted(ckpt, sig, received_at, last.name if last else None, took)
+
+
+def exit_preempted(ckpt: Any, sig: signal.Signals, received_at: float, checkpoint: str | None,
+                   took: float = 0.0) -> None:
+    """The end of every preemption: wait for the upload (tiered), record, requeue, exit 75."""
+    grace = ckpt.preemption.grace_period
     if grace and not ckpt.wait(timeout=max(1.0, grace - (time.monotonic() - received_at) - 5)):
         log.error("the preemption checkpoint is not yet uploaded; it is kept locally")
     print(f"preempted at step {ckpt.progress.step}", flush=True)
-    ckpt.events.publish(Preempted(sig.name, ckpt.progress.step, last.name if last else None, waited, took,
-                                  grace, ckpt.preemption.requeue))
-    if ckpt.preemption.requeue:
+    ckpt.events.publish(Preempted(sig.name, ckpt.progress.step, checkpoint, time.monotonic() - received_at,
+                                  took, grace, ckpt.preemption.requeue))
+    if ckpt.preemption.requeue and ckpt.comm.coordinator:
         slurm.requeue()
     ckpt.close()
     raise SystemExit(EXIT_PREEMPTED)
+
+
+def step_failed(ckpt: Any, guard: StepGuard, exc: BaseException | None, preempted: tuple[Any, float] | None) -> None:
+    """A step raised inside ``ckpt.guard``: write the exact emergency checkpoint; if a preemption
+    signal had arrived, the exception is its consequence (a DataLoader worker killed by the same
+    SIGTERM to the process group): end as a preemption, exit 75, instead of a crash."""
+    info = emergency_save(ckpt, guard, exc)
+    if preempted is not None:
+        sig, received_at = preempted
+        log.warning("the step failed after %s (%s: %s): treated as part of the preemption", sig.name,
+                    type(exc).__name__, exc)
+        last = info or ckpt.last_saved
+        exit_preempted(ckpt, sig, received_at, last.name if last else None)
 
 
 def emergency_save(ckpt: Any, guard: StepGuard, exc: BaseException | None) -> Any:

@@ -62,8 +62,21 @@ class SignalWatcher:
             os.kill(os.getpid(), signum)
             return
         self.received, self.received_at = sig, time.monotonic()
+        self._quiet_children()
         if callable(prev) and prev not in (signal.default_int_handler,):
             prev(signum, frame)
+
+    def _quiet_children(self) -> None:
+        """After a preemption signal, a DataLoader worker killed by the same signal (sent to the
+        whole process group) must not raise in the main process mid-save: PyTorch's SIGCHLD
+        handler does that. The save needs no worker; a dead one is still noticed by the next
+        fetch (and the step guard turns that into an exact checkpoint and the preemption exit)."""
+        sigchld = getattr(signal, "SIGCHLD", None)
+        if sigchld is not None and sigchld not in self._previous:
+            try:
+                self._previous[sigchld] = signal.signal(sigchld, signal.SIG_DFL)
+            except (ValueError, OSError):
+                pass
 
     def clear(self) -> None:
         self.received = self.received_at = None

@@ -35,6 +35,7 @@ from .base import COMMIT_FILE, MAX_META_BYTES, QUARANTINE, Buffer, check_meta_na
 from .lock import FlockLock
 
 _HIDDEN = re.compile(r"^\.(staging|trash)-(?P<host>[^_]+)_(?P<pid>\d+)_(?:[0-9a-f]{8})_(?P<name>.*)$")
+_CHECKPOINT_NAME = re.compile(r"^step-\d{9,}([-.]\d+)?$")
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
@@ -282,13 +283,17 @@ class LocalStore:
 
     # ------------------------------------------------------------------- read
     def list_committed(self) -> list[str]:
+        """Checkpoint folders: those with a manifest, and those named like a Checkpointer's
+        (``step-000000500``, ``step-000000500-2``) even without one (a damaged checkpoint, to be
+        reported). Other folders a user keeps in the run (``tensorboard/``) are not checkpoints."""
         if not self.root.is_dir():
             return []
         out = []
         for entry in os.scandir(self.root):
             if entry.name.startswith(".") or entry.name == QUARANTINE:
                 continue
-            if entry.is_dir(follow_symlinks=False):
+            if entry.is_dir(follow_symlinks=False) and (
+                    _CHECKPOINT_NAME.match(entry.name) or os.path.lexists(os.path.join(entry.path, COMMIT_FILE))):
                 out.append(entry.name)
         return sorted(out)
 

@@ -30,6 +30,21 @@ _held: dict[str, tuple[int, int]] = {}  # realpath -> (fd, refcount)
 _mutex = threading.Lock()
 
 
+def _forget_in_child() -> None:
+    """A forked child (a DataLoader worker) must not keep the lock's file open: it would hold
+    the flock after the writer released it, or died, until the child exits."""
+    for fd, _ in _held.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _held.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
 class FlockLock:
     """The writer lock of one run folder; :meth:`acquire` is idempotent."""
 
@@ -86,6 +101,9 @@ class FlockLock:
         if self._key is None:
             return
         with _mutex:
+            if self._key not in _held:  # forgotten in a forked child
+                self._key = None
+                return
             fd, n = _held[self._key]
             if n > 1:
                 _held[self._key] = (fd, n - 1)
