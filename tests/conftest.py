@@ -40,3 +40,4 @@ def s3(s3_server: S3Server) -> S3Server:
 def s3_url(s3: S3Server) -> str:
     """A run location in a fresh bucket of the test S3 server."""
     return f"s3://{s3.new_prefix()}/run"
+

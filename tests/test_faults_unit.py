@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 from pathlib import Path
@@ -22,14 +23,69 @@ def _model() -> torch.nn.Module:
 
 def test_signal_sets_a_flag_and_chains_the_previous_handler() -> None:
     seen = []
-    old = signal.signal(signal.SIGUSR1, lambda s, f: seen.append(s))
+    mine = lambda s, f: seen.append(s)  # noqa: E731
+    old = signal.signal(signal.SIGUSR1, mine)
     try:
         w = SignalWatcher([signal.SIGUSR1])
         assert w.install()
         os.kill(os.getpid(), signal.SIGUSR1)
         assert w.received == signal.SIGUSR1 and seen == [signal.SIGUSR1]
         w.uninstall()
-        assert signal.getsignal(signal.SIGUSR1) is not w._handle
+        assert signal.getsignal(signal.SIGUSR1) is mine
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+
+
+def test_watchers_closed_in_any_order_give_the_signal_back_and_a_left_one_is_harmless() -> None:
+    """Several Checkpointers in one process, closed out of order or one never closed: each
+    watcher still sees a signal while installed, the original handling comes back when the
+    last leaves, and an old watcher that saw a signal before does not turn a later watcher's
+    first signal into a 'second signal' that kills the process (it did: the test process died
+    of SIGUSR1 in CI)."""
+    seen = []
+    mine = lambda s, f: seen.append(s)  # noqa: E731
+    old = signal.signal(signal.SIGUSR1, mine)
+    try:
+        a, b = SignalWatcher([signal.SIGUSR1]), SignalWatcher([signal.SIGUSR1])
+        a.install()
+        b.install()
+        a.uninstall()  # out of order: b must still be watching
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert b.received == signal.SIGUSR1 and a.received is None and seen == [signal.SIGUSR1]
+        b.uninstall()
+        assert signal.getsignal(signal.SIGUSR1) is mine
+        left = SignalWatcher([signal.SIGUSR1])  # left installed, as a Checkpointer never closed
+        left.install()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert left.received == signal.SIGUSR1
+        for _ in range(2):  # two later runs, each signalled once: each sees a first signal
+            c = SignalWatcher([signal.SIGUSR1])
+            c.install()
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert c.received == signal.SIGUSR1
+            c.uninstall()
+        assert seen == [signal.SIGUSR1] * 4
+        del left  # dropped without uninstall (a Checkpointer never closed): it stops watching
+        gc.collect()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert seen == [signal.SIGUSR1] * 5 and signal.getsignal(signal.SIGUSR1) is mine
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+
+
+def test_a_second_signal_before_the_step_boundary_is_delivered_to_the_previous_handling() -> None:
+    seen = []
+    mine = lambda s, f: seen.append(s)  # noqa: E731
+    old = signal.signal(signal.SIGUSR1, mine)
+    try:
+        w = SignalWatcher([signal.SIGUSR1])
+        w.install()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGUSR1)  # impatient: the previous handling takes over now
+        assert seen == [signal.SIGUSR1, signal.SIGUSR1]
+        assert signal.getsignal(signal.SIGUSR1) is mine
+        w.uninstall()
+        assert signal.getsignal(signal.SIGUSR1) is mine
     finally:
         signal.signal(signal.SIGUSR1, old)
 
