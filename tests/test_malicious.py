@@ -19,6 +19,7 @@ import pickle
 import re
 import shutil
 import subprocess
+import sys
 import tokenize
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ import torch
 
 import unbroken
 from unbroken import CorruptCheckpointError, StateMismatchError
+from unbroken.errors import StorageError
 from unbroken.format.manifest import new_hasher
 
 SRC = Path(unbroken.__file__).resolve().parent
@@ -371,13 +373,13 @@ def test_package_source_never_unpickles_or_evaluates() -> None:
 
 
 # --------------------------------------------------------- symlinked folders
-def test_symlinked_checkpoint_folder_outside_the_run_is_ignored(
-    run: Path, template: Template, tmp_path: Path, caplog: pytest.LogCaptureFixture
+def test_symlinked_checkpoint_folder_outside_the_run_is_refused(
+    run: Path, template: Template, tmp_path: Path
 ) -> None:
-    """A checkpoint folder that is a symlink to elsewhere is not discovered.
+    """A checkpoint folder that is a symlink to elsewhere makes the run refused, by name.
 
     The outside folder is a *valid* checkpoint with a higher step and seq, so a
-    discovery that followed links would pick it.
+    discovery that followed links would pick it; nothing is read from it or moved.
     """
     outside = tmp_path / "elsewhere" / "evil"
     shutil.copytree(run / "step-000000020", outside)
@@ -388,21 +390,64 @@ def test_symlinked_checkpoint_folder_outside_the_run_is_ignored(
     before = {p.name: p.read_bytes() for p in outside.iterdir()}
     (run / "step-000000099").symlink_to(outside, target_is_directory=True)
 
-    ckpt = unbroken.Checkpointer(run, keep_last=None)
-    assert [c.step for c in ckpt.checkpoints()] == [20, 10]
-    caplog.set_level(logging.INFO, logger="unbroken")
-    model, state = fresh_state()
-    info = ckpt.restore(state)
-    assert info is not None and info.step == 20
-    assert weights(model) == template.saved[20]
+    with pytest.raises(StorageError, match="symbolic links.*step-000000099"):
+        unbroken.Checkpointer(run, keep_last=None)
     assert (run / "step-000000099").is_symlink()           # not quarantined or moved
     assert not (run / "quarantine").exists()
     assert {p.name: p.read_bytes() for p in outside.iterdir()} == before
+    (run / "step-000000099").unlink()
+    model, state = fresh_state()
+    info = unbroken.Checkpointer(run, keep_last=None).restore(state)
+    assert info is not None and info.step == 20 and weights(model) == template.saved[20]
 
-    # Corrupt the outside target too: still ignored, never quarantined (moved).
-    (outside / MODEL_FILE).write_bytes(b"x")
-    assert ckpt.restore(fresh_state()[1]).step == 20
-    assert outside.is_dir() and not (run / "quarantine").exists()
+
+PLANTED = {  # an entry unbroken manages -> (how to plant the link, what it points at)
+    ".lock": "file",
+    "tags.json": "/dev/zero",
+    "index.sqlite": "file",
+    "index.sqlite-wal": "file",
+    "quarantine": "dir",
+    ".staging-host_123_0123abcd_step-000000030": "dir",
+    ".trash-host_123_0123abcd_step-000000010": "dir",
+}
+
+
+@pytest.mark.parametrize("entry", PLANTED)
+def test_a_planted_link_where_unbroken_keeps_its_files_is_refused_and_its_target_untouched(
+    run: Path, tmp_path: Path, entry: str
+) -> None:
+    """A run folder on a shared, group-writable filesystem: a link planted where unbroken
+    keeps a file would lead a write, a rename or a delete out of the run. The Checkpointer
+    refuses the run naming the link, and the target is unchanged (a folder still holds its
+    files; a file its bytes); the CLI says the same, without a traceback."""
+    kind = PLANTED[entry]
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    if kind == "file":
+        target = outside / "victim"
+        target.write_bytes(b"precious")
+    elif kind == "dir":
+        target = outside / "folder"
+        target.mkdir()
+        (target / "keep.txt").write_text("precious")
+    else:
+        target = Path(kind)
+    if (run / entry).is_dir() and not (run / entry).is_symlink():
+        shutil.rmtree(run / entry)
+    (run / entry).unlink(missing_ok=True)  # the real file the template run has (.lock, index)
+    (run / entry).symlink_to(target, target_is_directory=kind == "dir")
+    with pytest.raises(StorageError, match=re.escape(entry)):
+        unbroken.Checkpointer(run, keep_last=None)
+    if kind == "file":
+        assert target.read_bytes() == b"precious"
+    elif kind == "dir":
+        assert [p.name for p in target.iterdir()] == ["keep.txt"]
+    assert (run / entry).is_symlink()
+    listed = subprocess.run([sys.executable, "-m", "unbroken.cli", "list", str(run)], capture_output=True,
+                            text=True, timeout=120)
+    out = " ".join((listed.stdout + listed.stderr).split())
+    assert listed.returncode != 0 and "symbolic links" in out and entry in out, out
+    assert "Traceback" not in out
 
 
 def test_explicit_path_to_a_symlinked_checkpoint_folder_is_followed(run: Path, tmp_path: Path) -> None:
@@ -445,14 +490,17 @@ def test_planted_reason_file_link_is_not_written_through(
 def test_planted_quarantine_link_does_not_move_checkpoints_outside(
     run: Path, template: Template, tmp_path: Path
 ) -> None:
+    """Planted after the Checkpointer checked the run (which refuses it up front): the
+    quarantine move itself still does not follow the link."""
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
+    ckpt = unbroken.Checkpointer(run, keep_last=None)
     (run / "quarantine").symlink_to(elsewhere, target_is_directory=True)
     bad = run / "step-000000020"
     (bad / MODEL_FILE).write_bytes(b"broken")
 
     model, state = fresh_state()
-    info = unbroken.Checkpointer(run, keep_last=None).restore(state)
+    info = ckpt.restore(state)
     assert info is not None and info.step == 10
     assert weights(model) == template.saved[10]
     assert list(elsewhere.iterdir()) == []

@@ -40,7 +40,7 @@ from .scheduling import Schedule
 from .snapshot import Snapshotter
 from .data.loader import ResumableLoader
 from .dist.comm import Comm
-from .restoring import apply_parts, load_sharded_parts, restore_rng
+from .restoring import apply_parts, check_parts, load_sharded_parts, restore_rng
 from .state.checks import UnbrokenWarning, clean_metrics, find_forgotten_state
 from .state.rng import GlobalRNG
 from .state.stateful import Gradients, PerRank, Progress
@@ -230,6 +230,7 @@ class Checkpointer:
         saved = dict(loaded.state)
         extra = saved.pop(RESERVED, None)
         extra = extra if isinstance(extra, dict) else {}
+        check_parts(loaded, extra, self.comm.world, self.rng)
         saved = load_sharded_parts(state, saved, loaded, self.comm.group)
         mine = (loaded.rank_state or {}).get("state")
         apply_parts(state, saved, mine if isinstance(mine, dict) else None, list(extra.get("per_rank", [])),

@@ -29,7 +29,7 @@ from .reader import LoadedCheckpoint, ShardedRef, contains_sharded, substitute
 from .state.apply import apply_state, check_keys
 from .state.codec import StatefulValue
 from .state.rng import GlobalRNG
-from .state.stateful import PerRank, is_stateful
+from .state.stateful import PerRank, Progress, is_stateful
 
 log = logging.getLogger("unbroken")
 
@@ -93,17 +93,35 @@ def apply_parts(state: MutableMapping[str, Any], saved: dict[str, Any], mine: di
                           "written by fewer ranks); it keeps its current state", stacklevel=4)
 
 
+def _rng_to_load(loaded: LoadedCheckpoint, shared_rng: Any, world: int) -> Any:
+    """The saved global-RNG state :func:`restore_rng` sets, or ``None`` when it reseeds."""
+    own = (loaded.rank_state or {}).get("rng")
+    own = getattr(own, "value", own)
+    if own is not None and loaded.manifest.world_size == world:
+        return own
+    if own is None and shared_rng is not None and world == 1 and loaded.manifest.world_size == 1:
+        return getattr(shared_rng, "value", shared_rng)  # format 1
+    return None
+
+
+def check_parts(loaded: LoadedCheckpoint, extra: dict[str, Any], world: int, rng: bool) -> None:
+    """Before anything is loaded: the saved progress counters and the RNG state that will be set
+    are valid (a checksum-valid file may still hold anything), so a bad one fails the restore
+    with nothing changed instead of half-way."""
+    if "progress" in extra:
+        Progress.check(extra["progress"])
+    if rng:
+        state = _rng_to_load(loaded, extra.get("rng"), world)
+        if state is not None:
+            GlobalRNG.check(state)
+
+
 def restore_rng(loaded: LoadedCheckpoint, shared_rng: Any, rank: int, world: int) -> str:
     """Step 3 (see the module docstring); returns how the RNGs were restored."""
-    mine = loaded.rank_state or {}
-    own = mine.get("rng")
-    own = getattr(own, "value", own)
     saved_world = loaded.manifest.world_size
-    if own is not None and saved_world == world:
-        GlobalRNG().load_state_dict(own)
-        return "restored"
-    if own is None and shared_rng is not None and world == 1 and saved_world == 1:
-        GlobalRNG().load_state_dict(getattr(shared_rng, "value", shared_rng))  # format 1
+    state = _rng_to_load(loaded, shared_rng, world)
+    if state is not None:
+        GlobalRNG().load_state_dict(state)
         return "restored"
     m = loaded.manifest
     seed = xxhash.xxh64_intdigest(f"unbroken-rng:{m.seq}:{m.step}:{rank}:{world}".encode())

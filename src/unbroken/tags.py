@@ -10,8 +10,13 @@ manifests).
 from __future__ import annotations
 
 import json
+import logging
 import re
 from typing import Any
+
+from .errors import UnbrokenError
+
+log = logging.getLogger("unbroken")
 
 TAGS_FILE = "tags.json"
 _TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,99}$")
@@ -28,7 +33,8 @@ def load_tags(store: Any) -> dict[str, str]:
     try:
         raw = store.read_meta(TAGS_FILE)
         data = json.loads(raw) if raw is not None else {}
-    except (OSError, ValueError, RecursionError):
+    except (OSError, ValueError, RecursionError, UnbrokenError) as e:  # a link, a FIFO, 1 GB, not JSON
+        log.warning("ignoring the run's %s: %s", TAGS_FILE, e)
         return {}
     if not isinstance(data, dict):
         return {}

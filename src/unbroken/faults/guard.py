@@ -1,4 +1,4 @@
-"""Exact emergency checkpoints when a step raises (``Checkpointer.guard``).
+r"""Exact emergency checkpoints when a step raises (``Checkpointer.guard``).
 
 At the start of every step (on entering the guard, and after each
 ``Checkpointer.step``) the guard keeps what a step changes *before* the optimizer

@@ -35,6 +35,9 @@ _HEX128 = re.compile(r"^[0-9a-f]{32}$")
 TRAILER_KEY = b',\n "manifest_xxh3_128": "'
 TRAILER_END = b'"\n}\n'
 TRAILER_LEN = len(TRAILER_KEY) + 32 + len(TRAILER_END)
+_INT64 = 2**63
+_MAX_INT_DIGITS = 300  # float() of any such integer is finite
+_MAX_TIME = 253402300799  # 9999-12-31: the last time stamp datetime can show
 
 
 def new_hasher() -> "xxhash.xxh3_128":
@@ -108,9 +111,10 @@ class Manifest:
             raise CorruptCheckpointError("manifest.json is implausibly large")
         protected = _check_trailer(raw)
         try:
-            doc = json.loads(raw.decode("utf-8"), object_pairs_hook=strict_object)
+            doc = json.loads(raw.decode("utf-8"), object_pairs_hook=strict_object, parse_constant=_no_constant,
+                             parse_int=_bounded_int, parse_float=_finite_float)
         except (UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: absurd nesting
-            raise CorruptCheckpointError(f"manifest.json does not parse ({e})") from None
+            raise CorruptCheckpointError(f"manifest.json does not parse ({str(e)[:200]})") from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
             raise CorruptCheckpointError("manifest.json is not an unbroken manifest")
         version = doc.get("format_version")
@@ -130,31 +134,47 @@ class Manifest:
             files = {}
             for name, entry in files_doc.items():
                 check_file_name(name)
+                if not isinstance(entry, dict):
+                    raise TypeError(f"the entry of {name!r} is not an object")
                 size, digest = entry["size"], entry["xxh3_128"]
-                if type(size) is not int or size < 0 or not isinstance(digest, str) or not _HEX128.match(digest):
+                if not _count(size) or not isinstance(digest, str) or not _HEX128.match(digest):
                     raise TypeError(f"bad size or checksum for {name!r}")
                 files[name] = FileEntry(size, digest)
+            if sum(f.size for f in files.values()) >= _INT64:
+                raise TypeError("the files add up to more than 2**63 bytes")
             step, seq = doc["step"], doc["seq"]
-            if type(step) is not int or type(seq) is not int or step < 0 or seq < 0:
-                raise TypeError("step and seq must be non-negative integers")
-            created = float(doc["created"])
+            if not _count(step) or not _count(seq):
+                raise TypeError("step and seq must be integers in [0, 2**63)")
+            created = doc["created"]
+            if type(created) not in (int, float) or not 0 <= created <= _MAX_TIME:
+                raise TypeError(f"created must be a time stamp, got {_show(created)}")
+            created = float(created)
             metrics, progress, env = doc.get("metrics", {}), doc.get("progress", {}), doc.get("environment", {})
             if not all(isinstance(x, dict) for x in (metrics, progress, env)):
                 raise TypeError("metrics, progress and environment must be objects")
-            probe = {str(k): float(v) for k, v in dict(doc.get("probe", {})).items()}
+            if not all(_count(v) for v in progress.values()):
+                raise TypeError("progress counters must be integers in [0, 2**63)")
+            probe_doc = doc.get("probe", {})
+            if not isinstance(probe_doc, dict):
+                raise TypeError("probe must be an object")
+            probe = {}
+            for k, v in probe_doc.items():
+                if type(v) not in (int, float) and v not in ("nan", "inf", "-inf"):
+                    raise TypeError(f"probe value {_show(v)} for {k!r} is not a number")
+                probe[k] = float(v)
             tags = doc.get("tags", [])
-            if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+            if not isinstance(tags, list) or not all(isinstance(t, str) and _utf8(t) for t in tags):
                 raise TypeError("tags must be a list of strings")
             kind = doc.get("kind", "regular")
-            if not isinstance(kind, str):
+            if not isinstance(kind, str) or not _utf8(kind) or len(kind) > 1000:
                 raise TypeError("kind must be a string")
             world_size = doc.get("world_size", 1)
             if type(world_size) is not int or not 1 <= world_size <= 1 << 20:
                 raise TypeError("world_size must be a positive integer")
         except CorruptCheckpointError:
             raise
-        except (KeyError, TypeError, ValueError) as e:
-            raise CorruptCheckpointError(f"manifest.json is malformed ({e})") from None
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
+            raise CorruptCheckpointError(f"manifest.json is malformed ({type(e).__name__}: {e})") from None
         if STATE_FILE not in files:
             raise CorruptCheckpointError(f"manifest.json does not list {STATE_FILE}")
         return cls(step=step, seq=seq, files=files, created=created, metrics=metrics,
@@ -176,6 +196,44 @@ def _check_trailer(raw: bytes) -> bool:
         raise CorruptCheckpointError("manifest.json: checksum mismatch (the manifest itself was altered "
                                      "or damaged)")
     return True
+
+
+def _count(x: Any) -> bool:
+    """True for an integer that fits the signed 64-bit columns of the index: step, seq, a size."""
+    return type(x) is int and 0 <= x < _INT64
+
+
+def _utf8(s: str) -> bool:
+    """False for a string holding a lone surrogate (valid JSON, but no UTF-8: SQLite refuses it)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _show(x: Any) -> str:
+    text = repr(x)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _no_constant(s: str) -> Any:
+    raise ValueError(f"{s} is not JSON")  # NaN, Infinity: the writer never emits them
+
+
+def _bounded_int(s: str) -> int:
+    # Every integer the writer emits fits 64 bits; a user's metric may be bigger, but one of
+    # hundreds of digits would make float() of it overflow wherever it is read.
+    if len(s) > _MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {len(s)} digits")
+    return int(s)
+
+
+def _finite_float(s: str) -> float:
+    x = float(s)
+    if not math.isfinite(x):  # 1e999 parses as inf: never written (allow_nan=False)
+        raise ValueError(f"the number {s[:40]} overflows")
+    return x
 
 
 def strict_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

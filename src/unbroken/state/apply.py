@@ -4,8 +4,11 @@ The live state is the dict the user passes to ``restore``/``load``. Its objects 
 their identity: ``Stateful`` objects get ``load_state_dict``, dicts and lists are
 updated in place, tensors are copied into (same shape and dtype) or replaced,
 generators get their state set. Plain values are replaced in their container.
-Before anything is touched, the top-level keys are compared, so a mismatch fails
-without half-restoring the state.
+Before anything is touched, the top-level keys are compared and the saved state of
+every :class:`~unbroken.Progress` and global-RNG object is validated
+(:func:`check_state`), so a mismatch or a malformed counter or RNG state fails without
+half-restoring the state. (A user's ``load_state_dict`` can still fail part way: it is
+only called after these checks.)
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ from typing import Any, MutableMapping
 import numpy as np
 import torch
 
-from ..errors import StateMismatchError
+from ..errors import CorruptCheckpointError, StateMismatchError
 from .codec import PathT, StatefulValue, render_path
-from .stateful import is_stateful
+from .rng import GlobalRNG
+from .stateful import PerRank, Progress, is_stateful
 
 
 def check_keys(live: MutableMapping[str, Any], saved: dict[str, Any], strict: bool) -> None:
@@ -36,9 +40,34 @@ def check_keys(live: MutableMapping[str, Any], saved: dict[str, Any], strict: bo
         )
 
 
+def check_state(live: Any, saved: Any, path: PathT = ()) -> None:
+    """Check, changing nothing, what can be checked before ``saved`` is applied to ``live``:
+    the state of every :class:`~unbroken.Progress` and global-RNG object in ``live`` (found
+    where :func:`apply_state` would load it) is validated with its ``check``. Raises
+    :class:`CorruptCheckpointError` or :class:`StateMismatchError` naming the place."""
+    if isinstance(live, PerRank):
+        live = live.obj
+    if isinstance(live, (Progress, GlobalRNG)):
+        try:
+            live.check(saved)
+        except (CorruptCheckpointError, StateMismatchError) as e:
+            raise type(e)(f"{render_path(path)}: {e}") from None
+        return
+    if is_stateful(live):
+        return
+    if isinstance(live, MutableMapping) and isinstance(saved, dict):
+        for k, v in saved.items():
+            if k in live:
+                check_state(live[k], v, path + (k,))
+    elif type(live) is list and type(saved) is list and len(live) == len(saved):
+        for i, (a, b) in enumerate(zip(live, saved)):
+            check_state(a, b, path + (i,))
+
+
 def apply_state(live: MutableMapping[str, Any], saved: dict[str, Any], strict: bool = True) -> None:
     """Load ``saved`` into ``live`` in place (see the module docstring)."""
     check_keys(live, saved, strict)
+    check_state(live, saved)
     for key, value in saved.items():
         if key in live:
             live[key] = _apply(live[key], value, (key,))
@@ -49,6 +78,8 @@ def _apply(live: Any, saved: Any, path: PathT) -> Any:
         value = saved.value if isinstance(saved, StatefulValue) else saved
         try:
             live.load_state_dict(value)
+        except (CorruptCheckpointError, StateMismatchError):
+            raise
         except Exception as e:
             raise StateMismatchError(
                 f"{render_path(path)}.load_state_dict() rejected the checkpoint: {type(e).__name__}: {e}"

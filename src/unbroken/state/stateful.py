@@ -12,7 +12,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
+
+from ..errors import CorruptCheckpointError
 
 
 @runtime_checkable
@@ -53,11 +56,40 @@ class Progress:
     def state_dict(self) -> dict[str, int]:
         return asdict(self)
 
+    @classmethod
+    def check(cls, state_dict: Any) -> None:
+        """Raise :class:`~unbroken.errors.CorruptCheckpointError` naming the field unless
+        ``state_dict`` is a dict whose counters are integers in ``[0, 2**63)``; changes nothing.
+        Unknown keys are ignored and missing counters keep their value (as on load). ``state_dict``
+        may be the decoded ``StatefulValue``."""
+        cls._counters(state_dict)
+
+    @classmethod
+    def _counters(cls, state_dict: Any) -> dict[str, int]:
+        from .codec import StatefulValue  # codec imports this module
+
+        if isinstance(state_dict, StatefulValue):
+            state_dict = state_dict.value
+        if not isinstance(state_dict, dict):
+            raise CorruptCheckpointError(f"progress: expected a dict of counters, got {type(state_dict).__name__}")
+        out = {}
+        for f in fields(cls):
+            if f.name not in state_dict:
+                continue
+            v = state_dict[f.name]
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or not 0 <= v < 2**63:
+                if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 64:
+                    text = f"an integer of {v.bit_length()} bits"
+                else:
+                    text = repr(v)[:80] if isinstance(v, (int, float, str, type(None))) else type(v).__name__
+                raise CorruptCheckpointError(f"progress[{f.name!r}]: expected an integer in [0, 2**63), got {text}")
+            out[f.name] = int(v)
+        return out
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        names = {f.name for f in fields(self)}
-        for k, v in state_dict.items():
-            if k in names:
-                setattr(self, k, int(v))
+        """Set the counters from ``state_dict``, all checked first (see :meth:`check`)."""
+        for k, v in self._counters(state_dict).items():
+            setattr(self, k, v)
 
 
 class Gradients:

@@ -193,8 +193,19 @@ class LocalStore:
 
     # ------------------------------------------------------------------ setup
     def check(self, deadline_s: float = 15.0) -> None:
+        """The run location is a folder (or absent) none of whose entries that unbroken reads,
+        writes, renames or deletes is a symbolic link: on a shared, group-writable filesystem a
+        planted link would lead those operations out of the run folder. Such a run is refused
+        with :class:`StorageError` naming the links (each operation also refuses links by
+        itself; this says so up front, instead of skipping a checkpoint silently)."""
         if self.root.exists() and not self.root.is_dir():
             raise StorageError(f"{self.root} exists and is not a folder; choose another run location")
+        links = linked_entries(self.root)
+        if links:
+            shown = ", ".join(links[:5]) + (f" and {len(links) - 5} more" if len(links) > 5 else "")
+            raise StorageError(f"{self.root} holds symbolic links where unbroken keeps its own files ({shown}); "
+                               "it never follows links out of a run folder: remove them (or copy their "
+                               "targets in) and run again")
 
     def ensure(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -355,8 +366,41 @@ def _read_file(folder: Path, file: str, size: int | None, max_unsized: int) -> B
         return buf
 
 
+_MANAGED_FILES = {".lock", ".lock.json", "tags.json", "quarantine", "submit.slurm"}
+
+
+def linked_entries(root: Path) -> list[str]:
+    """Entries of ``root`` that unbroken manages (checkpoint folders, staging and trash, the
+    lock, tags, index, quarantine) and that are symbolic links, sorted."""
+    try:
+        names = os.listdir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    managed = [n for n in names if n in _MANAGED_FILES or n.startswith(("index.sqlite", ".tags.json."))
+               or _CHECKPOINT_NAME.match(n) or _HIDDEN.match(n)]
+    return sorted(n for n in managed if os.path.islink(root / n))
+
+
+def available_memory() -> int | None:
+    """Bytes this machine can still give a process (Linux ``MemAvailable`` plus free swap), or
+    ``None`` where unknown."""
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        return (int(info["MemAvailable"].split()[0]) + int(info.get("SwapFree", "0 kB").split()[0])) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 def allocate(size: int, file: str) -> Buffer:
-    """Uninitialised memory for reading a file (zero-filling cost as much as the read itself)."""
+    """Uninitialised memory for reading a file (zero-filling cost as much as the read itself).
+
+    A size the machine cannot hold is refused with :class:`StorageError` before allocating:
+    Linux overcommits, so the allocation itself would succeed and the read be killed by the
+    OOM killer part way, with no message at all."""
+    avail = available_memory()
+    if avail is not None and size > avail:
+        raise StorageError(f"cannot read {file}: it has {size / 2**30:.1f} GiB and this machine has "
+                           f"{avail / 2**30:.1f} GiB of memory available")
     try:
         return torch.empty(size, dtype=torch.uint8).numpy()
     except (RuntimeError, MemoryError) as e:
