@@ -177,3 +177,23 @@ def test_submit_script_is_written_under_slurm(tmp_path: Path, monkeypatch: pytes
         assert line in text
     assert os.access(tmp_path / "run" / "submit.slurm", os.X_OK)
     assert [c.step for c in ckpt.checkpoints()] == [0]  # not mistaken for a checkpoint
+
+
+def test_a_handler_installed_over_ours_is_chained_and_given_back() -> None:
+    """A framework installs its own handler while a watcher is installed; the next watcher
+    takes the signal again (chaining to that handler) and gives it back to it."""
+    first = SignalWatcher([signal.SIGUSR1])
+    first.install()
+    seen = []
+    theirs = lambda s, f: seen.append(s)  # noqa: E731
+    old = signal.signal(signal.SIGUSR1, theirs)
+    try:
+        second = SignalWatcher([signal.SIGUSR1])
+        second.install()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert second.received == signal.SIGUSR1 and seen == [signal.SIGUSR1]
+        second.uninstall()
+        first.uninstall()
+        assert signal.getsignal(signal.SIGUSR1) is theirs
+    finally:
+        signal.signal(signal.SIGUSR1, old)

@@ -7,6 +7,8 @@ arms the point on rank 1 only (``RANK`` in the environment, as torchrun sets it)
 signals it while it is frozen in the middle of a save, and SIGCONTs it). The points sit
 at the dangerous moments of a save: half-way through a tensor file, after the data
 files but before the manifest, and after the manifest but before the commit.
+``UNBROKEN_FAULT_DELAY=0.3`` makes every point sleep that long (slow storage: a background
+save is then certainly still in flight while training goes on).
 Unset (the normal case), a point costs one dictionary lookup.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections import Counter
 
 POINTS = ("save.mid_file", "save.before_manifest", "save.before_commit", "save.after_commit")
@@ -31,11 +34,14 @@ def _parse(spec: str, rank: str) -> dict[str, int]:
 
 _ACTION = signal.SIGSTOP if os.environ.get("UNBROKEN_FAULT_ACTION") == "stop" else signal.SIGKILL
 _SPEC = _parse(os.environ.get("UNBROKEN_FAULTS", ""), os.environ.get("RANK", "0"))
+_DELAY = float(os.environ.get("UNBROKEN_FAULT_DELAY", "0") or 0)
 _hits: Counter[str] = Counter()
 
 
 def point(name: str) -> None:
     """Mark a fault point; kill the process here if the environment asks for it."""
+    if _DELAY:
+        time.sleep(_DELAY)
     if name in _SPEC:
         _hits[name] += 1
         if _hits[name] == _SPEC[name]:

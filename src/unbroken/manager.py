@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .api import CheckpointInfo, read_path
+from .background import BackgroundSaves
 from .environment import EnvCheck, fingerprint
 from .environment import check as check_environment
 from .errors import NoCheckpointError, UnbrokenError
@@ -31,9 +32,9 @@ from .faults import Preemption, slurm
 from .faults.guard import StepGuard
 from .faults.handlers import preempt_and_exit, step_failed
 from .faults.signals import SignalWatcher
+from .format.manifest import Manifest
 from .policies import Retention, Trigger
-from .probe import ProbeFn, ProbeReport, run_probe
-from .probe import compare as compare_probe
+from .probe import ProbeFn, ProbeReport, check_after_resume, run_probe
 from .recorder import Recorder
 from .run import Run
 from .scheduling import Schedule
@@ -86,6 +87,10 @@ class Checkpointer:
             restore; the verdict is in :attr:`probe_report` and the log.
         rng: also capture and restore the global python/numpy/torch/CUDA RNGs.
         strict: refuse a checkpoint whose top-level keys differ from the state's.
+        async_save: write regular saves in the background (:mod:`unbroken.background`): the
+            loop waits only for a copy of the state into reused host buffers; at most one
+            save is in flight, its errors are raised in the loop, ``close()`` waits for it.
+            With several ranks, saves stay synchronous (logged once).
 
     A bad location (unknown scheme, missing extra, no bucket, refused credentials) raises
     :class:`~unbroken.errors.StorageError` here, before any training. The first
@@ -99,7 +104,8 @@ class Checkpointer:
                  keep_last: int | None = 3, trigger: Trigger | None = None, retention: Retention | None = None,
                  remote: Remote | None = None, storage_options: Mapping[str, Any] | None = None,
                  preemption: Preemption | None = Preemption(), env: EnvCheck | None = None,
-                 probe: ProbeFn | None = None, rng: bool = True, strict: bool = True) -> None:
+                 probe: ProbeFn | None = None, rng: bool = True, strict: bool = True,
+                 async_save: bool = False) -> None:
         self.schedule = Schedule(save_every, trigger, keep_last, retention)
         self.events = EventBus()
         self.comm = Comm()
@@ -115,8 +121,10 @@ class Checkpointer:
         self.probe, self.probe_report = probe, None
         self.rng, self.strict = rng, strict
         self.last_saved: CheckpointInfo | None = None
-        self._snapshotter = Snapshotter(copy=False)
-        self._rank_snapshotter = Snapshotter(copy=False)
+        self.async_save = async_save
+        self._snapshotter = Snapshotter(copy=async_save)  # a background save needs its own copy
+        self._rank_snapshotter = Snapshotter(copy=async_save)
+        self._background: BackgroundSaves[tuple[str, list[str]], tuple[str, Manifest, float]] = BackgroundSaves()
         self._signals = SignalWatcher(self.preemption.signals)
         self._guard: StepGuard | None = None
         self._environment: dict[str, Any] | None = None
@@ -139,12 +147,38 @@ class Checkpointer:
             self.events.subscribe(p)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait for background work (uploads to the remote tier); False if still pending."""
+        """Wait for background work: a background save (its error is raised), then uploads to
+        the remote tier (``timeout`` applies to these); False if uploads are still pending."""
+        self.flush()
         return self.run.wait(timeout)
 
+    def flush(self, raise_errors: bool = True) -> CheckpointInfo | None:
+        """Wait for the background save in flight (``async_save``) to commit; return what it
+        committed, or ``None`` if none was in flight. Its error is raised (or, with
+        ``raise_errors=False``, logged: the emergency and preemption paths do that)."""
+        try:
+            done = self._background.collect()
+        except Exception as e:
+            if raise_errors:
+                raise
+            log.error("the background save failed: %s: %s", type(e).__name__, e)
+            return None
+        if done is None:
+            return None
+        (kind, tags), (final, manifest, took) = done
+        return self._committed(final, manifest, kind, tags, took)
+
     def close(self) -> None:
-        """Wait for pending uploads, release the run and restore the previous signal handlers."""
+        """Wait for a background save and pending uploads, release the run and restore the
+        previous signal handlers. A failed background save is raised after all that."""
         _open.discard(self)
+        failed: BaseException | None = None
+        try:
+            self.flush()
+        except Exception as e:  # noqa: BLE001 - raised below, once the run is released
+            failed = e
+            log.error("the last background save failed: %s: %s", type(e).__name__, e)
+        self._background.shutdown()
         self._signals.uninstall()
         self.run.close()
         self.comm.close()
@@ -154,6 +188,8 @@ class Checkpointer:
             self._recorder.close()
             self._recorder = None
         self._plugins = []
+        if failed is not None:
+            raise failed
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -245,20 +281,13 @@ class Checkpointer:
             log.warning("world size changed from %d to %d: sharded tensors resharded, the data continues at global "
                         "sample %d of epoch %d, RNGs %s", loaded.manifest.world_size, self.comm.world,
                         self.progress.samples, self.progress.epoch, rng)
-        if self.probe is not None and loaded.manifest.probe:
-            self._check_probe(loaded.manifest.probe)  # in a fork of the RNGs: changes nothing
+        if self.probe is not None and loaded.manifest.probe:  # in a fork of the RNGs: changes nothing
+            self.probe_report = check_after_resume(self.probe, loaded.manifest.probe)
         self.metrics = dict(loaded.manifest.metrics)
         in_run = where == self.run.describe(loaded.name)
         self.events.publish(Restored(loaded.name if in_run else where, where, self.progress.step))
         log.info("resumed from %s (step %d)", where, loaded.manifest.step)
         return CheckpointInfo.of(where, loaded.name, loaded.manifest)
-
-    def _check_probe(self, saved: dict[str, float]) -> None:
-        rtol = float(getattr(self.probe, "rtol", 1e-5))
-        report = compare_probe(saved, run_probe(self.probe), rtol)  # type: ignore[arg-type]
-        self.probe_report = report
-        level = {"equal": logging.INFO, "within tolerance": logging.WARNING}.get(report.status, logging.ERROR)
-        log.log(level, "post-resume %s", report)
 
     # ----------------------------------------------------------------------- save
     def step(self, state: Mapping[str, Any], **metrics: Any) -> CheckpointInfo | None:
@@ -268,6 +297,8 @@ class Checkpointer:
         :data:`~unbroken.faults.EXIT_PREEMPTED` (``SystemExit``, so ``finally`` blocks run).
         """
         self._begin()
+        if self._background.finished():
+            self.flush()  # a failed background save is raised here, at a step boundary
         # The step boundary is one transition: everything that can fail is computed first.
         clean = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
         self._sync_data_position(state)
@@ -283,6 +314,7 @@ class Checkpointer:
         info = self.save(state) if flags & 1 else None
         if flags & 2:
             sig = self._signals.received or signal.SIGTERM  # a peer's signal: stop at the same step
+            self.flush(raise_errors=False)
             preempt_and_exit(self, state, sig, self._signals.received_at or time.monotonic())
         return info
 
@@ -301,15 +333,18 @@ class Checkpointer:
 
     def save(self, state: Mapping[str, Any], metrics: dict[str, Any] | None = None, *, kind: str = "regular",
              tag: str | None = None, progress: Mapping[str, int] | None = None,
-             rng: Mapping[str, Any] | None = None) -> CheckpointInfo:
-        """Save ``state`` (plus progress and RNG) now, synchronously, then apply retention.
+             rng: Mapping[str, Any] | None = None) -> CheckpointInfo | None:
+        """Save ``state`` (plus progress and RNG) now, then apply retention; what was committed.
 
-        A ``tag`` names the checkpoint and protects it from retention. ``progress`` and
-        ``rng`` replace the live counters and RNG states with those of another instant
-        (emergency checkpoints of the state at a step's start use this).
+        With ``async_save``, a regular save returns ``None`` once the state is copied, and is
+        written in the background (:meth:`flush` waits for it and returns its info). A save
+        first waits for the one in flight. A ``tag`` names the checkpoint and protects it from
+        retention. ``progress`` and ``rng`` replace the live counters and RNG states with
+        those of another instant (emergency checkpoints of the state at a step's start).
         """
         self._check_reserved(state)
         self._begin()
+        self.flush(raise_errors=kind == "regular")  # backpressure: at most one save in flight
         if metrics:
             self.metrics.update(metrics)
         self._first_save_checks(state)
@@ -329,14 +364,37 @@ class Checkpointer:
             mine["rng"] = dict(rng) if rng is not None else GlobalRNG()
         t0 = time.monotonic()
         probe = run_probe(self.probe) if self.probe is not None and kind != "emergency" else None
-        final, manifest = self.run.write(
-            self._snapshotter.capture(shared), self._rank_snapshotter.capture(mine, prefix=f"r{self.comm.rank:05d}-"),
-            f"step-{prog['step']:09d}", step=prog["step"], metrics=clean_metrics(self.metrics), progress=prog,
-            environment=self.environment(), kind=kind, probe=probe or {}, tags=tags)
-        took = time.monotonic() - t0
+        snap, rank_snap = (self._snapshotter.capture(shared),
+                           self._rank_snapshotter.capture(mine, prefix=f"r{self.comm.rank:05d}-"))
+        fields = dict(step=prog["step"], metrics=clean_metrics(self.metrics), progress=prog,
+                      environment=self.environment(), kind=kind, probe=probe or {}, tags=tags)
+
+        def write() -> tuple[str, Manifest, float]:
+            final, manifest = self.run.write(snap, rank_snap, f"step-{prog['step']:09d}", **fields)
+            return final, manifest, time.monotonic() - t0
+
+        if self._in_background(kind, snap):
+            self.schedule.saved(prog["step"], fields["metrics"])
+            self._background.submit(write, (kind, tags))
+            log.debug("step %d copied in %.3f s; writing in the background", prog["step"], time.monotonic() - t0)
+            return None
+        return self._committed(*write(), kind, tags)
+
+    def _in_background(self, kind: str, snap: Any) -> bool:
+        if not self.async_save or kind != "regular" or snap.sharded:
+            return False
+        if self.comm.world > 1:
+            if not getattr(self, "_warned_sync", False):
+                self._warned_sync = True
+                log.warning("async_save is not supported with several ranks yet: saving synchronously")
+            return False
+        return True
+
+    def _committed(self, final: str, manifest: Manifest, kind: str, tags: list[str], took: float) -> CheckpointInfo:
+        """Bookkeeping after a commit (in the training thread): events, log, retention."""
         info = CheckpointInfo.of(self.run.describe(final), final, manifest)
         self.last_saved = info
-        self.schedule.saved(prog["step"], manifest.metrics)
+        self.schedule.saved(manifest.step, manifest.metrics)
         self.events.publish(Saved(final, info.path, manifest, took, tuple(tags)))
         log.info("saved %s (%s, %.1f MB in %.2f s)", info.path, kind, info.size_bytes / 1e6, took)
         grace = self.preemption.grace_period

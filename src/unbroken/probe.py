@@ -110,3 +110,15 @@ def compare(saved: Mapping[str, float], now: Mapping[str, float], rtol: float = 
         return ProbeReport("equal", saved, now, rtol)
     close = all(same(saved[k], now[k]) or math.isclose(saved[k], now[k], rel_tol=rtol, abs_tol=0.0) for k in saved)
     return ProbeReport("within tolerance" if close else "different", saved, now, rtol)
+
+
+def check_after_resume(fn: ProbeFn, saved: Mapping[str, float]) -> "ProbeReport":
+    """Recompute the probe right after a restore, compare it with the saved values (``rtol``
+    from the probe function, default 1e-5) and log the verdict: info when equal, a warning
+    within tolerance, an error otherwise."""
+    import logging
+
+    report = compare(dict(saved), run_probe(fn), float(getattr(fn, "rtol", 1e-5)))
+    level = {"equal": logging.INFO, "within tolerance": logging.WARNING}.get(report.status, logging.ERROR)
+    logging.getLogger("unbroken").log(level, "post-resume %s", report)
+    return report

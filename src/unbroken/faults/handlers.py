@@ -1,6 +1,6 @@
 """What a :class:`~unbroken.Checkpointer` does when a signal arrived or a step raised.
 
-Both paths use the Checkpointer's public API only (``save``, ``wait``, ``close``,
+Both paths use the Checkpointer's public API only (``save``, ``flush``, ``wait``, ``close``,
 ``progress``, ``last_saved``, ``preemption``, ``events``, ``comm``), so they are a plug-in
 like any other.
 """
@@ -25,6 +25,7 @@ def preempt_and_exit(ckpt: Any, state: Mapping[str, Any], sig: signal.Signals, r
     grace = ckpt.preemption.grace_period
     waited = time.monotonic() - received_at
     t0 = time.monotonic()
+    ckpt.flush(raise_errors=False)  # a background save in flight commits first (or is logged)
     last = ckpt.last_saved
     if last is None or last.step != ckpt.progress.step:
         last = ckpt.save(state, kind="preemption")
@@ -70,6 +71,7 @@ def step_failed(ckpt: Any, guard: StepGuard, exc: BaseException | None, preempte
 def emergency_save(ckpt: Any, guard: StepGuard, exc: BaseException | None) -> Any:
     """The exact emergency checkpoint after a step raised (see :mod:`unbroken.faults.guard`)."""
     what = f"{type(exc).__name__}: {exc}" if exc is not None else "an exception"
+    ckpt.flush(raise_errors=False)  # a background save in flight commits first (or is logged)
     if ckpt.comm.world > 1:  # the other ranks are inside the next step's collectives: no save together
         log.error("step %d raised %s on rank %d of %d; no emergency checkpoint with several ranks (the others "
                   "could not join it): the restart resumes from the last committed checkpoint",

@@ -89,7 +89,9 @@ class _Dispatcher:
     def add(self, w: SignalWatcher) -> None:
         self._watchers = [weakref.ref(x) for x in self.watchers] + [weakref.ref(w)]
         for s in w.signals:
-            if s not in self.found:
+            if s not in self.found or signal.getsignal(s) != self._handle:
+                # not ours yet, or someone installed their own handler over ours since: theirs
+                # is now the handling to chain to and to give back
                 self.found[s] = signal.signal(s, self._handle)
 
     def remove(self, w: SignalWatcher) -> None:
