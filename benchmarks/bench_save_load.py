@@ -19,6 +19,10 @@ Methods, SAVE / LOAD:
   pre-allocated with ``empty_like`` (allocation included in the time).
 * ``unbroken``: ``unbroken.save(path, state)`` (fsyncs every file and folder,
   xxh3-128 of every byte) / ``unbroken.load(path)`` (verifies the checksums first).
+* ``unbroken_async``: a ``Checkpointer(async_save=True)`` save: ``stall s`` is how long the
+  training loop is blocked (the copy into host buffers), ``save s`` runs until the
+  background commit; the run is opened and the environment fingerprinted off the clock.
+  (The lazy snapshot of issue 12 is not built yet, so there is no ``unbroken_lazy``.)
 
 Every (run, method) pair is a fresh subprocess writing a fresh folder under
 ``--dir``; the runs go round robin over the methods, ``--reps`` times, and
@@ -30,7 +34,7 @@ VmHWM (reset via ``/proc/self/clear_refs``) minus VmRSS before the call, max ove
 reps; it counts file pages that mmap-based loaders map. Every load is checked: same
 keys, every tensor ``torch.equal`` to the original.
 
-    python benchmarks/bench_save_load.py [--mb 500 | --quick] [--reps 3] [--dir D] [--markdown F]
+    python benchmarks/bench_save_load.py [--mb 500 | --quick] [--reps 3] [--dir D] [--markdown F] [--json F]
 """
 
 from __future__ import annotations
@@ -159,13 +163,39 @@ def save_unbroken(state, out):
     unbroken.save(out, state)
 
 
+PREPARED: dict = {}
+
+
+def prepare_async(out):
+    """Outside the clock: open the run and take the environment fingerprint (git, versions)."""
+    ckpt = unbroken.Checkpointer(out, async_save=True, preemption=None, keep_last=None, rng=False)
+    ckpt.environment()
+    PREPARED["ckpt"] = ckpt
+
+
+def save_unbroken_async(state, out):
+    """Returns when the training loop could go on (the stall); the clock stops at the commit."""
+    ckpt = PREPARED.pop("ckpt")
+    ckpt.save(state)
+    stall = time.perf_counter()
+    ckpt.flush()
+    ckpt.close()
+    return stall
+
+
+def load_unbroken_run(out, like):
+    return {k: v for k, v in unbroken.load(out / "step-000000000").items() if k != "__unbroken__"}
+
+
 METHODS = {
     "raw": (save_raw, load_raw),
     "torch": (save_torch, lambda out, like: torch.load(out / "state.pt", map_location="cpu", weights_only=True)),
     "safetensors": (save_safetensors, lambda out, like: safetensors.torch.load_file(str(out / "state.safetensors"))),
     "dcp": (save_dcp, load_dcp),
     "unbroken": (save_unbroken, lambda out, like: unbroken.load(out)),
+    "unbroken_async": (save_unbroken_async, load_unbroken_run),
 }
+STALLS = {"unbroken_async"}  # the mark a save returns is when the loop could go on, not a no-fsync time
 
 
 def proc_kib(key: str) -> int:
@@ -194,12 +224,15 @@ def run_child(name: str, mb: float, out: Path) -> dict:
     state = build_state(mb)
     flat = flatten(state)
     res = {"nbytes": sum(t.numel() * t.element_size() for t in flat.values()), "ntensors": len(flat)}
+    if name == "unbroken_async":
+        prepare_async(out)
     cold, rss0 = prepare_phase()
     t0 = time.perf_counter()
     mark = save(state, out)
     res["save"] = time.perf_counter() - t0
     res["save_rss"] = (proc_kib("VmHWM") - rss0) * 1024
-    res["save_nofsync"] = None if mark is None else mark - t0
+    res["save_nofsync"] = None if mark is None or name in STALLS else mark - t0
+    res["stall"] = mark - t0 if name in STALLS else None
     res["disk_bytes"] = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     cold2, rss0 = prepare_phase()
     t0 = time.perf_counter()
@@ -218,7 +251,8 @@ def run_child(name: str, mb: float, out: Path) -> dict:
 
 ROWS = {"raw": "raw disk (os.write+fsync / readinto)", "torch": "torch.save+fsync / torch.load(weights_only)",
         "torch-nofsync": "torch.save, no fsync (not durable)", "safetensors": "safetensors save_file+fsync / load_file",
-        "dcp": "DCP save / load (1 process)", "unbroken": "unbroken.save / unbroken.load (xxh3-128)"}
+        "dcp": "DCP save / load (1 process)", "unbroken": "unbroken.save / unbroken.load (xxh3-128)",
+        "unbroken_async": "unbroken async_save: until commit / load"}
 
 
 def machine(root: Path) -> str:
@@ -236,7 +270,7 @@ def machine(root: Path) -> str:
 
 def table(results: dict) -> tuple[list[str], list[list[str]]]:
     head = ["method", "save s", "save GB/s", "load s", "load GB/s", "save time / unbroken's",
-            "load time / unbroken's", "peak extra RSS save / load MB"]
+            "load time / unbroken's", "peak extra RSS save / load MB", "stall s"]
     med = lambda name, phase: statistics.median(results[name][phase])
     gb, ub_save, ub_load = results["unbroken"]["nbytes"] / 1e9, med("unbroken", "save"), med("unbroken", "load")
     rows = []
@@ -246,11 +280,12 @@ def table(results: dict) -> tuple[list[str], list[list[str]]]:
             continue
         if key.endswith("-nofsync"):
             s = med(name, "save_nofsync")
-            rows.append([label, f"{s:.2f}", f"{gb / s:.2f}", "-", "-", f"{s / ub_save:.2f}", "-", "-"])
+            rows.append([label, f"{s:.2f}", f"{gb / s:.2f}", "-", "-", f"{s / ub_save:.2f}", "-", "-", "-"])
             continue
         s, ld, r = med(name, "save"), med(name, "load"), results[name]
         rows.append([label, f"{s:.2f}", f"{gb / s:.2f}", f"{ld:.2f}", f"{gb / ld:.2f}", f"{s / ub_save:.2f}",
-                     f"{ld / ub_load:.2f}", f"{max(r['save_rss']) / 1e6:.0f} / {max(r['load_rss']) / 1e6:.0f}"])
+                     f"{ld / ub_load:.2f}", f"{max(r['save_rss']) / 1e6:.0f} / {max(r['load_rss']) / 1e6:.0f}",
+                     f"{med(name, 'stall'):.3f}" if name in STALLS else "-"])
     return head, rows
 
 
@@ -270,6 +305,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="repetitions per method; medians are reported (default 3)")
     ap.add_argument("--dir", help="where to write (default: the temp dir if on the repo's filesystem, else the repo)")
     ap.add_argument("--markdown", metavar="FILE", help="also write the report as markdown")
+    ap.add_argument("--json", metavar="FILE", help="also write the medians as JSON: per method save_s, load_s "
+                    "(and stall_s for background saves), and state_bytes")
     ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset; must include unbroken")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -295,7 +332,7 @@ def main() -> None:
                 if p.returncode:
                     sys.exit(f"{name} failed:\n{p.stderr}")
                 r = json.loads(p.stdout.strip().splitlines()[-1])
-                phases = ("save", "save_nofsync", "load", "save_rss", "load_rss")
+                phases = ("save", "save_nofsync", "load", "save_rss", "load_rss", "stall")
                 agg = results.setdefault(name, {"cold": True, **{k: [] for k in phases}})
                 for k in phases:
                     agg[k].append(r[k])
@@ -314,6 +351,14 @@ def main() -> None:
                      f"{v['disk_bytes'] / 1e9:.3f} GB on disk" for k, v in results.items())
     head, rows = table(results)
     print(f"{title}\nMachine: {info}\n\n{render(head, rows, md=False)}\n\nAll runs (s):\n{runs}")
+    if args.json:
+        med = statistics.median
+        doc = {"state_bytes": r0["nbytes"], "machine": info, "reps": args.reps}
+        for k, v in results.items():
+            doc[k] = {"save_s": med(v["save"]), "load_s": med(v["load"]), "state_bytes": v["nbytes"]}
+            if k in STALLS:
+                doc[k]["stall_s"] = med(v["stall"])
+        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
     if args.markdown:
         Path(args.markdown).write_text(f"{title}\n\nMachine: {info}\n\n{render(head, rows, md=True)}\n\n"
                                        f"All runs (s):\n\n{runs}\n")

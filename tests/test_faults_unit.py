@@ -197,3 +197,24 @@ def test_a_handler_installed_over_ours_is_chained_and_given_back() -> None:
         assert signal.getsignal(signal.SIGUSR1) is theirs
     finally:
         signal.signal(signal.SIGUSR1, old)
+
+
+def test_our_handler_put_back_by_someone_else_is_not_chained_to_itself() -> None:
+    """Code that saved the dispatcher's handler and restores it later leaves it installed with
+    no record of what it replaced: the next watcher must not chain to itself (it recursed
+    until the RecursionError, in CI)."""
+    original = signal.getsignal(signal.SIGUSR1)
+    try:
+        w = SignalWatcher([signal.SIGUSR1])
+        w.install()
+        ours = signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # someone saves ours, installs theirs
+        w.uninstall()  # ours is not installed: nothing is given back
+        signal.signal(signal.SIGUSR1, ours)  # ... and later puts ours back
+        c = SignalWatcher([signal.SIGUSR1])
+        c.install()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert c.received == signal.SIGUSR1
+        c.uninstall()
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGUSR1, original)

@@ -378,7 +378,8 @@ class Checkpointer:
             self._background.submit(write, (kind, tags))
             log.debug("step %d copied in %.3f s; writing in the background", prog["step"], time.monotonic() - t0)
             return None
-        return self._committed(*write(), kind, tags)
+        final, manifest, took = write()
+        return self._committed(final, manifest, kind, tags, took)
 
     def _in_background(self, kind: str, snap: Any) -> bool:
         if not self.async_save or kind != "regular" or snap.sharded:

@@ -92,7 +92,10 @@ class _Dispatcher:
             if s not in self.found or signal.getsignal(s) != self._handle:
                 # not ours yet, or someone installed their own handler over ours since: theirs
                 # is now the handling to chain to and to give back
-                self.found[s] = signal.signal(s, self._handle)
+                prev = signal.signal(s, self._handle)
+                # our own handler, put back by someone who had saved it: the handling before it is
+                # unknown (never chain to ourselves: that recursed)
+                self.found[s] = signal.SIG_DFL if prev == self._handle else prev
 
     def remove(self, w: SignalWatcher) -> None:
         live = [x for x in self.watchers if x is not w]
@@ -115,9 +118,11 @@ class _Dispatcher:
         sig = signal.Signals(signum)
         watching = [w for w in self.watchers if sig in w.signals]
         prev = self.found.get(sig)
+        if prev is None or prev == self._handle:
+            prev = signal.SIG_DFL
         if not watching or watching[-1].received == sig:  # a second time: stop waiting for a step boundary
-            if sig in self.found:
-                self._give_back(sig)
+            self.found.pop(sig, None)
+            signal.signal(sig, prev)  # handlers run on the main thread: this cannot fail here
             if callable(prev):
                 prev(signum, frame)
             elif prev != signal.SIG_IGN:
