@@ -24,6 +24,7 @@ from unbroken import persist
 from unbroken.demo import compare, run_attempt
 
 STEPS, SAVE_EVERY = 12, 3
+MODES = [pytest.param(True, id="copy"), pytest.param("lazy", id="lazy")]
 SLOW = dict(os.environ, PYTHONUNBUFFERED="1", UNBROKEN_FAULT_DELAY="0.3")  # each save point sleeps 0.3 s
 
 
@@ -69,11 +70,13 @@ def slow_writes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return threads
 
 
-def test_each_background_checkpoint_holds_exactly_its_steps_state(tmp_path: Path, slow_writes: list[str]) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_each_background_checkpoint_holds_exactly_its_steps_state(
+        tmp_path: Path, slow_writes: list[str], mode: Any) -> None:
     state = build()
     expected = {}
     with unbroken.Checkpointer(tmp_path / "run", save_every=SAVE_EVERY, keep_last=None, preemption=None,
-                               async_save=True) as ckpt:
+                               async_save=mode) as ckpt:
         ckpt.restore(state)
         for _ in range(STEPS):
             one_step(state)
@@ -88,9 +91,11 @@ def test_each_background_checkpoint_holds_exactly_its_steps_state(tmp_path: Path
         assert have.keys() == want.keys() and all(torch.equal(have[k], want[k]) for k in want), step
 
 
-def test_flush_returns_the_commit_and_one_save_at_most_is_in_flight(tmp_path: Path, slow_writes: list[str]) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_flush_returns_the_commit_and_one_save_at_most_is_in_flight(
+        tmp_path: Path, slow_writes: list[str], mode: Any) -> None:
     state = build()
-    with unbroken.Checkpointer(tmp_path / "run", keep_last=None, preemption=None, async_save=True) as ckpt:
+    with unbroken.Checkpointer(tmp_path / "run", keep_last=None, preemption=None, async_save=mode) as ckpt:
         ckpt.restore(state)
         one_step(state)
         ckpt.progress.step = 1
@@ -105,10 +110,11 @@ def test_flush_returns_the_commit_and_one_save_at_most_is_in_flight(tmp_path: Pa
     assert [c.step for c in unbroken.Checkpointer(tmp_path / "run", preemption=None).checkpoints()] == [2, 1]
 
 
+@pytest.mark.parametrize("mode", MODES)
 def test_a_failed_background_save_is_raised_in_the_loop_and_loses_nothing(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: Any) -> None:
     state = build()
-    ckpt = unbroken.Checkpointer(tmp_path / "run", save_every=2, keep_last=None, preemption=None, async_save=True)
+    ckpt = unbroken.Checkpointer(tmp_path / "run", save_every=2, keep_last=None, preemption=None, async_save=mode)
     ckpt.restore(state)
     real = persist.write_tensors
     for _ in range(2):
@@ -134,9 +140,10 @@ def test_a_failed_background_save_is_raised_in_the_loop_and_loses_nothing(
     unbroken.verify(run / "step-000000002")
 
 
-def test_close_raises_a_failure_it_finds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_close_raises_a_failure_it_finds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: Any) -> None:
     state = build()
-    ckpt = unbroken.Checkpointer(tmp_path / "run", keep_last=None, preemption=None, async_save=True)
+    ckpt = unbroken.Checkpointer(tmp_path / "run", keep_last=None, preemption=None, async_save=mode)
     ckpt.restore(state)
 
     def broken(staging, fname, entries):
@@ -151,9 +158,11 @@ def test_close_raises_a_failure_it_finds(tmp_path: Path, monkeypatch: pytest.Mon
         assert again.restore(build()) is None
 
 
-def test_the_process_does_not_end_before_the_last_save_committed(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_the_process_does_not_end_before_the_last_save_committed(tmp_path: Path, mode: Any) -> None:
     """A script that saves in the background as its very last act and returns: the interpreter's
-    exit waits for the commit (the Checkpointer is closed at exit)."""
+    exit waits for the commit (the Checkpointer is closed at exit). With a lazy save, whose
+    writer waits for the next optimizer step to judge the copy, nothing hangs either."""
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(f"""
         import time, torch, unbroken
@@ -163,18 +172,40 @@ def test_the_process_does_not_end_before_the_last_save_committed(tmp_path: Path)
             time.sleep(0.5)
             return real(*a)
         persist.write_tensors = slow
-        state = {{"w": torch.arange(1000.0)}}
-        ckpt = unbroken.Checkpointer({str(tmp_path / "run")!r}, async_save=True, preemption=None)
+        w = torch.nn.Parameter(torch.arange(1000.0))
+        opt = torch.optim.SGD([w], lr=1.0)
+        state = {{"w": w, "optimizer": opt}}
+        ckpt = unbroken.Checkpointer({str(tmp_path / "run")!r}, async_save={mode!r}, preemption=None)
         ckpt.restore(state)
         ckpt.progress.step = 7
         assert ckpt.save(state) is None
-        state["w"].zero_()  # the loop goes on: the checkpoint keeps the values of step 7
+        w.grad = torch.ones(1000)
+        opt.step()  # the loop goes on: the checkpoint keeps the values of step 7
         print("returning", flush=True)
     """))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "returning" in out.stdout, out.stderr
     loaded = unbroken.load(tmp_path / "run" / "step-000000007")
     assert torch.equal(loaded["w"], torch.arange(1000.0))
+
+
+def test_exit_without_another_step_commits_a_lazy_save(tmp_path: Path) -> None:
+    """The last act is a lazy save, and no optimizer step follows to release its writer: the
+    interpreter's exit still waits for the commit, and does not hang."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(f"""
+        import torch, unbroken
+        w = torch.nn.Parameter(torch.arange(1000.0))
+        state = {{"w": w, "optimizer": torch.optim.SGD([w], lr=1.0)}}
+        ckpt = unbroken.Checkpointer({str(tmp_path / "run")!r}, async_save="lazy", preemption=None)
+        ckpt.restore(state)
+        ckpt.progress.step = 3
+        assert ckpt.save(state) is None
+        print("returning", flush=True)
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "returning" in out.stdout, out.stderr
+    assert torch.equal(unbroken.load(tmp_path / "run" / "step-000000003")["w"], torch.arange(1000.0))
 
 
 @pytest.fixture(scope="module")
@@ -184,32 +215,35 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return base / "out"
 
 
-def cmd(base: Path, *extra: str) -> list[str]:
+def cmd(base: Path, *extra: str, mode: str = "copy") -> list[str]:
     return [sys.executable, "-m", "unbroken.demo_train", "--run-dir", str(base / "run"), "--out", str(base / "out"),
-            "--steps", "30", "--save-every", "5", "--hidden", "64", "--seed", "3", "--async-save", *extra]
+            "--steps", "30", "--save-every", "5", "--hidden", "64", "--seed", "3", "--async-save", mode, *extra]
 
 
 # both in the 2nd save (step 10; the demo writes 3 tensor files per save)
+@pytest.mark.parametrize("mode", ["copy", "lazy"])
 @pytest.mark.parametrize("point,nth", [("save.mid_file", 5), ("save.before_commit", 2)])
 def test_sigkill_while_a_background_write_is_in_flight_resumes_bitwise(
-        reference: Path, tmp_path: Path, point: str, nth: int) -> None:
-    att = run_attempt(cmd(tmp_path), "save", f"{point}={nth}", SLOW)
+        reference: Path, tmp_path: Path, point: str, nth: int, mode: str) -> None:
+    att = run_attempt(cmd(tmp_path, mode=mode), "save", f"{point}={nth}", SLOW)
     assert att.ended.startswith("killed in a save"), att
     assert not (tmp_path / "run" / "quarantine").exists()
-    att = run_attempt(cmd(tmp_path), "none", "", SLOW)
+    att = run_attempt(cmd(tmp_path, mode=mode), "none", "", SLOW)
     assert att.ended == "finished" and att.started.startswith("resumed from step"), att
     results = compare(reference, tmp_path / "out")
     assert all(results.values()), results
 
 
-def test_an_exception_while_a_background_save_is_in_flight_resumes_bitwise(reference: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["copy", "lazy"])
+def test_an_exception_while_a_background_save_is_in_flight_resumes_bitwise(
+        reference: Path, tmp_path: Path, mode: str) -> None:
     """The demo job raises after the optimizer step of step 11, while step 10's save is being
     written in the background (slowed to over a second): the guard waits for that save to
     commit, writes the emergency checkpoint of step 11, and the resume is exact."""
     flags = ("--crash-after-opt", "11")
-    att = run_attempt(cmd(tmp_path, *flags), "none", "", SLOW, ok_codes=(1,))
+    att = run_attempt(cmd(tmp_path, *flags, mode=mode), "none", "", SLOW, ok_codes=(1,))
     assert att.rc == 1 and "injected failure" in att.stderr and "emergency checkpoint" in att.stderr, att
-    att = run_attempt(cmd(tmp_path, *flags), "none", "", SLOW)
+    att = run_attempt(cmd(tmp_path, *flags, mode=mode), "none", "", SLOW)
     assert att.ended == "finished" and att.started == "resumed from step 11", att
     results = compare(reference, tmp_path / "out")
     assert all(results.values()), results

@@ -23,7 +23,7 @@ The rules, which the :class:`~unbroken.Checkpointer` follows:
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Callable, Generic, TypeVar
 
 T = TypeVar("T")
@@ -31,17 +31,27 @@ M = TypeVar("M")
 
 
 class BackgroundSaves(Generic[M, T]):
-    """One background thread and at most one job in flight, with its metadata."""
+    """At most one job in flight, with its metadata, each in its own thread.
+
+    The thread is a daemon: the interpreter's exit does not join it before the ``atexit``
+    handlers run, so the Checkpointer's exit handler (which judges a lazy save and waits for
+    the commit) runs first. A thread pool's worker would be joined earlier and, for a lazy
+    save waiting for that judgement, forever."""
 
     def __init__(self) -> None:
-        self._pool: ThreadPoolExecutor | None = None
         self._future: Future[T] | None = None
         self._meta: M | None = None
+        self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
     @property
     def in_flight(self) -> bool:
         return self._future is not None
+
+    @property
+    def meta(self) -> M | None:
+        """The metadata of the job in flight (``None`` if there is none)."""
+        return self._meta
 
     def finished(self) -> bool:
         """True when there is a job and it is done (successfully or not)."""
@@ -51,10 +61,18 @@ class BackgroundSaves(Generic[M, T]):
         with self._lock:
             if self._future is not None:
                 raise RuntimeError("a background save is already in flight; collect it first")
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unbroken-save")
-            self._future = self._pool.submit(job)
-            self._meta = meta
+            future: Future[T] = Future()
+
+            def run() -> None:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(job())
+                    except BaseException as e:  # noqa: BLE001 - handed to the training thread
+                        future.set_exception(e)
+
+            self._future, self._meta = future, meta
+            self._thread = threading.Thread(target=run, name="unbroken-save", daemon=True)
+            self._thread.start()
 
     def collect(self) -> tuple[M, T] | None:
         """Wait for the job in flight; its metadata and result, or ``None`` if there was none.
@@ -69,7 +87,8 @@ class BackgroundSaves(Generic[M, T]):
         return meta, result
 
     def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        """Wait for the last job's thread to end (after :meth:`collect`)."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
 

@@ -91,7 +91,7 @@ def train(args: argparse.Namespace) -> int:
     # --- unbroken: four lines ---------------------------------------------------
     ckpt = unbroken.Checkpointer(args.run_dir, save_every=args.save_every, keep_last=3, rng="rng" not in args.omit,
                                  preemption=unbroken.Preemption(requeue=args.requeue, grace_period=args.grace),
-                                 async_save=args.async_save)
+                                 async_save={None: False, "copy": True, "lazy": "lazy"}[args.async_save])
     state = {"model": model, "optimizer": opt, "scheduler": sched, "scaler": scaler, "data": loader}
     for part in args.omit:  # negative controls for the tests: forget part of the state
         state.pop(part, None)
@@ -177,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="raise an exception in STEP before optimizer.step() (once)")
     p.add_argument("--crash-after-opt", type=int, action="append", default=[], metavar="STEP",
                    help="raise an exception in STEP after optimizer.step() and its bookkeeping (once)")
-    p.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
+    p.add_argument("--async-save", nargs="?", const="copy", choices=["copy", "lazy"],
+                   help="write checkpoints in the background; 'lazy' also copies the optimizer's tensors "
+                        "in the background, until the next optimizer step")
     p.add_argument("--omit", action="append", default=[], choices=["rng", "scheduler", "scaler", "data"],
                    help="leave this out of the checkpoint (to show that the comparison catches it)")
     return train(p.parse_args(argv))

@@ -18,7 +18,7 @@ import weakref
 import time
 import warnings
 from collections.abc import Mapping, MutableMapping
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 import torch
 
@@ -36,6 +36,7 @@ from .format.manifest import Manifest
 from .policies import Retention, Trigger
 from .probe import ProbeFn, ProbeReport, check_after_resume, run_probe
 from .recorder import Recorder
+from .lazy import StepGate, step_only_storages
 from .run import Run
 from .scheduling import Schedule
 from .snapshot import Snapshotter
@@ -51,6 +52,14 @@ from .tiers import Remote
 log = logging.getLogger("unbroken")
 RESERVED = "__unbroken__"
 _open: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
+
+
+class _Pending(NamedTuple):
+    """What the training thread keeps of a background save: its kind, tags and step gate."""
+
+    kind: str
+    tags: list[str]
+    gate: StepGate | None
 
 
 @atexit.register
@@ -90,7 +99,9 @@ class Checkpointer:
         async_save: write regular saves in the background (:mod:`unbroken.background`): the
             loop waits only for a copy of the state into reused host buffers; at most one
             save is in flight, its errors are raised in the loop, ``close()`` waits for it.
-            With several ranks, saves stay synchronous (logged once).
+            ``"lazy"`` also defers the copy of the optimizer's tensors (parameters and their
+            state) to the background, until the next ``optimizer.step()``
+            (:mod:`unbroken.lazy`). With several ranks, saves stay synchronous (logged once).
 
     A bad location (unknown scheme, missing extra, no bucket, refused credentials) raises
     :class:`~unbroken.errors.StorageError` here, before any training. The first
@@ -105,7 +116,7 @@ class Checkpointer:
                  remote: Remote | None = None, storage_options: Mapping[str, Any] | None = None,
                  preemption: Preemption | None = Preemption(), env: EnvCheck | None = None,
                  probe: ProbeFn | None = None, rng: bool = True, strict: bool = True,
-                 async_save: bool = False) -> None:
+                 async_save: bool | Literal["lazy"] = False) -> None:
         self.schedule = Schedule(save_every, trigger, keep_last, retention)
         self.events = EventBus()
         self.comm = Comm()
@@ -121,10 +132,12 @@ class Checkpointer:
         self.probe, self.probe_report = probe, None
         self.rng, self.strict = rng, strict
         self.last_saved: CheckpointInfo | None = None
+        if async_save not in (False, True, "lazy"):
+            raise ValueError(f"async_save must be False, True or 'lazy', not {async_save!r}")
         self.async_save = async_save
-        self._snapshotter = Snapshotter(copy=async_save)  # a background save needs its own copy
-        self._rank_snapshotter = Snapshotter(copy=async_save)
-        self._background: BackgroundSaves[tuple[str, list[str]], tuple[str, Manifest, float]] = BackgroundSaves()
+        self._snapshotter = Snapshotter(copy=bool(async_save))  # a background save needs its own copy
+        self._rank_snapshotter = Snapshotter(copy=bool(async_save))
+        self._background: BackgroundSaves[_Pending, tuple[str, Manifest, float]] = BackgroundSaves()
         self._signals = SignalWatcher(self.preemption.signals)
         self._guard: StepGuard | None = None
         self._environment: dict[str, Any] | None = None
@@ -156,16 +169,22 @@ class Checkpointer:
         """Wait for the background save in flight (``async_save``) to commit; return what it
         committed, or ``None`` if none was in flight. Its error is raised (or, with
         ``raise_errors=False``, logged: the emergency and preemption paths do that)."""
+        pending = self._background.meta
         try:
+            if pending is not None and pending.gate is not None:
+                pending.gate.judge()  # the writer waits for this verdict before it writes
             done = self._background.collect()
         except Exception as e:
             if raise_errors:
                 raise
             log.error("the background save failed: %s: %s", type(e).__name__, e)
             return None
+        finally:
+            if pending is not None and pending.gate is not None:
+                pending.gate.close()
         if done is None:
             return None
-        (kind, tags), (final, manifest, took) = done
+        (kind, tags, _), (final, manifest, took) = done
         return self._committed(final, manifest, kind, tags, took)
 
     def close(self) -> None:
@@ -241,6 +260,7 @@ class Checkpointer:
         """
         self._check_reserved(state)
         self._begin()
+        self.flush()  # a save in flight commits (and stops reading the live state) first
         if tag is not None:
             found = [c for c in self.checkpoints() if tag in c.tags]
             if not found:
@@ -364,7 +384,8 @@ class Checkpointer:
             mine["rng"] = dict(rng) if rng is not None else GlobalRNG()
         t0 = time.monotonic()
         probe = run_probe(self.probe) if self.probe is not None and kind != "emergency" else None
-        snap, rank_snap = (self._snapshotter.capture(shared),
+        lazy = self.async_save == "lazy" and kind == "regular" and self.comm.world == 1
+        snap, rank_snap = (self._snapshotter.capture(shared, defer=step_only_storages(state) if lazy else frozenset()),
                            self._rank_snapshotter.capture(mine, prefix=f"r{self.comm.rank:05d}-"))
         fields = dict(step=prog["step"], metrics=clean_metrics(self.metrics), progress=prog,
                       environment=self.environment(), kind=kind, probe=probe or {}, tags=tags)
@@ -375,7 +396,15 @@ class Checkpointer:
 
         if self._in_background(kind, snap):
             self.schedule.saved(prog["step"], fields["metrics"])
-            self._background.submit(write, (kind, tags))
+            gate = StepGate([snap]) if snap.deferred else None
+
+            def job() -> tuple[str, Manifest, float]:
+                if gate is not None:
+                    gate.copy()  # while the next forward/backward runs
+                    gate.verdict()
+                return write()
+
+            self._background.submit(job, _Pending(kind, tags, gate))
             log.debug("step %d copied in %.3f s; writing in the background", prog["step"], time.monotonic() - t0)
             return None
         final, manifest, took = write()

@@ -47,6 +47,7 @@ def write_blob(staging: Staging, fname: str, raw: bytes) -> FileEntry:
 def write_part(staging: Staging, snapshot: Snapshot, json_name: str | None, tensor_files: Iterable[str]
                ) -> dict[str, FileEntry]:
     """Write some of ``snapshot``'s tensor files, and its tree as ``json_name`` (if given)."""
+    snapshot.complete()  # deferred and device copies land in the staging buffers first
     files = {fname: write_tensors(staging, fname, snapshot.files[fname]) for fname in tensor_files}
     if json_name is not None:
         files[json_name] = write_blob(staging, json_name, tree_bytes(snapshot))

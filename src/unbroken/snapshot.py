@@ -11,6 +11,15 @@ the snapshot is written while training goes on). Buffers are reused from one sav
 to the next, because first-touch page faults on fresh memory cost more than the
 copy itself. Tensors that alias the same memory with the same view are stored once
 and come back as one tensor.
+
+**Deferred copies (lazy snapshots).** Tensors whose storage is listed in ``defer`` are
+not copied by :meth:`Snapshotter.capture`: their staging buffer is reserved and the copy
+is left to :meth:`Snapshot.complete`, which the background writer runs while the next
+forward/backward goes on (:mod:`unbroken.lazy` holds the next ``optimizer.step()`` until
+then). **GPU tensors** are copied on a side stream into pinned buffers: the training
+stream waits (on the GPU, the CPU never blocks) only for the eagerly copied tensors, and
+for the deferred ones only at the next optimizer step; the writer waits for the copies'
+events before reading.
 """
 
 from __future__ import annotations
@@ -36,6 +45,23 @@ class Snapshot:
     tree: dict[str, Any]
     files: dict[str, list[TensorEntry]] = field(default_factory=dict)
     sharded: dict[str, torch.Tensor] = field(default_factory=dict)
+    deferred: list[tuple[torch.Tensor, torch.Tensor, str]] = field(default_factory=list)
+    """Copies still to make, ``(staging buffer, live tensor, key)``: see :meth:`complete`."""
+    events: list[Any] = field(default_factory=list)
+    """CUDA events after which the device-to-host copies are in the staging buffers."""
+    lazy_events: list[Any] = field(default_factory=list)
+    """CUDA events after which the deferred device copies are done (the optimizer step waits)."""
+
+    def complete(self) -> None:
+        """Make the deferred copies and wait for the device copies: afterwards every staging
+        buffer holds the state of the save point (unless a deferred tensor was changed
+        meanwhile, which :mod:`unbroken.lazy` detects). Idempotent."""
+        deferred, self.deferred = self.deferred, []
+        for dst, src, _ in deferred:
+            dst.copy_(src)
+        events, self.events = self.events, []
+        for ev in events:
+            ev.synchronize()
 
     @property
     def nbytes(self) -> int:
@@ -47,17 +73,26 @@ def _file_for(index: int, top: Any, prefix: str = "") -> str:
     return f"{prefix}t{index:02d}-{stem}.safetensors"
 
 
+def storage_key(t: torch.Tensor) -> tuple[str, int]:
+    """Identifies a tensor's memory (its storage), shared by every view and ``detach()``."""
+    return str(t.device), t.untyped_storage().data_ptr()
+
+
 class _Sink:
-    def __init__(self, pool: dict[str, torch.Tensor], copy: bool, prefix: str = "") -> None:
+    def __init__(self, pool: dict[str, torch.Tensor], copy: bool, prefix: str = "",
+                 defer: frozenset[tuple[str, int]] = frozenset()) -> None:
         self.pool = pool
         self.copy = copy
         self.prefix = prefix
+        self.defer = defer
+        self.deferred: list[tuple[torch.Tensor, torch.Tensor, str]] = []
+        self.cuda_eager: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.cuda_lazy: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.files: dict[str, list[TensorEntry]] = {}
         self.sharded: dict[str, torch.Tensor] = {}
         self._file_of_top: dict[Any, str] = {}
         self._keys: set[str] = set()
         self._aliases: dict[tuple, dict[str, Any]] = {}
-        self.used_cuda = False
 
     def add(self, tensor: torch.Tensor, path: PathT) -> dict[str, Any]:
         t = tensor.detach()
@@ -97,7 +132,8 @@ class _Sink:
         return {"fqn": fqn, "shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch.")}
 
     def _host(self, t: torch.Tensor, slot: str) -> torch.Tensor:
-        if t.device.type == "cpu" and t.is_contiguous() and not self.copy:
+        deferred = bool(self.defer) and t.numel() > 0 and storage_key(t) in self.defer
+        if t.device.type == "cpu" and t.is_contiguous() and not self.copy and not deferred:
             return t
         buf = self.pool.get(slot)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
@@ -105,11 +141,47 @@ class _Sink:
             buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
             self.pool[slot] = buf
         if t.device.type == "cuda":
-            self.used_cuda = True
-            buf.copy_(t, non_blocking=True)
+            (self.cuda_lazy if deferred else self.cuda_eager).append((buf, t))
+        elif deferred:
+            self.deferred.append((buf, t, slot))
         else:
             buf.copy_(t)
         return buf
+
+    def copy_from_devices(self, snap: "Snapshot") -> None:
+        """Queue the device-to-host copies on a side stream: eager ones first (the training
+        stream waits for them, on the GPU, when the snapshot must survive training going on),
+        then the deferred ones (waited for at the next optimizer step)."""
+        if not (self.cuda_eager or self.cuda_lazy):
+            return
+        device = (self.cuda_eager or self.cuda_lazy)[0][1].device
+        main, side = torch.cuda.current_stream(device), _side_stream(device)
+        side.wait_stream(main)  # the copies see everything queued before the save point
+        with torch.cuda.stream(side):
+            for group, events in ((self.cuda_eager, snap.events), (self.cuda_lazy, snap.lazy_events)):
+                if not group:
+                    continue
+                for buf, t in group:
+                    if t.device != device:
+                        raise UnsupportedStateError("a state on several GPUs of one process is not supported")
+                    buf.copy_(t, non_blocking=True)
+                    t.record_stream(side)  # the allocator must not reuse t's memory before the copy
+                ev = torch.cuda.Event()
+                ev.record(side)
+                events.append(ev)
+        if snap.lazy_events:
+            snap.events.extend(snap.lazy_events)
+        if self.copy and self.cuda_eager:
+            main.wait_event(snap.events[0])  # training may change these right after the save point
+
+
+_SIDE: dict[Any, Any] = {}
+
+
+def _side_stream(device: torch.device) -> Any:
+    if device not in _SIDE:
+        _SIDE[device] = torch.cuda.Stream(device)
+    return _SIDE[device]
 
 
 class Snapshotter:
@@ -125,19 +197,25 @@ class Snapshotter:
         self.copy = copy
         self._pool: dict[str, torch.Tensor] = {}
 
-    def capture(self, state: Mapping[str, Any], prefix: str = "") -> Snapshot:
-        """Encode ``state``; tensor files are named ``<prefix>tNN-<key>.safetensors``."""
+    def capture(self, state: Mapping[str, Any], prefix: str = "",
+                defer: frozenset[tuple[str, int]] = frozenset()) -> Snapshot:
+        """Encode ``state``; tensor files are named ``<prefix>tNN-<key>.safetensors``.
+
+        Tensors whose :func:`storage_key` is in ``defer`` get a staging buffer but are
+        copied only by :meth:`Snapshot.complete` (lazy snapshots; needs ``copy=True``)."""
+        if defer and not self.copy:
+            raise ValueError("deferred copies need a copying Snapshotter (copy=True)")
         if not isinstance(state, Mapping):
             raise UnsupportedStateError(f"the state must be a dict of named parts, got {type(state).__name__}")
         for k in state:
             if not isinstance(k, str):
                 raise UnsupportedStateError(f"top-level state keys must be strings, got {k!r}")
-        sink = _Sink(self._pool, self.copy, prefix)
+        sink = _Sink(self._pool, self.copy, prefix, defer)
         encoder = Encoder(sink)
         tree = {TOP: {k: encoder.encode(v, (k,)) for k, v in state.items()}}
-        if sink.used_cuda:
-            torch.cuda.synchronize()
-        return Snapshot(tree=tree, files=sink.files, sharded=sink.sharded)
+        snap = Snapshot(tree=tree, files=sink.files, sharded=sink.sharded, deferred=sink.deferred)
+        sink.copy_from_devices(snap)
+        return snap
 
 
 TOP = "state"
