@@ -26,6 +26,8 @@ import threading
 from concurrent.futures import Future
 from typing import Callable, Generic, TypeVar
 
+from .lazy import StepGate
+
 T = TypeVar("T")
 M = TypeVar("M")
 
@@ -42,22 +44,26 @@ class BackgroundSaves(Generic[M, T]):
         self._future: Future[T] | None = None
         self._meta: M | None = None
         self._thread: threading.Thread | None = None
+        self._gate: StepGate | None = None
         self._lock = threading.Lock()
 
     @property
     def in_flight(self) -> bool:
         return self._future is not None
 
-    @property
-    def meta(self) -> M | None:
-        """The metadata of the job in flight (``None`` if there is none)."""
-        return self._meta
-
     def finished(self) -> bool:
         """True when there is a job and it is done (successfully or not)."""
         return self._future is not None and self._future.done()
 
-    def submit(self, job: Callable[[], T], meta: M) -> None:
+    def submit(self, job: Callable[[], T], meta: M, gate: StepGate | None = None) -> None:
+        """Run ``job`` in a new thread. With a lazy snapshot's ``gate``, the thread first makes
+        the deferred copies, then waits for the training thread's verdict on them."""
+        def gated() -> T:
+            if gate is not None:
+                gate.copy()  # while the next forward/backward runs
+                gate.verdict()
+            return job()
+
         with self._lock:
             if self._future is not None:
                 raise RuntimeError("a background save is already in flight; collect it first")
@@ -66,11 +72,11 @@ class BackgroundSaves(Generic[M, T]):
             def run() -> None:
                 if future.set_running_or_notify_cancel():
                     try:
-                        future.set_result(job())
+                        future.set_result(gated())
                     except BaseException as e:  # noqa: BLE001 - handed to the training thread
                         future.set_exception(e)
 
-            self._future, self._meta = future, meta
+            self._future, self._meta, self._gate = future, meta, gate
             self._thread = threading.Thread(target=run, name="unbroken-save", daemon=True)
             self._thread.start()
 
@@ -78,11 +84,17 @@ class BackgroundSaves(Generic[M, T]):
         """Wait for the job in flight; its metadata and result, or ``None`` if there was none.
         Re-raises the job's exception (the job is forgotten either way)."""
         with self._lock:
-            future, meta = self._future, self._meta
-            self._future = self._meta = None
+            future, meta, gate = self._future, self._meta, self._gate
+            self._future = self._meta = self._gate = None
         if future is None:
             return None
-        result = future.result()
+        try:
+            if gate is not None:
+                gate.judge()  # the writer waits for this verdict before it writes
+            result = future.result()
+        finally:
+            if gate is not None:
+                gate.close()
         assert meta is not None
         return meta, result
 

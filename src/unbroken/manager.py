@@ -18,7 +18,7 @@ import weakref
 import time
 import warnings
 from collections.abc import Mapping, MutableMapping
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import torch
 
@@ -52,14 +52,6 @@ from .tiers import Remote
 log = logging.getLogger("unbroken")
 RESERVED = "__unbroken__"
 _open: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
-
-
-class _Pending(NamedTuple):
-    """What the training thread keeps of a background save: its kind, tags and step gate."""
-
-    kind: str
-    tags: list[str]
-    gate: StepGate | None
 
 
 @atexit.register
@@ -137,7 +129,7 @@ class Checkpointer:
         self.async_save = async_save
         self._snapshotter = Snapshotter(copy=bool(async_save))  # a background save needs its own copy
         self._rank_snapshotter = Snapshotter(copy=bool(async_save))
-        self._background: BackgroundSaves[_Pending, tuple[str, Manifest, float]] = BackgroundSaves()
+        self._background: BackgroundSaves[tuple[str, list[str]], tuple[str, Manifest, float]] = BackgroundSaves()
         self._signals = SignalWatcher(self.preemption.signals)
         self._guard: StepGuard | None = None
         self._environment: dict[str, Any] | None = None
@@ -169,22 +161,16 @@ class Checkpointer:
         """Wait for the background save in flight (``async_save``) to commit; return what it
         committed, or ``None`` if none was in flight. Its error is raised (or, with
         ``raise_errors=False``, logged: the emergency and preemption paths do that)."""
-        pending = self._background.meta
         try:
-            if pending is not None and pending.gate is not None:
-                pending.gate.judge()  # the writer waits for this verdict before it writes
             done = self._background.collect()
         except Exception as e:
             if raise_errors:
                 raise
             log.error("the background save failed: %s: %s", type(e).__name__, e)
             return None
-        finally:
-            if pending is not None and pending.gate is not None:
-                pending.gate.close()
         if done is None:
             return None
-        (kind, tags, _), (final, manifest, took) = done
+        (kind, tags), (final, manifest, took) = done
         return self._committed(final, manifest, kind, tags, took)
 
     def close(self) -> None:
@@ -396,15 +382,7 @@ class Checkpointer:
 
         if self._in_background(kind, snap):
             self.schedule.saved(prog["step"], fields["metrics"])
-            gate = StepGate([snap]) if snap.deferred else None
-
-            def job() -> tuple[str, Manifest, float]:
-                if gate is not None:
-                    gate.copy()  # while the next forward/backward runs
-                    gate.verdict()
-                return write()
-
-            self._background.submit(job, _Pending(kind, tags, gate))
+            self._background.submit(write, (kind, tags), StepGate([snap]) if snap.deferred else None)
             log.debug("step %d copied in %.3f s; writing in the background", prog["step"], time.monotonic() - t0)
             return None
         final, manifest, took = write()
