@@ -247,3 +247,63 @@ def test_an_exception_while_a_background_save_is_in_flight_resumes_bitwise(
     assert att.ended == "finished" and att.started == "resumed from step 11", att
     results = compare(reference, tmp_path / "out")
     assert all(results.values()), results
+
+
+# ---------------------------------------------------------------- unbroken.save(async_save=True)
+def test_unbroken_save_in_the_background_keeps_the_values_of_the_call(tmp_path: Path, slow_writes: list[str]) -> None:
+    state = build()
+    want = snapshot(state)
+    pending = unbroken.save(tmp_path / "a", state, step=5, async_save=True)
+    assert isinstance(pending, unbroken.PendingSave) and not pending.done()
+    one_step(state)  # training goes on while the checkpoint is written
+    info = pending.wait()
+    assert info.step == 5 and pending.done() and slow_writes[0].startswith("unbroken-save")
+    have = build()
+    unbroken.load(tmp_path / "a", have)
+    got = snapshot(have)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    # a second background save (the first was collected)
+    again = unbroken.save(tmp_path / "b", state, async_save=True).wait()
+    assert again.step == 0 and unbroken.verify(tmp_path / "b").step == 0
+
+
+def test_unbroken_save_failure_is_raised_by_wait_or_by_the_next_save(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = persist.write_tensors
+
+    def broken(staging, fname, entries):
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    monkeypatch.setattr(persist, "write_tensors", broken)
+    state = build()
+    with pytest.raises(unbroken.StorageError, match="No space"):
+        unbroken.save(tmp_path / "a", state, async_save=True).wait()
+    unseen = unbroken.save(tmp_path / "b", state, async_save=True)  # nobody waits for this one
+    while not unseen.done():
+        time.sleep(0.01)
+    monkeypatch.setattr(persist, "write_tensors", real)
+    with pytest.raises(unbroken.StorageError, match="No space"):
+        unbroken.save(tmp_path / "c", state, async_save=True)  # ... so the next save raises it
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
+    unbroken.save(tmp_path / "c", state, async_save=True).wait()
+    unbroken.verify(tmp_path / "c")
+
+
+def test_unbroken_save_in_the_background_is_committed_before_the_process_ends(tmp_path: Path) -> None:
+    script = tmp_path / "save.py"
+    script.write_text(textwrap.dedent(f"""
+        import time, torch, unbroken
+        from unbroken import persist
+        real = persist.write_tensors
+        def slow(*a):
+            time.sleep(0.5)
+            return real(*a)
+        persist.write_tensors = slow
+        w = torch.arange(1000.0)
+        unbroken.save({str(tmp_path / "ckpt")!r}, {{"w": w}}, async_save=True)
+        w.zero_()
+        print("returning", flush=True)
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "returning" in out.stdout, out.stderr
+    assert torch.equal(unbroken.load(tmp_path / "ckpt")["w"], torch.arange(1000.0))

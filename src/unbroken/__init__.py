@@ -28,7 +28,7 @@ from .errors import (  # noqa: E402
     UnsupportedStateError,
 )
 from .state.stateful import Gradients, PerRank, Progress, Stateful  # noqa: E402
-from .api import CheckpointInfo, load, save, verify  # noqa: E402
+from .api import CheckpointInfo, PendingSave, load, save, verify  # noqa: E402
 from .dist.comm import init_distributed  # noqa: E402
 from .environment import EnvCheck  # noqa: E402
 from .faults import Preemption  # noqa: E402
@@ -39,6 +39,7 @@ from .tiers import Remote  # noqa: E402
 __all__ = [
     "Checkpointer",
     "CheckpointInfo",
+    "PendingSave",
     "Remote",
     "Preemption",
     "EnvCheck",

@@ -6,10 +6,16 @@ builds runs on top of them (progress, RNG, discovery, retention).
 
 from __future__ import annotations
 
+import atexit
+import logging
 import os
+import threading
 from collections.abc import Mapping, MutableMapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping, overload
+
+from .background import in_thread
 
 from .errors import NoCheckpointError
 from .format.manifest import Manifest
@@ -47,19 +53,93 @@ class CheckpointInfo:
                    kind=m.kind, tags=tuple(sorted(m.tags)) if tags is None else tags, tiers=tiers)
 
 
+class PendingSave:
+    """A checkpoint being written in the background (``unbroken.save(..., async_save=True)``).
+
+    :meth:`wait` returns its :class:`CheckpointInfo` or raises its error. A failure nobody
+    waited for is raised by the next ``unbroken.save``; at interpreter exit the save in flight
+    is waited for, and a failure is logged as an error (the exit cannot raise)."""
+
+    def __init__(self, path: str, future: "Future[CheckpointInfo]") -> None:
+        self.path = path
+        self._future = future
+        self._seen = False
+
+    def done(self) -> bool:
+        """True once the checkpoint is committed or the save failed."""
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> CheckpointInfo:
+        """Wait for the commit; the checkpoint's info, or the save's error raised here."""
+        self._seen = True
+        return self._future.result(timeout)
+
+
+_inflight: PendingSave | None = None
+_inflight_lock = threading.Lock()
+_staging = Snapshotter(copy=True)  # host buffers reused by background saves, one at a time
+log = logging.getLogger("unbroken")
+
+
+def _wait_inflight(raise_unseen: bool) -> None:
+    global _inflight
+    with _inflight_lock:
+        pending, _inflight = _inflight, None
+    if pending is None:
+        return
+    try:
+        pending._future.result()
+    except Exception as e:
+        if raise_unseen and not pending._seen:
+            raise
+        if not pending._seen:
+            log.error("the background save of %s failed and was not committed: %s: %s",
+                      pending.path, type(e).__name__, e)
+
+
+@atexit.register
+def _wait_at_exit() -> None:
+    _wait_inflight(raise_unseen=False)
+
+
+@overload
+def save(path: str | os.PathLike[str], state: Mapping[str, Any], *, step: int = ...,
+         metrics: dict[str, Any] | None = ..., storage_options: Mapping[str, Any] | None = ...,
+         async_save: Literal[False] = ...) -> CheckpointInfo: ...
+@overload
+def save(path: str | os.PathLike[str], state: Mapping[str, Any], *, step: int = ...,
+         metrics: dict[str, Any] | None = ..., storage_options: Mapping[str, Any] | None = ...,
+         async_save: Literal[True]) -> PendingSave: ...
 def save(path: str | os.PathLike[str], state: Mapping[str, Any], *, step: int = 0,
-         metrics: dict[str, Any] | None = None,
-         storage_options: Mapping[str, Any] | None = None) -> CheckpointInfo:
+         metrics: dict[str, Any] | None = None, storage_options: Mapping[str, Any] | None = None,
+         async_save: bool = False) -> CheckpointInfo | PendingSave:
     """Write ``state`` atomically as the checkpoint ``path`` (a folder or a URL; must not exist).
 
     Saves exactly what is given: use :class:`Checkpointer` to include RNG and progress.
+    With ``async_save=True`` the state is copied into host buffers and a :class:`PendingSave`
+    is returned at once; writing and committing go on in a background thread. At most one
+    such save is in flight per process: the next ``save`` waits for it first (and raises its
+    error if nobody waited for it), and the interpreter's exit waits for it.
     """
+    global _inflight
+    _wait_inflight(raise_unseen=True)
     store, name = split_checkpoint(path, storage_options)
     if name in store.list_committed() or (not store.remote and os.path.lexists(os.fspath(path))):
         raise FileExistsError(f"{path} already exists; choose a new checkpoint path")
-    snap = Snapshotter().capture(state)
-    final, manifest = write_snapshot(snap, store, name, step=step, seq=0, metrics=clean_metrics(dict(metrics or {})))
-    return CheckpointInfo.of(store.describe(final), final, manifest)
+    snap = (_staging if async_save else Snapshotter()).capture(state)
+    clean = clean_metrics(dict(metrics or {}))
+
+    def write() -> CheckpointInfo:
+        final, manifest = write_snapshot(snap, store, name, step=step, seq=0, metrics=clean)
+        return CheckpointInfo.of(store.describe(final), final, manifest)
+
+    if not async_save:
+        return write()
+    future, _ = in_thread(write)
+    pending = PendingSave(os.fspath(path), future)
+    with _inflight_lock:
+        _inflight = pending
+    return pending
 
 
 def read_path(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None,

@@ -32,13 +32,28 @@ T = TypeVar("T")
 M = TypeVar("M")
 
 
-class BackgroundSaves(Generic[M, T]):
-    """At most one job in flight, with its metadata, each in its own thread.
+def in_thread(job: Callable[[], T]) -> tuple[Future[T], threading.Thread]:
+    """Run ``job`` in a new daemon thread named ``unbroken-save``; its future and thread.
 
-    The thread is a daemon: the interpreter's exit does not join it before the ``atexit``
-    handlers run, so the Checkpointer's exit handler (which judges a lazy save and waits for
-    the commit) runs first. A thread pool's worker would be joined earlier and, for a lazy
-    save waiting for that judgement, forever."""
+    A daemon, so that the interpreter's exit does not join it before the ``atexit`` handlers
+    run: those (the Checkpointer's, ``unbroken.save``'s) wait for the commit themselves, and a
+    lazy save's writer waits for a judgement only the exit handler gives."""
+    future: Future[T] = Future()
+
+    def run() -> None:
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(job())
+            except BaseException as e:  # noqa: BLE001 - handed to the thread that collects
+                future.set_exception(e)
+
+    thread = threading.Thread(target=run, name="unbroken-save", daemon=True)
+    thread.start()
+    return future, thread
+
+
+class BackgroundSaves(Generic[M, T]):
+    """At most one job in flight, with its metadata, each in its own thread (:func:`in_thread`)."""
 
     def __init__(self) -> None:
         self._future: Future[T] | None = None
@@ -67,18 +82,8 @@ class BackgroundSaves(Generic[M, T]):
         with self._lock:
             if self._future is not None:
                 raise RuntimeError("a background save is already in flight; collect it first")
-            future: Future[T] = Future()
-
-            def run() -> None:
-                if future.set_running_or_notify_cancel():
-                    try:
-                        future.set_result(gated())
-                    except BaseException as e:  # noqa: BLE001 - handed to the training thread
-                        future.set_exception(e)
-
+            future, self._thread = in_thread(gated)
             self._future, self._meta, self._gate = future, meta, gate
-            self._thread = threading.Thread(target=run, name="unbroken-save", daemon=True)
-            self._thread.start()
 
     def collect(self) -> tuple[M, T] | None:
         """Wait for the job in flight; its metadata and result, or ``None`` if there was none.
