@@ -25,7 +25,7 @@ from unbroken import CorruptCheckpointError
 from unbroken.errors import StorageError
 from unbroken.format.manifest import new_hasher
 from unbroken.format.tensorfile import MAX_TENSORS
-from unbroken.store import local as local_store
+from unbroken.store import readfile as local_store
 
 
 def build(seed: int = 0) -> dict[str, Any]:
@@ -200,7 +200,10 @@ def test_a_listed_file_bigger_than_the_memory_is_refused_before_allocating(
         run: tuple[Path, dict], monkeypatch: pytest.MonkeyPatch) -> None:
     """A sparse 8 GiB file listed with its true size: reading it whole would be killed by the
     OOM killer on a small machine (Linux overcommits, so the allocation alone succeeds). With
-    less memory available than the file, the read is refused with a StorageError naming both."""
+    less memory available than the file, the read is refused with a StorageError naming both.
+    (Local files this large are mapped, not read into memory: this is the path of remote
+    stores and of ``UNBROKEN_NO_MMAP=1``.)"""
+    monkeypatch.setenv("UNBROKEN_NO_MMAP", "1")
     path, _ = run
     ckpt = path / "step-000000004"
     fname = model_file(ckpt)
@@ -219,6 +222,30 @@ def test_a_listed_file_bigger_than_the_memory_is_refused_before_allocating(
             c.restore(state)
     assert all(torch.equal(v, before[k]) for k, v in state["model"].state_dict().items())
     assert (ckpt / fname).exists()  # not quarantined: it may be a real checkpoint on a small machine
+
+
+def test_a_large_local_file_is_mapped_and_checked_without_allocating_it(
+        run: tuple[Path, dict], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same 8 GiB sparse file on a "4 GiB machine", read the default way: it is mapped
+    (no allocation, so no refusal), every byte is hashed, and the checksum finds it altered."""
+    path, _ = run
+    ckpt = path / "step-000000004"
+    fname = model_file(ckpt)
+    with open(ckpt / fname, "r+b") as f:
+        f.truncate(8 * 2**30)
+    doc = load_doc(ckpt)
+    doc["files"][fname]["size"] = 8 * 2**30
+    save_doc(ckpt, doc)
+
+    real = local_store.allocate
+
+    def small_only(size: int, file: str) -> Any:
+        assert size < 2**30, f"allocated {size} bytes for {file}"
+        return real(size, file)
+
+    monkeypatch.setattr(local_store, "allocate", small_only)
+    with pytest.raises(CorruptCheckpointError, match=f"{fname}: checksum mismatch"):
+        unbroken.verify(ckpt)
 
 
 def test_the_memory_check_reads_this_machine() -> None:

@@ -458,9 +458,11 @@ class MemStore:
     def __init__(self, files: dict[str, bytes]) -> None:
         self.files = files
 
-    def read(self, name: str, file: str, size: int | None = None) -> bytearray:
+    def read(self, name: str, file: str, size: int | None = None, hasher: Any = None) -> bytearray:
         if file not in self.files or (size is not None and len(self.files[file]) != size):
             raise CorruptCheckpointError(f"{file}: missing or of the wrong size")
+        if hasher is not None:
+            hasher.update(self.files[file])
         return bytearray(self.files[file])
 
     def describe(self, name: str) -> str:

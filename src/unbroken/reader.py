@@ -62,9 +62,8 @@ class CheckpointFiles:
             entry = self.manifest.files.get(fname)
             if entry is None:
                 raise CorruptCheckpointError(f"reference to unlisted file {fname!r}")
-            buf = self.storage.read(self.name, fname, entry.size)
             h = new_hasher()
-            h.update(buf)
+            buf = self.storage.read(self.name, fname, entry.size, h)  # hashed as it streams in
             if h.hexdigest() != entry.xxh3_128:
                 raise CorruptCheckpointError(f"{fname}: checksum mismatch (the file was altered or damaged)")
             self._bytes[fname] = buf

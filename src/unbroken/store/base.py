@@ -133,10 +133,11 @@ class Store(Protocol):
         """Names of checkpoints being written, or left behind by a writer that died."""
         ...
 
-    def read(self, name: str, file: str, size: int | None = None) -> Buffer:
+    def read(self, name: str, file: str, size: int | None = None, hasher: Any = None) -> Buffer:
         """The whole content of one file of a committed checkpoint, in a writable buffer;
         ``size`` is the expected size, if known. A missing, oversized or odd file raises
-        :class:`~unbroken.errors.CorruptCheckpointError`."""
+        :class:`~unbroken.errors.CorruptCheckpointError`. With ``hasher``, every byte is fed
+        to ``hasher.update`` in order (while it streams in, where the store can)."""
         ...
 
     def delete(self, name: str) -> None: ...

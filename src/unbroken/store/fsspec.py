@@ -29,7 +29,8 @@ from typing import Any, BinaryIO
 
 from ..errors import CorruptCheckpointError, StorageError
 from .base import COMMIT_FILE, MAX_META_BYTES, QUARANTINE, Buffer, check_meta_name, check_name
-from .local import MAX_MANIFEST_BYTES, allocate
+from .local import MAX_MANIFEST_BYTES
+from .readfile import Hasher, allocate
 from .retry import Retry
 
 log = logging.getLogger("unbroken")
@@ -212,7 +213,7 @@ class FsspecStore:
             return None
         return int(info["size"])
 
-    def read(self, name: str, file: str, size: int | None = None) -> Buffer:
+    def read(self, name: str, file: str, size: int | None = None, hasher: Hasher | None = None) -> Buffer:
         if file != COMMIT_FILE:
             check_name(file)
         path = self.path(check_name(name, "checkpoint"), file)
@@ -223,7 +224,10 @@ class FsspecStore:
             raise CorruptCheckpointError(f"{file} is implausibly large ({actual} bytes)")
         if size is not None and actual != size:
             raise CorruptCheckpointError(f"{file} has {actual} bytes, the manifest says {size}")
-        return self.read_into(path, allocate(actual, file), file)
+        buf = self.read_into(path, allocate(actual, file), file)
+        if hasher is not None:  # parallel ranges arrive out of order: hashed once all are in
+            hasher.update(buf)
+        return buf
 
     def read_into(self, path: str, buf: Buffer, file: str) -> Buffer:
         """Fill ``buf`` with the object at ``path``: parallel ranged reads for large objects."""

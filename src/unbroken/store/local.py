@@ -33,6 +33,7 @@ import torch
 from ..errors import CorruptCheckpointError, StorageError
 from .base import COMMIT_FILE, MAX_META_BYTES, QUARANTINE, Buffer, check_meta_name, check_name
 from .lock import FlockLock
+from .readfile import Hasher, read_file
 
 _HIDDEN = re.compile(r"^\.(staging|trash)-(?P<host>[^_]+)_(?P<pid>\d+)_(?:[0-9a-f]{8})_(?P<name>.*)$")
 _CHECKPOINT_NAME = re.compile(r"^step-\d{9,}([-.]\d+)?$")
@@ -320,50 +321,18 @@ class LocalStore:
             return None
         return LocalStore(qdir, readonly=True)
 
-    def read(self, name: str, file: str, size: int | None = None) -> Buffer:
+    def read(self, name: str, file: str, size: int | None = None, hasher: Hasher | None = None) -> Buffer:
         try:
-            return _read_file(self.root / name, file if file == COMMIT_FILE else check_name(file), size,
-                              MAX_MANIFEST_BYTES)
+            return read_file(self.root / name, file if file == COMMIT_FILE else check_name(file), size,
+                             MAX_MANIFEST_BYTES, hasher)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{file} is missing") from None
 
     def read_meta(self, file: str) -> bytes | None:
         try:
-            return bytes(_read_file(self.root, check_meta_name(file), None, MAX_META_BYTES))
+            return bytes(read_file(self.root, check_meta_name(file), None, MAX_META_BYTES))
         except FileNotFoundError:
             return None
-
-
-def _read_file(folder: Path, file: str, size: int | None, max_unsized: int) -> Buffer:
-    """Read ``folder/file`` whole into uninitialised memory; the file itself is never a link.
-    ``FileNotFoundError`` if it is missing, :class:`CorruptCheckpointError` if it is odd."""
-    flags = os.O_RDONLY | _NOFOLLOW | _CLOEXEC | getattr(os, "O_NONBLOCK", 0)  # O_NONBLOCK: a FIFO must not hang
-    dfd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC)
-    try:
-        fd = os.open(file, flags, dir_fd=dfd)  # callers checked the name: one plain component
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise CorruptCheckpointError(f"{file} is a symbolic link; refusing to follow it") from None
-        raise
-    finally:
-        os.close(dfd)
-    with os.fdopen(fd, "rb", buffering=0) as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CorruptCheckpointError(f"{file} is not a regular file")
-        os.set_blocking(fd, True)
-        if size is None and st.st_size > max_unsized:  # refuse before allocating
-            raise CorruptCheckpointError(f"{file} is implausibly large ({st.st_size} bytes)")
-        if size is not None and st.st_size != size:
-            raise CorruptCheckpointError(f"{file} has {st.st_size} bytes, the manifest says {size}")
-        buf = allocate(st.st_size, file)
-        view, got = memoryview(buf), 0
-        while got < len(buf):
-            n = f.readinto(view[got:])
-            if not n:
-                raise CorruptCheckpointError(f"{file} shrank while being read")
-            got += n
-        return buf
 
 
 _MANAGED_FILES = {".lock", ".lock.json", "tags.json", "quarantine", "submit.slurm"}
@@ -379,29 +348,3 @@ def linked_entries(root: Path) -> list[str]:
     managed = [n for n in names if n in _MANAGED_FILES or n.startswith(("index.sqlite", ".tags.json."))
                or _CHECKPOINT_NAME.match(n) or _HIDDEN.match(n)]
     return sorted(n for n in managed if os.path.islink(root / n))
-
-
-def available_memory() -> int | None:
-    """Bytes this machine can still give a process (Linux ``MemAvailable`` plus free swap), or
-    ``None`` where unknown."""
-    try:
-        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
-        return (int(info["MemAvailable"].split()[0]) + int(info.get("SwapFree", "0 kB").split()[0])) * 1024
-    except (OSError, KeyError, ValueError):
-        return None
-
-
-def allocate(size: int, file: str) -> Buffer:
-    """Uninitialised memory for reading a file (zero-filling cost as much as the read itself).
-
-    A size the machine cannot hold is refused with :class:`StorageError` before allocating:
-    Linux overcommits, so the allocation itself would succeed and the read be killed by the
-    OOM killer part way, with no message at all."""
-    avail = available_memory()
-    if avail is not None and size > avail:
-        raise StorageError(f"cannot read {file}: it has {size / 2**30:.1f} GiB and this machine has "
-                           f"{avail / 2**30:.1f} GiB of memory available")
-    try:
-        return torch.empty(size, dtype=torch.uint8).numpy()
-    except (RuntimeError, MemoryError) as e:
-        raise StorageError(f"cannot allocate {size} bytes to read {file}: {e}") from None
