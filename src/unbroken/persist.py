@@ -17,7 +17,7 @@ import json
 import time
 from typing import Any, Iterable
 
-from . import _faults
+from . import _faults, progress
 from .errors import InsufficientSpaceError, StorageError, UnbrokenError
 from .format.manifest import MANIFEST, STATE_FILE, FileEntry, Manifest, new_hasher
 from .format.tensorfile import TensorEntry, write_tensor_file
@@ -32,8 +32,13 @@ def tree_bytes(snapshot: Snapshot) -> bytes:
 def write_tensors(staging: Staging, fname: str, entries: list[TensorEntry]) -> FileEntry:
     """One safetensors file, checksummed while it is written."""
     h = new_hasher()
+
+    def update(chunk: memoryview | bytes) -> None:
+        h.update(chunk)
+        progress.advance(len(chunk))
+
     with staging.open(fname) as f:
-        size = write_tensor_file(f, entries, h.update, metadata={"format": "unbroken"},
+        size = write_tensor_file(f, entries, update, metadata={"format": "unbroken"},
                                  on_half=lambda: _faults.point("save.mid_file"))
     return FileEntry(size, h.hexdigest())
 
@@ -48,7 +53,10 @@ def write_part(staging: Staging, snapshot: Snapshot, json_name: str | None, tens
                ) -> dict[str, FileEntry]:
     """Write some of ``snapshot``'s tensor files, and its tree as ``json_name`` (if given)."""
     snapshot.complete()  # deferred and device copies land in the staging buffers first
-    files = {fname: write_tensors(staging, fname, snapshot.files[fname]) for fname in tensor_files}
+    tensor_files = list(tensor_files)
+    total = sum(e.tensor.numel() * e.tensor.element_size() for f in tensor_files for e in snapshot.files[f])
+    with progress.task("saving", total):
+        files = {fname: write_tensors(staging, fname, snapshot.files[fname]) for fname in tensor_files}
     if json_name is not None:
         files[json_name] = write_blob(staging, json_name, tree_bytes(snapshot))
     return files

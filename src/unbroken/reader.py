@@ -22,6 +22,7 @@ from typing import Any, Iterable
 
 import torch
 
+from . import progress
 from .errors import CorruptCheckpointError
 from .format.manifest import MANIFEST, STATE_FILE, Manifest, new_hasher, strict_object
 from .format.tensorfile import load_tensor_file
@@ -48,6 +49,17 @@ def read_manifest(storage: Storage, name: str) -> Manifest:
     return Manifest.from_json(bytes(storage.read(name, MANIFEST)))
 
 
+class _Counted:
+    """A hasher that also counts the bytes on the progress bar."""
+
+    def __init__(self, hasher: Any) -> None:
+        self.hasher = hasher
+
+    def update(self, data: Any) -> None:
+        self.hasher.update(data)
+        progress.advance(memoryview(data).nbytes)
+
+
 class CheckpointFiles:
     """The verified files of one checkpoint: each read, checked and parsed at most once."""
 
@@ -63,15 +75,18 @@ class CheckpointFiles:
             if entry is None:
                 raise CorruptCheckpointError(f"reference to unlisted file {fname!r}")
             h = new_hasher()
-            buf = self.storage.read(self.name, fname, entry.size, h)  # hashed as it streams in
+            buf = self.storage.read(self.name, fname, entry.size, _Counted(h))  # hashed as it streams in
             if h.hexdigest() != entry.xxh3_128:
                 raise CorruptCheckpointError(f"{fname}: checksum mismatch (the file was altered or damaged)")
             self._bytes[fname] = buf
         return self._bytes[fname]
 
     def verify(self, fnames: Iterable[str]) -> None:
-        for fname in fnames:
-            self.read(fname)
+        todo = [f for f in fnames if f not in self._bytes]
+        total = sum(e.size for f in todo if (e := self.manifest.files.get(f)) is not None)
+        with progress.task(f"reading {self.name}", total):
+            for fname in todo:
+                self.read(fname)
 
     def tensors(self, fname: str) -> dict[str, torch.Tensor]:
         if not fname.endswith(".safetensors"):
