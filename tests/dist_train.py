@@ -88,6 +88,7 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=8, help="per rank")
     p.add_argument("--fail-save-on-rank", type=int, default=None, help="this rank's writes fail (ENOSPC)")
     p.add_argument("--dump-restored", default=None, help="rank 0 writes the full restored state here")
+    p.add_argument("--async-save", choices=["copy", "lazy"], default=None)
     p.add_argument("--requeue", action="store_true", help="requeue the SLURM job after a preemption save")
     args = p.parse_args()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -101,7 +102,8 @@ def main() -> int:
     model, opt, sched = model_and_optimizer(args.mode)
     loader = unbroken.data.ResumableLoader(Data(), batch_size=args.batch, seed=5)
     ckpt = unbroken.Checkpointer(args.run_dir, save_every=args.save_every, keep_last=3,
-                                 preemption=unbroken.Preemption(requeue=args.requeue))
+                                 preemption=unbroken.Preemption(requeue=args.requeue),
+                                 async_save={None: False, "copy": True, "lazy": "lazy"}[args.async_save])
     state = {"model": model, "optimizer": opt, "scheduler": sched, "data": loader}
     if args.fail_save_on_rank == rank:
         _make_writes_fail()

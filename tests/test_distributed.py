@@ -107,6 +107,30 @@ def test_ddp_rank_killed_at_a_random_step_torchrun_restarts_and_resumes_bitwise(
         assert len(rerun) > STEPS  # some steps really ran twice (after the resume), identically
 
 
+@pytest.mark.parametrize("mode", ["copy", "lazy"])
+def test_ddp_background_saves_killed_and_resumed_bitwise(reference, tmp_path, mode) -> None:
+    """Background saves with 2 ranks (their own gloo group beside the step collectives): rank 1
+    is SIGKILLed at a step while saves run in the background; torchrun restarts both ranks,
+    which resume from the newest committed checkpoint, bitwise."""
+    target = 3 * SAVE_EVERY + 1  # just after a save point: a background save may be in flight
+    killed: list[int] = []
+
+    def on_line(line: str, proc) -> None:
+        if not killed and f"rank 1 step {target}" in line:
+            pid = int((tmp_path / "out" / "pid-r1").read_text())
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    code, out = run(torchrun(2, *job(tmp_path, "--async-save", mode), restarts=2), on_line=on_line)
+    assert code == 0 and killed, out
+    assert "resumed from step" in out and "saving synchronously" not in out, out
+    assert same_final(reference, tmp_path / "out")
+    for rank in (0, 1):
+        assert losses(tmp_path / "out", rank) == losses(reference, rank)
+    store = open_store(tmp_path / "run")
+    assert store.list_committed()[-1] == f"step-{STEPS:09d}"  # the last save committed before exit
+
+
 def test_ddp_rank_killed_inside_a_save_never_commits_half(reference, tmp_path) -> None:
     # rank 1 writes two tensor files per save (its share of the replicated ones, its RNG): the 3rd
     # time it is half-way through a file is in the 2nd save

@@ -70,14 +70,20 @@ class BackgroundSaves(Generic[M, T]):
         """True when there is a job and it is done (successfully or not)."""
         return self._future is not None and self._future.done()
 
-    def submit(self, job: Callable[[], T], meta: M, gate: StepGate | None = None) -> None:
-        """Run ``job`` in a new thread. With a lazy snapshot's ``gate``, the thread first makes
-        the deferred copies, then waits for the training thread's verdict on them."""
+    def submit(self, job: Callable[[BaseException | None], T], meta: M, gate: StepGate | None = None) -> None:
+        """Run ``job(broken)`` in a new thread. With a lazy snapshot's ``gate``, the thread first
+        makes the deferred copies, then waits for the training thread's verdict on them; a bad
+        verdict (or a failed copy) is passed to the job as ``broken``, which must not commit
+        (with several ranks it still takes part in the collective, so that no rank commits)."""
         def gated() -> T:
+            broken: BaseException | None = None
             if gate is not None:
-                gate.copy()  # while the next forward/backward runs
-                gate.verdict()
-            return job()
+                try:
+                    gate.copy()  # while the next forward/backward runs
+                    gate.verdict()
+                except Exception as e:  # noqa: BLE001 - handed to the job
+                    broken = e
+            return job(broken)
 
         with self._lock:
             if self._future is not None:

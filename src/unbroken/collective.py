@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator, TypeVar
 
 from . import _faults
 from .dist.comm import Comm
-from .errors import CorruptCheckpointError, NewerFormatError, StorageError
+from .errors import CorruptCheckpointError, NewerFormatError, StorageError, UnbrokenError
 from .format.manifest import STATE_FILE, FileEntry, Manifest
 from .persist import as_storage_error, check_space, commit, tree_bytes, write_blob, write_part, write_tensors
 from .reader import rank_file
@@ -46,17 +46,24 @@ def _describe(e: BaseException) -> str:
 
 
 def write(comm: Comm, store: Any, lock: Any, name: str, shared: Snapshot, mine: Snapshot,
-          next_seq: Callable[[], int], **fields: Any) -> tuple[str, Manifest]:
-    """Save as checkpoint ``name`` with every rank (see the module docstring); a collective."""
+          next_seq: Callable[[], int], broken: BaseException | None = None, **fields: Any) -> tuple[str, Manifest]:
+    """Save as checkpoint ``name`` with every rank (see the module docstring); a collective.
+
+    ``broken``: this rank's snapshot is unusable (a lazy copy found changed): the rank still
+    takes part, so that every rank learns it and none commits, and raises ``broken``."""
     from .dist.sharded import SHARDED_FILE, save_sharded
 
     started = time.time()
     size = mine.nbytes + len(tree_bytes(mine)) + sum(e.tensor.numel() * e.tensor.element_size()
                                                      for es in shared.files.values() for e in es) // comm.world
-    sizes = comm.gather({"bytes": size, "sharded": bool(shared.sharded)})
+    sizes = comm.gather({"bytes": size, "sharded": bool(shared.sharded),
+                         "broken": _describe(broken) if broken is not None else ""})
     staging, failure, seq = None, None, -1
     if comm.coordinator:
         try:
+            bad = [f"rank {r}: {s['broken']}" for r, s in enumerate(sizes) if s["broken"]]
+            if bad:
+                raise UnbrokenError(f"checkpoint {name} was not saved: " + "; ".join(bad))
             check_space(store, sum(s["bytes"] for s in sizes) + len(tree_bytes(shared)))
             seq = next_seq()
             lock.verify()
@@ -65,6 +72,8 @@ def write(comm: Comm, store: Any, lock: Any, name: str, shared: Snapshot, mine: 
         except BaseException as e:  # noqa: BLE001 - told to every rank, then raised here
             failure, opened = e, {"ok": False, "error": _describe(e)}
     opened = comm.broadcast(opened if comm.coordinator else None)
+    if broken is not None:
+        raise broken
     if not opened["ok"]:
         raise failure if failure is not None else StorageError(
             f"checkpoint {name} was not saved: the coordinator (rank 0) failed: {opened['error']}")

@@ -93,7 +93,8 @@ class Checkpointer:
             save is in flight, its errors are raised in the loop, ``close()`` waits for it.
             ``"lazy"`` also defers the copy of the optimizer's tensors (parameters and their
             state) to the background, until the next ``optimizer.step()``
-            (:mod:`unbroken.lazy`). With several ranks, saves stay synchronous (logged once).
+            (:mod:`unbroken.lazy`). With several ranks, background saves commit over a gloo
+            group of their own; sharded (FSDP2) states are saved synchronously (logged once).
 
     A bad location (unknown scheme, missing extra, no bucket, refused credentials) raises
     :class:`~unbroken.errors.StorageError` here, before any training. The first
@@ -130,6 +131,8 @@ class Checkpointer:
         self._snapshotter = Snapshotter(copy=bool(async_save))  # a background save needs its own copy
         self._rank_snapshotter = Snapshotter(copy=bool(async_save))
         self._background: BackgroundSaves[tuple[str, list[str]], tuple[str, Manifest, float]] = BackgroundSaves()
+        # several ranks: background saves run their collectives over a group of their own
+        self._save_comm = Comm() if async_save and self.comm.world > 1 else self.comm
         self._signals = SignalWatcher(self.preemption.signals)
         self._guard: StepGuard | None = None
         self._environment: dict[str, Any] | None = None
@@ -187,6 +190,7 @@ class Checkpointer:
         self._signals.uninstall()
         self.run.close()
         self.comm.close()
+        self._save_comm.close()
         for p in self._plugins:
             self.events.unsubscribe(p)
         if self._recorder is not None:
@@ -303,8 +307,8 @@ class Checkpointer:
         :data:`~unbroken.faults.EXIT_PREEMPTED` (``SystemExit``, so ``finally`` blocks run).
         """
         self._begin()
-        if self._background.finished():
-            self.flush()  # a failed background save is raised here, at a step boundary
+        if self._background.finished() and self.comm.world == 1:
+            self.flush()  # a failed background save is raised here (several ranks: at the next save)
         # The step boundary is one transition: everything that can fail is computed first.
         clean = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
         self._sync_data_position(state)
@@ -370,14 +374,14 @@ class Checkpointer:
             mine["rng"] = dict(rng) if rng is not None else GlobalRNG()
         t0 = time.monotonic()
         probe = run_probe(self.probe) if self.probe is not None and kind != "emergency" else None
-        lazy = self.async_save == "lazy" and kind == "regular" and self.comm.world == 1
+        lazy = self.async_save == "lazy" and kind == "regular"
         snap, rank_snap = (self._snapshotter.capture(shared, defer=step_only_storages(state) if lazy else frozenset()),
                            self._rank_snapshotter.capture(mine, prefix=f"r{self.comm.rank:05d}-"))
         fields = dict(step=prog["step"], metrics=clean_metrics(self.metrics), progress=prog,
                       environment=self.environment(), kind=kind, probe=probe or {}, tags=tags)
 
-        def write() -> tuple[str, Manifest, float]:
-            final, manifest = self.run.write(snap, rank_snap, f"step-{prog['step']:09d}", **fields)
+        def write(broken: BaseException | None = None, comm: Comm = self._save_comm) -> tuple[str, Manifest, float]:
+            final, manifest = self.run.write(snap, rank_snap, f"step-{prog['step']:09d}", comm, broken, **fields)
             return final, manifest, time.monotonic() - t0
 
         if self._in_background(kind, snap):
@@ -385,16 +389,16 @@ class Checkpointer:
             self._background.submit(write, (kind, tags), StepGate([snap]) if snap.deferred else None)
             log.debug("step %d copied in %.3f s; writing in the background", prog["step"], time.monotonic() - t0)
             return None
-        final, manifest, took = write()
+        final, manifest, took = write(comm=self.comm)
         return self._committed(final, manifest, kind, tags, took)
 
     def _in_background(self, kind: str, snap: Any) -> bool:
-        if not self.async_save or kind != "regular" or snap.sharded:
+        if not self.async_save or kind != "regular":
             return False
-        if self.comm.world > 1:
+        if snap.sharded:  # written through DCP's collectives, on the training side
             if not getattr(self, "_warned_sync", False):
                 self._warned_sync = True
-                log.warning("async_save is not supported with several ranks yet: saving synchronously")
+                log.warning("async_save does not cover sharded (FSDP2/DTensor) states yet: saving synchronously")
             return False
         return True
 

@@ -189,11 +189,13 @@ class Run:
         return self._next_seq
 
     # --------------------------------------------------------------------- write
-    def write(self, shared: Snapshot, mine: Snapshot, name: str, **fields: Any) -> tuple[str, Manifest]:
+    def write(self, shared: Snapshot, mine: Snapshot, name: str, comm: Comm | None = None,
+              broken: BaseException | None = None, **fields: Any) -> tuple[str, Manifest]:
         """Commit checkpoint ``name`` (or ``name-2``...) with every rank (a collective, see
-        :mod:`unbroken.collective`); the coordinator queues its upload."""
-        final, manifest = collective.write(self.comm, self.store, self.lock, name, shared, mine, self.next_seq,
-                                           **fields)
+        :mod:`unbroken.collective`, over ``comm``: the background saves' own group when they
+        run beside the training loop's step collectives); the coordinator queues its upload."""
+        final, manifest = collective.write(comm or self.comm, self.store, self.lock, name, shared, mine,
+                                           self.next_seq, broken, **fields)
         self._next_seq = manifest.seq + 1
         if self.uploader is not None:
             self.uploader.enqueue(final)
