@@ -305,6 +305,31 @@ def table(results: dict) -> tuple[list[str], list[list[str]]]:
     return head, rows
 
 
+def goals(results: dict) -> list[dict]:
+    """The save/load goals, as ratios of medians, for the methods that ran."""
+    med = lambda name, phase: statistics.median(results[name][phase])  # noqa: E731
+    have, out = set(results), []
+
+    def check(goal: str, ratio: float, at_least: float | None = None, at_most: float | None = None) -> None:
+        met = (at_least is None or ratio >= at_least) and (at_most is None or ratio <= at_most)
+        out.append({"goal": goal, "ratio": ratio, "met": met})
+
+    if {"unbroken_lazy", "torch"} <= have:
+        check("lazy stall / (torch.save + fsync) <= 0.05", med("unbroken_lazy", "stall") / med("torch", "save"),
+              at_most=0.05)
+    if {"unbroken_async", "torch"} <= have:
+        check("async stall / (torch.save + fsync) (no goal; for comparison)",
+              med("unbroken_async", "stall") / med("torch", "save"))
+    if "raw" in have:
+        check("sync save speed / raw write+fsync speed >= 0.9", med("raw", "save") / med("unbroken", "save"),
+              at_least=0.9)
+        check("load speed / raw read speed >= 0.9", med("raw", "load") / med("unbroken", "load"), at_least=0.9)
+    if "safetensors" in have:
+        check("load speed / safetensors.load_file speed >= 1", med("safetensors", "load") / med("unbroken", "load"),
+              at_least=1.0)
+    return out
+
+
 def render(head: list[str], rows: list[list[str]], md: bool) -> str:
     if md:
         lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
@@ -366,10 +391,13 @@ def main() -> None:
     runs = "\n".join(f"- {k}: save {[round(x, 2) for x in v['save']]}, load {[round(x, 2) for x in v['load']]}, "
                      f"{v['disk_bytes'] / 1e9:.3f} GB on disk" for k, v in results.items())
     head, rows = table(results)
-    print(f"{title}\nMachine: {info}\n\n{render(head, rows, md=False)}\n\nAll runs (s):\n{runs}")
+    checks = goals(results)
+    verdicts = "\n".join(f"- {g['goal']}: {g['ratio']:.3f} ({'met' if g['met'] else 'NOT met'})" for g in checks)
+    print(f"{title}\nMachine: {info}\n\n{render(head, rows, md=False)}\n\nGoals (ratios of medians):\n"
+          f"{verdicts}\n\nAll runs (s):\n{runs}")
     if args.json:
         med = statistics.median
-        doc = {"state_bytes": r0["nbytes"], "machine": info, "reps": args.reps}
+        doc = {"state_bytes": r0["nbytes"], "machine": info, "reps": args.reps, "goals": checks}
         for k, v in results.items():
             doc[k] = {"save_s": med(v["save"]), "load_s": med(v["load"]), "state_bytes": v["nbytes"]}
             if k in STALLS:
@@ -377,7 +405,7 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
     if args.markdown:
         Path(args.markdown).write_text(f"{title}\n\nMachine: {info}\n\n{render(head, rows, md=True)}\n\n"
-                                       f"All runs (s):\n\n{runs}\n")
+                                       f"Goals (ratios of medians):\n\n{verdicts}\n\nAll runs (s):\n\n{runs}\n")
 
 
 if __name__ == "__main__":
