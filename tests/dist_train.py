@@ -89,6 +89,8 @@ def main() -> int:
     p.add_argument("--fail-save-on-rank", type=int, default=None, help="this rank's writes fail (ENOSPC)")
     p.add_argument("--dump-restored", default=None, help="rank 0 writes the full restored state here")
     p.add_argument("--async-save", choices=["copy", "lazy"], default=None)
+    p.add_argument("--touch-after", type=int, default=None,
+                   help="rank 1 changes a parameter in place (by 1.0) right after this step's ckpt.step")
     p.add_argument("--requeue", action="store_true", help="requeue the SLURM job after a preemption save")
     args = p.parse_args()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -135,6 +137,9 @@ def main() -> int:
             log.flush()
             print(f"rank {rank} step {ckpt.progress.step + 1}", flush=True)
             ckpt.step(state, loss=loss.detach())
+            if args.touch_after == ckpt.progress.step and rank == 1:
+                with torch.no_grad():  # the values stay, the version counter moves
+                    next(model.parameters()).mul_(1.0)
     ckpt.close()
     final = full_state(model, opt)
     if rank == 0 and ckpt.progress.step >= args.steps:

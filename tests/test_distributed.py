@@ -131,6 +131,18 @@ def test_ddp_background_saves_killed_and_resumed_bitwise(reference, tmp_path, mo
     assert store.list_committed()[-1] == f"step-{STEPS:09d}"  # the last save committed before exit
 
 
+def test_ddp_lazy_copy_changed_on_one_rank_commits_on_no_rank(tmp_path) -> None:
+    """Rank 1 changes a parameter outside the optimizer step right after the save of step 8 (a
+    lazy snapshot's window): that save commits on no rank, and every rank raises the error at
+    its next save instead of hanging in the collective."""
+    code, out = run(torchrun(2, *job(tmp_path, "--async-save", "lazy", "--touch-after", str(2 * SAVE_EVERY))))
+    assert code != 0
+    assert out.count("changed between the save point") >= 2, out  # rank 1's error, and rank 0 names rank 1
+    assert "rank 1:" in out, out
+    committed = open_store(tmp_path / "run").list_committed()
+    assert f"step-{SAVE_EVERY:09d}" in committed and f"step-{2 * SAVE_EVERY:09d}" not in committed, committed
+
+
 def test_ddp_rank_killed_inside_a_save_never_commits_half(reference, tmp_path) -> None:
     # rank 1 writes two tensor files per save (its share of the replicated ones, its RNG): the 3rd
     # time it is half-way through a file is in the 2nd save

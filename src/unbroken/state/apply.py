@@ -73,9 +73,28 @@ def apply_state(live: MutableMapping[str, Any], saved: dict[str, Any], strict: b
             live[key] = _apply(live[key], value, (key,))
 
 
+def _own(x: Any, memo: dict[int, torch.Tensor]) -> Any:
+    """``x`` with every tensor copied into memory of its own, aliases kept. Loaded tensors are
+    views of the checkpoint's file buffer or of a mapping of the file: an object that keeps
+    them (an optimizer's ``load_state_dict`` adopts its state tensors) must not keep the file
+    alive, nor copy-on-write pages of a mapping (slow first writes, and bytes that would follow
+    the file rather than what was verified). Modules copy into their parameters: no copy."""
+    if isinstance(x, torch.Tensor):
+        if id(x) not in memo:
+            memo[id(x)] = x.clone()
+        return memo[id(x)]
+    if type(x) is dict:
+        return {k: _own(v, memo) for k, v in x.items()}
+    if type(x) in (list, tuple):
+        return type(x)(_own(v, memo) for v in x)
+    return x
+
+
 def _apply(live: Any, saved: Any, path: PathT) -> Any:
     if is_stateful(live):
         value = saved.value if isinstance(saved, StatefulValue) else saved
+        if not isinstance(live, torch.nn.Module):  # a module copies into its parameters; others may keep
+            value = _own(value, {})
         try:
             live.load_state_dict(value)
         except (CorruptCheckpointError, StateMismatchError):
@@ -95,18 +114,18 @@ def _apply(live: Any, saved: Any, path: PathT) -> Any:
             with torch.no_grad():
                 live.copy_(saved)
             return live
-        return saved.to(live.device)
+        return _own(saved, {}).to(live.device)
     if isinstance(live, dict) and isinstance(saved, dict):
         for k in [k for k in live if k not in saved]:
             del live[k]
         for k, v in saved.items():
-            live[k] = _apply(live[k], v, path + (k,)) if k in live else v
+            live[k] = _apply(live[k], v, path + (k,)) if k in live else _own(v, {})
         return live
     if type(live) is list and type(saved) is list:
         if len(live) == len(saved):
             live[:] = [_apply(a, b, path + (i,)) for i, (a, b) in enumerate(zip(live, saved))]
         else:
-            live[:] = saved
+            live[:] = _own(saved, {})
         return live
     if type(live) is torch.Generator and type(saved) is torch.Generator:
         live.set_state(saved.get_state())
@@ -120,4 +139,4 @@ def _apply(live: Any, saved: Any, path: PathT) -> Any:
     if hasattr(live, "setstate") and type(live) is type(saved) and hasattr(saved, "getstate"):
         live.setstate(saved.getstate())  # random.Random
         return live
-    return saved
+    return _own(saved, {})

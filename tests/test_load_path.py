@@ -1,0 +1,67 @@
+"""The load path: large tensor files are mapped and hashed as they stream in; what a restore
+puts into the live objects never keeps a view of the checkpoint file (its own memory), so
+the file changing afterwards changes nothing, and both read paths load the same bytes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import unbroken
+from unbroken.store import readfile
+
+
+def build() -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 1024)  # 4 MB of weights: the files are mapped
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(4, 1024)).sum().backward()
+    opt.step()
+    return {"model": model, "optimizer": opt}
+
+
+def moments(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+
+
+def test_restored_objects_own_their_memory_and_ignore_later_changes_to_the_file(tmp_path: Path) -> None:
+    state = build()
+    with unbroken.Checkpointer(tmp_path / "run", preemption=None) as ckpt:
+        info = ckpt.save(state)
+    assert info is not None
+    files = sorted((tmp_path / "run" / info.name).glob("*.safetensors"))
+    assert max(f.stat().st_size for f in files) >= readfile.MMAP_MIN
+    fresh = {"model": torch.nn.Linear(1024, 1024), "optimizer": None}
+    fresh["optimizer"] = torch.optim.AdamW(fresh["model"].parameters(), lr=0.01)
+    with unbroken.Checkpointer(tmp_path / "run", preemption=None) as ckpt:
+        assert ckpt.restore(fresh) is not None
+    want = [t.clone() for t in moments(state["optimizer"])]
+    got = moments(fresh["optimizer"])
+    assert got
+    for f in files:  # the file is rewritten in place (by someone else): the live state does not follow
+        with open(f, "r+b") as fh:
+            fh.seek(64)
+            fh.write(b"\xff" * (f.stat().st_size - 64))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.equal(fresh["model"].weight, state["model"].weight)
+
+
+@pytest.mark.parametrize("mapped", [True, False])
+def test_both_read_paths_load_the_same_bytes_and_catch_a_flipped_bit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mapped: bool) -> None:
+    if not mapped:
+        monkeypatch.setenv("UNBROKEN_NO_MMAP", "1")
+    state = {"w": torch.randn(3_000_000), "b": torch.arange(10)}
+    unbroken.save(tmp_path / "c", state)
+    got = unbroken.load(tmp_path / "c")
+    assert torch.equal(got["w"], state["w"]) and torch.equal(got["b"], state["b"])
+    f = max((tmp_path / "c").glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    with open(f, "r+b") as fh:
+        fh.seek(f.stat().st_size // 2)
+        byte = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(unbroken.CorruptCheckpointError, match="checksum mismatch"):
+        unbroken.load(tmp_path / "c")
