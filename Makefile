@@ -31,6 +31,9 @@ test-slurm: $(STAMP) system-deps
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_save_load.py
+	$(PY) benchmarks/bench_train_overhead.py
+	$(PY) benchmarks/bench_recovery.py
+	$(PY) benchmarks/bench_format.py
 	$(PY) benchmarks/bench_data_resume.py
 
 clean:

@@ -311,7 +311,8 @@ def goals(results: dict) -> list[dict]:
     have, out = set(results), []
 
     def check(goal: str, ratio: float, at_least: float | None = None, at_most: float | None = None) -> None:
-        met = (at_least is None or ratio >= at_least) and (at_most is None or ratio <= at_most)
+        met = None if at_least is None and at_most is None else \
+            (at_least is None or ratio >= at_least) and (at_most is None or ratio <= at_most)
         out.append({"goal": goal, "ratio": ratio, "met": met})
 
     if {"unbroken_lazy", "torch"} <= have:
@@ -392,7 +393,8 @@ def main() -> None:
                      f"{v['disk_bytes'] / 1e9:.3f} GB on disk" for k, v in results.items())
     head, rows = table(results)
     checks = goals(results)
-    verdicts = "\n".join(f"- {g['goal']}: {g['ratio']:.3f} ({'met' if g['met'] else 'NOT met'})" for g in checks)
+    verdicts = "\n".join(f"- {g['goal']}: {g['ratio']:.3f}" + {True: " (met)", False: " (NOT met)", None: ""}[g["met"]]
+                         for g in checks)
     print(f"{title}\nMachine: {info}\n\n{render(head, rows, md=False)}\n\nGoals (ratios of medians):\n"
           f"{verdicts}\n\nAll runs (s):\n{runs}")
     if args.json:

@@ -32,7 +32,11 @@ configurations so that a noisy phase of the machine hits all of them): steps/s; 
 the spikes of a shared machine; shows a slowdown spread over all steps, e.g. the background
 writer competing for the cores); the stall per save = time inside the ``ckpt.step()`` calls
 that saved, divided by the saves; and the extra time of the ``optimizer.step()`` right after
-a save over the median ``optimizer.step()`` (where ``lazy`` waits for its deferred copies).
+a save over the median ``optimizer.step()`` (where ``lazy`` waits for its deferred copies);
+and the **blocked overhead**: (stall + that wait) per save over the time of ``--every``
+median ``no_ckpt`` steps, the share of the loop's time checkpointing blocks it, which other
+work on a shared machine does not skew the way it skews steps/s (it leaves out any slowdown
+of the other steps by the background writer: the median step times show that).
 The model, dataset and step are shared with ``bench_recovery.py`` (``build``, ``train_step``).
 
 Exactness, checked cheaply: the final loss (bit for bit) and a SHA-256 of all parameters of
@@ -262,12 +266,18 @@ def main() -> None:
                for k in MEDIANS} for c in CONFIGS}
     sps0 = med["no_ckpt"]["steps_per_s"]
     overhead = {c: (sps0 / med[c]["steps_per_s"] - 1) * 100 for c in CONFIGS}
+    # blocked time per save (the stall plus the next step's extra wait) over the time of `every`
+    # median no_ckpt steps: what checkpointing costs the loop, robust to other work on the machine
+    step0 = med["no_ckpt"]["median_step_s"]
+    blocked = {c: (max(0.0, med[c]["stall_per_save_s"]) + max(0.0, med[c]["next_step_wait_per_save_s"]))
+               / (a.every * step0) * 100 for c in CONFIGS if c != "no_ckpt"}
     head = ["config", "steps/s", "overhead vs no_ckpt", "median step ms", "saves", "stall / save s",
-            "next opt.step wait / save s"]
+            "next opt.step wait / save s", "blocked overhead"]
     rows = [[c, f"{m['steps_per_s']:.3f}", "-" if c == "no_ckpt" else f"{overhead[c]:+.1f} %",
              f"{m['median_step_s'] * 1e3:.1f}", "-" if c == "no_ckpt" else f"{m['saves']:.0f}",
              "-" if c == "no_ckpt" else f"{m['stall_per_save_s']:.3f}",
-             "-" if c == "no_ckpt" else f"{m['next_step_wait_per_save_s']:+.3f}"] for c, m in med.items()]
+             "-" if c == "no_ckpt" else f"{m['next_step_wait_per_save_s']:+.3f}",
+             "-" if c == "no_ckpt" else f"{blocked[c]:.2f} %"] for c, m in med.items()]
     title = (f"Model: {a.layers} layers, dim {a.dim}, seq {a.seq}, batch {a.batch}, vocab {a.vocab}; state "
              f"{ref['state_bytes'] / 1e6:.1f} MB (params + AdamW moments); {a.steps} timed steps after {a.warmup} "
              f"warm-up, save every {a.every}; {a.threads} torch threads; median of {a.reps} runs; 1-min load "
@@ -284,6 +294,7 @@ def main() -> None:
         ckpts = [c for c in CONFIGS if c != "no_ckpt"]
         doc = {"steps_per_s_no_ckpt": sps0, "steps_per_s_ckpt": {c: med[c]["steps_per_s"] for c in ckpts},
                "overhead_pct": {c: overhead[c] for c in ckpts},
+               "blocked_overhead_pct": blocked,
                "stall_per_save_s": {c: med[c]["stall_per_save_s"] for c in ckpts},
                "next_step_wait_per_save_s": {c: med[c]["next_step_wait_per_save_s"] for c in ckpts},
                "state_bytes": ref["state_bytes"], "every": a.every, "steps": a.steps, "warmup": a.warmup,

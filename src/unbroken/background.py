@@ -18,6 +18,12 @@ The rules, which the :class:`~unbroken.Checkpointer` follows:
   a commit is atomic.
 * Events, retention and the run index are handled in the training thread, when the
   finished save is collected: the background thread only writes and commits.
+* **Lazy snapshots** (``async_save="lazy"``): the thread first makes the copies the snapshot
+  deferred, then waits for the training thread's verdict on them (:mod:`unbroken.lazy`)
+  before it writes; a bad verdict is handed to the job, which commits nothing.
+* **Several ranks**: every rank's thread runs the commit protocol over a gloo group of its
+  own (not the one the loop's per-step collectives use), and a failed save is raised by the
+  next save, on every rank at the same step.
 """
 
 from __future__ import annotations

@@ -84,7 +84,8 @@ class StepGate:
 
     def __init__(self, snaps: list[Snapshot]) -> None:
         self._snaps = snaps
-        self._watched = [(t, t._version, key.split(":", 1)[-1]) for s in snaps for _, t, key in s.deferred]
+        live = [(t, key) for s in snaps for _, t, key in s.deferred] + [x for s in snaps for x in s.device_deferred]
+        self._watched = [(t, t._version, key.split(":", 1)[-1]) for t, key in live]
         self._lazy_events = [ev for s in snaps for ev in s.lazy_events]
         self._copied = threading.Event()
         self._judged = threading.Event()

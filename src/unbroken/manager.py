@@ -25,16 +25,15 @@ import torch
 from .api import CheckpointInfo, read_path
 from .background import BackgroundSaves
 from .environment import EnvCheck, fingerprint
-from .environment import check as check_environment
 from .errors import NoCheckpointError, UnbrokenError
-from .events import EventBus, Restored, Saved, Started, StepEnded, Tagged
+from .events import EventBus, Saved, Started, StepEnded, Tagged
 from .faults import Preemption, slurm
 from .faults.guard import StepGuard
 from .faults.handlers import preempt_and_exit, step_failed
 from .faults.signals import SignalWatcher
 from .format.manifest import Manifest
 from .policies import Retention, Trigger
-from .probe import ProbeFn, ProbeReport, check_after_resume, run_probe
+from .probe import ProbeFn, ProbeReport, run_probe
 from .recorder import Recorder
 from .lazy import StepGate, step_only_storages
 from .run import Run
@@ -42,7 +41,7 @@ from .scheduling import Schedule
 from .snapshot import Snapshotter
 from .data.loader import ResumableLoader
 from .dist.comm import Comm
-from .restoring import apply_parts, check_parts, load_sharded_parts, restore_rng
+from .restoring import RESERVED, apply_checkpoint
 from .state.checks import UnbrokenWarning, clean_metrics, find_forgotten_state
 from .state.rng import GlobalRNG
 from .state.stateful import Gradients, PerRank, Progress
@@ -50,7 +49,6 @@ from .tags import check_tag
 from .tiers import Remote
 
 log = logging.getLogger("unbroken")
-RESERVED = "__unbroken__"
 _open: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
 
 
@@ -271,33 +269,8 @@ class Checkpointer:
         return None
 
     def _apply(self, state: MutableMapping[str, Any], loaded: Any, where: str) -> CheckpointInfo:
-        """Load ``loaded`` into ``state`` (see :mod:`unbroken.restoring` for the order)."""
-        check_environment(loaded.manifest.environment, self.environment(), self.env.policy)
-        saved = dict(loaded.state)
-        extra = saved.pop(RESERVED, None)
-        extra = extra if isinstance(extra, dict) else {}
-        check_parts(loaded, extra, self.comm.world, self.rng)
-        saved = load_sharded_parts(state, saved, loaded, self.comm.group)
-        mine = (loaded.rank_state or {}).get("state")
-        apply_parts(state, saved, mine if isinstance(mine, dict) else None, list(extra.get("per_rank", [])),
-                    self.strict, self.comm.rank)
-        if "progress" in extra:
-            self.progress.load_state_dict(getattr(extra["progress"], "value", extra["progress"]))
-        if "trigger" in extra:
-            self.schedule.load_state_dict(getattr(extra["trigger"], "value", extra["trigger"]))
-        rng = restore_rng(loaded, extra.get("rng"), self.comm.rank, self.comm.world) if self.rng else "not restored"
-        self._sync_data_position(state)
-        if loaded.manifest.world_size != self.comm.world:
-            log.warning("world size changed from %d to %d: sharded tensors resharded, the data continues at global "
-                        "sample %d of epoch %d, RNGs %s", loaded.manifest.world_size, self.comm.world,
-                        self.progress.samples, self.progress.epoch, rng)
-        if self.probe is not None and loaded.manifest.probe:  # in a fork of the RNGs: changes nothing
-            self.probe_report = check_after_resume(self.probe, loaded.manifest.probe)
-        self.metrics = dict(loaded.manifest.metrics)
-        in_run = where == self.run.describe(loaded.name)
-        self.events.publish(Restored(loaded.name if in_run else where, where, self.progress.step))
-        log.info("resumed from %s (step %d)", where, loaded.manifest.step)
-        return CheckpointInfo.of(where, loaded.name, loaded.manifest)
+        """Load ``loaded`` into ``state`` (see :func:`unbroken.restoring.apply_checkpoint`)."""
+        return apply_checkpoint(self, state, loaded, where)
 
     # ----------------------------------------------------------------------- save
     def step(self, state: Mapping[str, Any], **metrics: Any) -> CheckpointInfo | None:
@@ -386,7 +359,8 @@ class Checkpointer:
 
         if self._in_background(kind, snap):
             self.schedule.saved(prog["step"], fields["metrics"])
-            self._background.submit(write, (kind, tags), StepGate([snap]) if snap.deferred else None)
+            gate = StepGate([snap]) if snap.deferred or snap.lazy_events else None
+            self._background.submit(write, (kind, tags), gate)
             log.debug("step %d copied in %.3f s; writing in the background", prog["step"], time.monotonic() - t0)
             return None
         final, manifest, took = write(comm=self.comm)

@@ -22,12 +22,16 @@ from typing import Any
 MIN_BYTES = 512 * 1024 * 1024
 """Saves and loads smaller than this get no bar (they take about a second or less)."""
 
-_local = threading.local()
+class _Current:
+    bar: Any = None
+
+
+_local = _Current()  # one bar at a time, opened by the main thread; readers in other threads count on it
 
 
 def _wanted(total: int) -> bool:
     setting = os.environ.get("UNBROKEN_PROGRESS", "")
-    if setting == "0" or getattr(_local, "bar", None) is not None:
+    if setting == "0" or _local.bar is not None:
         return False
     if threading.current_thread() is not threading.main_thread():
         return False
@@ -56,7 +60,7 @@ def task(description: str, total: int) -> Iterator[None]:
 
 
 def advance(nbytes: int) -> None:
-    """Count ``nbytes`` moved on this thread's bar (nothing if there is none)."""
-    current = getattr(_local, "bar", None)
+    """Count ``nbytes`` moved on the bar shown (nothing if there is none)."""
+    current = _local.bar
     if current is not None:
         current[0].advance(current[1], nbytes)

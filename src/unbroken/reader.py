@@ -17,6 +17,8 @@ assembled into full tensors (:meth:`LoadedCheckpoint.materialize`).
 from __future__ import annotations
 
 import json
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -47,6 +49,11 @@ class ShardedRef:
 
 def read_manifest(storage: Storage, name: str) -> Manifest:
     return Manifest.from_json(bytes(storage.read(name, MANIFEST)))
+
+
+READERS = int(os.environ.get("UNBROKEN_READERS", "2"))
+"""Large files of one checkpoint read (and hashed) at the same time."""
+PARALLEL_MIN = 16 * 1024 * 1024
 
 
 class _Counted:
@@ -84,7 +91,12 @@ class CheckpointFiles:
     def verify(self, fnames: Iterable[str]) -> None:
         todo = [f for f in fnames if f not in self._bytes]
         total = sum(e.size for f in todo if (e := self.manifest.files.get(f)) is not None)
+        big = [f for f in todo if (e := self.manifest.files.get(f)) is not None and e.size >= PARALLEL_MIN]
         with progress.task(f"reading {self.name}", total):
+            if len(big) > 1 and READERS > 1:  # large files in parallel: one reads while another hashes
+                with ThreadPoolExecutor(min(READERS, len(big)), thread_name_prefix="unbroken-read") as pool:
+                    for f in [pool.submit(self.read, fname) for fname in big]:
+                        f.result()
             for fname in todo:
                 self.read(fname)
 

@@ -51,6 +51,8 @@ class Snapshot:
     """CUDA events after which the device-to-host copies are in the staging buffers."""
     lazy_events: list[Any] = field(default_factory=list)
     """CUDA events after which the deferred device copies are done (the optimizer step waits)."""
+    device_deferred: list[tuple[torch.Tensor, str]] = field(default_factory=list)
+    """The live GPU tensors copied after ``lazy_events``, by key (for the version check)."""
 
     def complete(self) -> None:
         """Make the deferred copies and wait for the device copies: afterwards every staging
@@ -88,6 +90,7 @@ class _Sink:
         self.deferred: list[tuple[torch.Tensor, torch.Tensor, str]] = []
         self.cuda_eager: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.cuda_lazy: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.cuda_lazy_keys: list[str] = []
         self.files: dict[str, list[TensorEntry]] = {}
         self.sharded: dict[str, torch.Tensor] = {}
         self._file_of_top: dict[Any, str] = {}
@@ -142,6 +145,8 @@ class _Sink:
             self.pool[slot] = buf
         if t.device.type == "cuda":
             (self.cuda_lazy if deferred else self.cuda_eager).append((buf, t))
+            if deferred:
+                self.cuda_lazy_keys.append(slot)
         elif deferred:
             self.deferred.append((buf, t, slot))
         else:
@@ -171,6 +176,7 @@ class _Sink:
                 events.append(ev)
         if snap.lazy_events:
             snap.events.extend(snap.lazy_events)
+            snap.device_deferred = [(t, key) for (_, t), key in zip(self.cuda_lazy, self.cuda_lazy_keys)]
         if self.copy and self.cuda_eager:
             main.wait_event(snap.events[0])  # training may change these right after the save point
 

@@ -34,6 +34,8 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 PIECE = 16 * 1024 * 1024
 """Bytes read (or hashed from a mapping) at a time: small enough to stay in the CPU cache."""
+AHEAD = 256 * 1024 * 1024
+"""How far ahead of the hasher the kernel is asked to read a mapped file."""
 MMAP_MIN = 4 * 1024 * 1024
 """Files at least this large are mapped (where mmap exists and is not turned off)."""
 
@@ -84,16 +86,26 @@ def read_file(folder: Path, file: str, size: int | None, max_unsized: int, hashe
         return buf
 
 
+def _will_need(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to read ahead (asynchronously, in large requests)."""
+    if hasattr(os, "posix_fadvise") and length > 0:
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+
+
 def _map(fd: int, size: int, hasher: Hasher | None) -> Buffer:
-    """A private (copy-on-write) mapping of the whole file, hashed piece by piece."""
+    """A private (copy-on-write) mapping of the whole file, hashed piece by piece while the
+    kernel reads :data:`AHEAD` bytes ahead of the hasher (``posix_fadvise``: about twice as
+    fast here as page faults with ``madvise`` read-ahead, and bounded, unlike a WILLNEED of
+    the whole file, which would flood the page cache with a file larger than memory)."""
     m = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    if hasattr(m, "madvise"):
-        m.madvise(mmap.MADV_SEQUENTIAL)
-        m.madvise(mmap.MADV_WILLNEED)
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, size, os.POSIX_FADV_SEQUENTIAL)
+    _will_need(fd, 0, min(size, AHEAD))
     if hasher is not None:
         view = memoryview(m)
         try:
             for i in range(0, size, PIECE):
+                _will_need(fd, i + AHEAD, min(PIECE, size - i - AHEAD))
                 hasher.update(view[i:i + PIECE])
         finally:
             view.release()
