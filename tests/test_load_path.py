@@ -65,3 +65,37 @@ def test_both_read_paths_load_the_same_bytes_and_catch_a_flipped_bit(
         fh.write(bytes([byte[0] ^ 1]))
     with pytest.raises(unbroken.CorruptCheckpointError, match="checksum mismatch"):
         unbroken.load(tmp_path / "c")
+
+
+def test_large_files_written_in_parallel_round_trip_and_a_failure_commits_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parallel writer (large local files written by two threads at once, threshold
+    lowered here) produces the same checkpoint; one file failing aborts the whole save."""
+    import errno
+    import threading
+
+    from unbroken import persist
+
+    monkeypatch.setattr(persist, "PARALLEL_MIN", 1)
+    real, threads = persist.write_tensors, set()
+
+    def record(staging, fname, entries):  # type: ignore[no-untyped-def]
+        threads.add(threading.current_thread().name)
+        return real(staging, fname, entries)
+
+    monkeypatch.setattr(persist, "write_tensors", record)
+    state = {"a": torch.randn(100_000), "b": {"x": torch.randn(50_000)}, "c": torch.arange(7)}
+    unbroken.save(tmp_path / "ok", state)
+    got = unbroken.load(tmp_path / "ok")
+    assert torch.equal(got["a"], state["a"]) and torch.equal(got["b"]["x"], state["b"]["x"])
+    assert any(name.startswith("unbroken-write") for name in threads)
+
+    def fail_b(staging, fname, entries):  # type: ignore[no-untyped-def]
+        if "-b" in fname:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        return real(staging, fname, entries)
+
+    monkeypatch.setattr(persist, "write_tensors", fail_b)
+    with pytest.raises(unbroken.StorageError, match="No space"):
+        unbroken.save(tmp_path / "bad", state)
+    assert not (tmp_path / "bad").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".staging")]

@@ -13,6 +13,8 @@ would look at and every earlier checkpoint untouched.
 from __future__ import annotations
 
 import errno
+import os
+from concurrent.futures import ThreadPoolExecutor
 import json
 import time
 from typing import Any, Iterable
@@ -23,6 +25,13 @@ from .format.manifest import MANIFEST, STATE_FILE, FileEntry, Manifest, new_hash
 from .format.tensorfile import TensorEntry, write_tensor_file
 from .snapshot import Snapshot
 from .store.base import Staging, Store
+
+
+WRITERS = int(os.environ.get("UNBROKEN_WRITERS", "2"))
+"""Large tensor files of one save written at the same time (measured: 2 files of 384 MB in 2
+threads took 1.17-1.40 s against 1.39-2.25 s one after the other, on 2 cores)."""
+PARALLEL_MIN = 64 * 1024 * 1024
+"""Only files at least this large are written in parallel."""
 
 
 def tree_bytes(snapshot: Snapshot) -> bytes:
@@ -55,8 +64,16 @@ def write_part(staging: Staging, snapshot: Snapshot, json_name: str | None, tens
     snapshot.complete()  # deferred and device copies land in the staging buffers first
     tensor_files = list(tensor_files)
     total = sum(e.tensor.numel() * e.tensor.element_size() for f in tensor_files for e in snapshot.files[f])
+    sizes = {f: sum(e.tensor.numel() * e.tensor.element_size() for e in snapshot.files[f]) for f in tensor_files}
+    big = [f for f in tensor_files if sizes[f] >= PARALLEL_MIN]
     with progress.task("saving", total):
-        files = {fname: write_tensors(staging, fname, snapshot.files[fname]) for fname in tensor_files}
+        files: dict[str, FileEntry] = {}
+        if len(big) > 1 and WRITERS > 1 and getattr(staging, "parallel_files", False):
+            # local files: one file's write or fsync overlaps another's hashing
+            with ThreadPoolExecutor(min(WRITERS, len(big)), thread_name_prefix="unbroken-write") as pool:
+                futures = {f: pool.submit(write_tensors, staging, f, snapshot.files[f]) for f in big}
+                files.update({f: fut.result() for f, fut in futures.items()})
+        files.update({f: write_tensors(staging, f, snapshot.files[f]) for f in tensor_files if f not in files})
     if json_name is not None:
         files[json_name] = write_blob(staging, json_name, tree_bytes(snapshot))
     return files

@@ -132,6 +132,8 @@ class _DurableFile:
 class LocalStaging:
     """A checkpoint being written into a hidden sibling folder."""
 
+    parallel_files = True  # files may be written from several threads at once
+
     def __init__(self, store: "LocalStore", name: str) -> None:
         self.store = store
         self.name = name
@@ -165,6 +167,8 @@ class LocalStaging:
 
 class _JoinedStaging:
     """A rank writing its files into the coordinator's staging folder."""
+
+    parallel_files = True
 
     def __init__(self, path: Path) -> None:
         self.path, self.name, self.token = path, _HIDDEN.match(path.name)["name"], path.name  # type: ignore[index]
