@@ -34,6 +34,11 @@ def test_help_from_the_installed_script() -> None:
         assert command in out.stdout
 
 
+def test_version() -> None:
+    out = runner.invoke(app, ["--version"])
+    assert out.exit_code == 0 and out.output.strip() == f"unbroken {unbroken.__version__}"
+
+
 def test_list_shows_checkpoints_newest_first(run: Path) -> None:
     res = runner.invoke(app, ["list", str(run)])
     assert res.exit_code == 0, res.output

@@ -99,3 +99,20 @@ def test_large_files_written_in_parallel_round_trip_and_a_failure_commits_nothin
     with pytest.raises(unbroken.StorageError, match="No space"):
         unbroken.save(tmp_path / "bad", state)
     assert not (tmp_path / "bad").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".staging")]
+
+
+def test_load_into_a_plain_state_reads_a_checkpointers_checkpoint_without_its_lock(tmp_path: Path) -> None:
+    """An evaluation job loads a training run's checkpoint with ``unbroken.load(path, state)``,
+    strictly, while the training still holds the run: the Checkpointer's own part is left out
+    and no lock is taken."""
+    state = build()
+    with unbroken.Checkpointer(tmp_path / "run", preemption=None) as ckpt:
+        ckpt.progress.step = 3
+        info = ckpt.save(state)
+        assert info is not None
+        fresh = {"model": torch.nn.Linear(1024, 1024)}
+        fresh["optimizer"] = torch.optim.AdamW(fresh["model"].parameters(), lr=0.01)
+        unbroken.load(tmp_path / "run" / info.name, fresh)  # strict, while the run is held
+    assert torch.equal(fresh["model"].weight, state["model"].weight)
+    raw = unbroken.load(tmp_path / "run" / info.name)
+    assert raw["__unbroken__"]["progress"]["step"] == 3  # without a state, everything

@@ -79,6 +79,8 @@ _inflight: PendingSave | None = None
 _inflight_lock = threading.Lock()
 _staging = Snapshotter(copy=True)  # host buffers reused by background saves, one at a time
 log = logging.getLogger("unbroken")
+RESERVED = "__unbroken__"
+"""The top-level key under which a Checkpointer keeps its own state (progress, trigger, RNGs)."""
 
 
 def _wait_inflight(raise_unseen: bool) -> None:
@@ -167,12 +169,16 @@ def load(path: str | os.PathLike[str], state: MutableMapping[str, Any] | None = 
 
     With ``state``, restore into its objects in place (``load_state_dict`` for
     ``Stateful`` objects) and return it. Without, return the saved tree as plain
-    Python values and CPU tensors. Never unpickles anything.
+    Python values and CPU tensors. Never unpickles anything. A checkpoint written by a
+    :class:`Checkpointer` loads into a plain ``state`` too: its own part (``__unbroken__``:
+    progress, RNGs) is left out unless ``state`` has that key; nothing takes the run's lock.
     """
     loaded = read_path(path, storage_options)
     tree = loaded.materialize()  # sharded tensors (saved by several ranks) as full tensors
     if state is None:
         return unwrap(tree)
+    if RESERVED not in state:  # a Checkpointer's own part (progress, RNGs): not the user's state
+        tree = {k: v for k, v in tree.items() if k != RESERVED}
     apply_state(state, tree, strict=strict)
     return dict(state)
 

@@ -19,11 +19,21 @@ console = Console()
 _options: dict[str, object] = {}
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        print(f"unbroken {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
 def _main(option: list[str] = typer.Option([], "--option", "-o", metavar="KEY=VALUE",
                                             help="A storage option for URL locations, e.g. -o endpoint_url=http://"
                                                  "127.0.0.1:8333 -o anon=true (repeatable). Credentials also come "
-                                                 "from the backend's environment variables (AWS_*).")) -> None:
+                                                 "from the backend's environment variables (AWS_*)."),
+          version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                       help="Print unbroken's version and exit.")) -> None:
     """Checkpoints that survive anything, and resume bitwise identically."""
     for item in option:
         key, sep, value = item.partition("=")

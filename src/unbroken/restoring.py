@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import xxhash
 
-from .api import CheckpointInfo
+from .api import RESERVED, CheckpointInfo
 from .environment import check as check_environment
 from .events import Restored
 from .probe import check_after_resume
@@ -36,8 +36,6 @@ from .state.rng import GlobalRNG
 from .state.stateful import PerRank, Progress, is_stateful
 
 log = logging.getLogger("unbroken")
-RESERVED = "__unbroken__"
-"""The top-level key under which a Checkpointer keeps its own state (progress, trigger, RNGs)."""
 
 
 def _pair(saved: Any, live: Any, out: dict[str, torch.Tensor]) -> None:
