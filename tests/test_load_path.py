@@ -116,3 +116,36 @@ def test_load_into_a_plain_state_reads_a_checkpointers_checkpoint_without_its_lo
     assert torch.equal(fresh["model"].weight, state["model"].weight)
     raw = unbroken.load(tmp_path / "run" / info.name)
     assert raw["__unbroken__"]["progress"]["step"] == 3  # without a state, everything
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype", "missing key", "optimizer class", "scheduler class"])
+def test_a_mismatched_restore_fails_before_changing_anything(tmp_path: Path, change: str) -> None:
+    """Module.load_state_dict copies the matching tensors before it raises (a half-restored
+    model) and casts dtypes silently; Adam moments restored into SGD fail only at the next step;
+    a LambdaLR state restored into StepLR changes the schedule. All refused up front."""
+    def make(width: int = 8, dtype: torch.dtype = torch.float32, opt: str = "adam", sched: str = "lambda",
+             extra: bool = False) -> dict:
+        torch.manual_seed(1)
+        model = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Linear(width, 2)).to(dtype)
+        if extra:
+            model.register_buffer("extra", torch.zeros(3))
+        o = torch.optim.AdamW(model.parameters()) if opt == "adam" else torch.optim.SGD(model.parameters(), lr=0.1)
+        s = (torch.optim.lr_scheduler.LambdaLR(o, lambda e: 1.0) if sched == "lambda"
+             else torch.optim.lr_scheduler.StepLR(o, 10))
+        return {"model": model, "optimizer": o, "scheduler": s}
+
+    with unbroken.Checkpointer(tmp_path / "run", preemption=None) as ckpt:
+        ckpt.save(make(dtype=torch.float64 if change == "dtype" else torch.float32))
+    kwargs = {"shape": dict(width=16), "dtype": {}, "missing key": dict(extra=True),
+              "optimizer class": dict(opt="sgd"), "scheduler class": dict(sched="step")}[change]
+    live = make(**kwargs)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for p in live["model"].parameters():
+            p.normal_()
+    before = {k: v.clone() for k, v in live["model"].state_dict().items()}
+    with unbroken.Checkpointer(tmp_path / "run", preemption=None) as ckpt:
+        with pytest.raises(unbroken.StateMismatchError):
+            ckpt.restore(live)
+        assert ckpt.progress.step == 0
+    assert all(torch.equal(v, before[k]) for k, v in live["model"].state_dict().items())  # untouched

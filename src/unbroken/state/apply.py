@@ -4,10 +4,11 @@ The live state is the dict the user passes to ``restore``/``load``. Its objects 
 their identity: ``Stateful`` objects get ``load_state_dict``, dicts and lists are
 updated in place, tensors are copied into (same shape and dtype) or replaced,
 generators get their state set. Plain values are replaced in their container.
-Before anything is touched, the top-level keys are compared and the saved state of
-every :class:`~unbroken.Progress` and global-RNG object is validated
-(:func:`check_state`), so a mismatch or a malformed counter or RNG state fails without
-half-restoring the state. (A user's ``load_state_dict`` can still fail part way: it is
+Before anything is touched, the top-level keys are compared, the saved state of
+every :class:`~unbroken.Progress` and global-RNG object is validated, every module's
+tensors are compared with the saved ones (keys, shapes, dtypes) and every torch optimizer
+and LR scheduler with the saved one's class (:func:`check_state`), so a mismatch or a
+malformed counter or RNG state fails without half-restoring the state. (A user's ``load_state_dict`` can still fail part way: it is
 only called after these checks.)
 """
 
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 
 from ..errors import CorruptCheckpointError, StateMismatchError
-from .codec import PathT, StatefulValue, render_path
+from .codec import PathT, StatefulValue, qualname, render_path
 from .rng import GlobalRNG
 from .stateful import PerRank, Progress, is_stateful
 
@@ -54,6 +55,8 @@ def check_state(live: Any, saved: Any, path: PathT = ()) -> None:
             raise type(e)(f"{render_path(path)}: {e}") from None
         return
     if is_stateful(live):
+        if isinstance(saved, StatefulValue):
+            _check_stateful(live, saved, path)
         return
     if isinstance(live, MutableMapping) and isinstance(saved, dict):
         for k, v in saved.items():
@@ -71,6 +74,39 @@ def apply_state(live: MutableMapping[str, Any], saved: dict[str, Any], strict: b
     for key, value in saved.items():
         if key in live:
             live[key] = _apply(live[key], value, (key,))
+
+
+def _check_stateful(live: Any, saved: StatefulValue, path: PathT) -> None:
+    """What ``load_state_dict`` would get wrong only half-way or silently: a torch optimizer or
+    LR scheduler of another class (Adam moments into SGD fail at the next step; a LambdaLR
+    state into StepLR changes the schedule), and a module whose tensors do not match the
+    saved ones (``load_state_dict`` copies the matching ones before it raises, and casts
+    dtypes silently). Raises :class:`StateMismatchError`, changing nothing."""
+    where = render_path(path)
+    cls = qualname(live)
+    if cls != saved.cls and cls.startswith("torch.optim.") and saved.cls.startswith("torch.optim."):
+        raise StateMismatchError(
+            f"{where} was saved from a {saved.cls}, but the state holds a {cls}: its state would not "
+            "fit. To continue with a new optimizer or scheduler on purpose, leave it out of the state "
+            "you restore (restore the rest with strict=False) and create it fresh.")
+    if not isinstance(live, torch.nn.Module) or not isinstance(saved.value, dict):
+        return
+    want = {k: v for k, v in live.state_dict().items() if isinstance(v, torch.Tensor)}
+    have = saved.value
+    missing = [k for k in want if k not in have]
+    unexpected = [k for k, v in have.items() if k not in want and isinstance(v, torch.Tensor)]
+    wrong = []
+    for k, t in want.items():
+        v = have.get(k)
+        if isinstance(v, torch.Tensor) and type(t) is torch.Tensor and (v.shape != t.shape or v.dtype != t.dtype):
+            wrong.append(f"{k}: saved {tuple(v.shape)} {str(v.dtype).removeprefix('torch.')}, the model has "
+                         f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}")
+    problems = ([f"missing from the checkpoint: {missing[:5]}"] if missing else []) + \
+        ([f"not in the model: {unexpected[:5]}"] if unexpected else []) + wrong[:5]
+    if problems:
+        raise StateMismatchError(
+            f"{where} does not match the checkpoint ({'; '.join(problems)}). Nothing was loaded: "
+            "build the model as it was when saved (sizes, dtype; convert after loading).")
 
 
 def _own(x: Any, memo: dict[int, torch.Tensor]) -> Any:

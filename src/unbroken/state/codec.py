@@ -75,7 +75,8 @@ class StatefulValue:
     value: Any
 
 
-def _qualname(obj: Any) -> str:
+def qualname(obj: Any) -> str:
+    """``module.QualName`` of ``obj``'s class (how a Stateful object's class is recorded)."""
     t = type(obj)
     return f"{t.__module__}.{t.__qualname__}"
 
@@ -170,7 +171,7 @@ class Encoder:
         if isinstance(obj, pathlib.PurePath):
             return {TAG: "path", "posix": isinstance(obj, pathlib.PurePosixPath), "v": str(obj)}
         if is_stateful(obj):
-            return {TAG: "stateful", "class": _qualname(obj), "v": self.encode(obj.state_dict(), path)}
+            return {TAG: "stateful", "class": qualname(obj), "v": self.encode(obj.state_dict(), path)}
         self._unsupported(obj, path)
 
     def _dict(self, obj: dict, path: PathT) -> dict[str, Any]:
@@ -195,7 +196,7 @@ class Encoder:
             return ref
         if type(t) not in (torch.Tensor, torch.nn.Parameter):
             raise UnsupportedStateError(
-                f"{render_path(path)} is a tensor subclass {_qualname(t)}; save a plain "
+                f"{render_path(path)} is a tensor subclass {qualname(t)}; save a plain "
                 "tensor instead (e.g. t.full_tensor() for a DTensor)."
             )
         if t.layout != torch.strided:
@@ -244,7 +245,7 @@ class Encoder:
     @staticmethod
     def _unsupported(obj: Any, path: PathT) -> None:
         raise UnsupportedStateError(
-            f"{render_path(path)} is a {_qualname(obj)}, which unbroken cannot save without pickle. "
+            f"{render_path(path)} is a {qualname(obj)}, which unbroken cannot save without pickle. "
             "Give its class state_dict() (returning plain values and tensors) and "
             "load_state_dict(d) so it is Stateful, or convert it to a supported type: "
             f"{SUPPORTED_TYPES}."
