@@ -196,6 +196,18 @@ def test_absurd_rng_and_progress_values_fail_the_restore_before_anything_changes
     assert torch.equal(torch.get_rng_state(), rng_before[2])
 
 
+def sparse_8gib_file(path: Path) -> tuple[Path, str]:
+    """Checkpoint step 4 with its model file grown (sparse) to 8 GiB and listed with that size."""
+    ckpt = path / "step-000000004"
+    fname = model_file(ckpt)
+    with open(ckpt / fname, "r+b") as f:
+        f.truncate(8 * 2**30)
+    doc = load_doc(ckpt)
+    doc["files"][fname]["size"] = 8 * 2**30
+    save_doc(ckpt, doc)
+    return ckpt, fname
+
+
 def test_a_listed_file_bigger_than_the_memory_is_refused_before_allocating(
         run: tuple[Path, dict], monkeypatch: pytest.MonkeyPatch) -> None:
     """A sparse 8 GiB file listed with its true size: reading it whole would be killed by the
@@ -205,13 +217,7 @@ def test_a_listed_file_bigger_than_the_memory_is_refused_before_allocating(
     stores and of ``UNBROKEN_NO_MMAP=1``.)"""
     monkeypatch.setenv("UNBROKEN_NO_MMAP", "1")
     path, _ = run
-    ckpt = path / "step-000000004"
-    fname = model_file(ckpt)
-    with open(ckpt / fname, "r+b") as f:
-        f.truncate(8 * 2**30)
-    doc = load_doc(ckpt)
-    doc["files"][fname]["size"] = 8 * 2**30
-    save_doc(ckpt, doc)
+    ckpt, fname = sparse_8gib_file(path)
     monkeypatch.setattr(local_store, "available_memory", lambda: 4 * 2**30)  # a 4 GiB machine
     with pytest.raises(StorageError, match=r"8\.0 GiB.*4\.0 GiB"):
         unbroken.verify(ckpt)
@@ -229,13 +235,7 @@ def test_a_large_local_file_is_mapped_and_checked_without_allocating_it(
     """The same 8 GiB sparse file on a "4 GiB machine", read the default way: it is mapped
     (no allocation, so no refusal), every byte is hashed, and the checksum finds it altered."""
     path, _ = run
-    ckpt = path / "step-000000004"
-    fname = model_file(ckpt)
-    with open(ckpt / fname, "r+b") as f:
-        f.truncate(8 * 2**30)
-    doc = load_doc(ckpt)
-    doc["files"][fname]["size"] = 8 * 2**30
-    save_doc(ckpt, doc)
+    ckpt, fname = sparse_8gib_file(path)
 
     real = local_store.allocate
 

@@ -39,9 +39,8 @@ from .lazy import StepGate, step_only_storages
 from .run import Run
 from .scheduling import Schedule
 from .snapshot import Snapshotter
-from .data.loader import ResumableLoader
 from .dist.comm import Comm
-from .restoring import RESERVED, apply_checkpoint
+from .restoring import RESERVED, apply_checkpoint, sync_data_position
 from .state.checks import UnbrokenWarning, clean_metrics, find_forgotten_state
 from .state.rng import GlobalRNG
 from .state.stateful import Gradients, PerRank, Progress
@@ -284,7 +283,7 @@ class Checkpointer:
             self.flush()  # a failed background save is raised here (several ranks: at the next save)
         # The step boundary is one transition: everything that can fail is computed first.
         clean = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
-        self._sync_data_position(state)
+        sync_data_position(self.progress, state)
         after = {**self.progress.state_dict(), "step": self.progress.step + 1, "micro_step": 0}
         start = self._guard.prepare(after) if self._guard is not None else None
         self.progress.step, self.progress.micro_step = after["step"], 0
@@ -333,7 +332,7 @@ class Checkpointer:
         self._first_save_checks(state)
         tags = [check_tag(tag)] if tag else []
         if progress is None:
-            self._sync_data_position(state)
+            sync_data_position(self.progress, state)
         prog = dict(progress) if progress is not None else self.progress.state_dict()
         shared: dict[str, Any] = {k: v for k, v in state.items() if not isinstance(v, PerRank)}
         shared[RESERVED] = {"progress": dict(prog)}
@@ -389,13 +388,6 @@ class Checkpointer:
                         "would not finish in time", took, grace)
         self.prune(keep=final)
         return info
-
-    def _sync_data_position(self, state: Mapping[str, Any]) -> None:
-        """Progress has one owner: with a ResumableLoader in the state, the epoch and the global
-        samples consumed are the loader's, never copied by hand."""
-        loaders = [v for v in state.values() if isinstance(v, ResumableLoader)]
-        if len(loaders) == 1:
-            self.progress.epoch, self.progress.samples = loaders[0].epoch, loaders[0].samples_seen
 
     def _first_save_checks(self, state: Mapping[str, Any]) -> None:
         if not self._checked_state:

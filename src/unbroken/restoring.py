@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import random
 import warnings
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import numpy as np
@@ -29,6 +29,7 @@ from .api import RESERVED, CheckpointInfo
 from .environment import check as check_environment
 from .events import Restored
 from .probe import check_after_resume
+from .data.loader import ResumableLoader
 from .reader import LoadedCheckpoint, ShardedRef, contains_sharded, substitute
 from .state.apply import apply_state, check_keys
 from .state.codec import StatefulValue
@@ -135,6 +136,14 @@ def restore_rng(loaded: LoadedCheckpoint, shared_rng: Any, rank: int, world: int
     return f"reseeded (world size {saved_world} -> {world})"
 
 
+def sync_data_position(progress: Progress, state: Mapping[str, Any]) -> None:
+    """Progress has one owner: with a ResumableLoader in the state, the epoch and the global
+    samples consumed are the loader's, never copied by hand."""
+    loaders = [v for v in state.values() if isinstance(v, ResumableLoader)]
+    if len(loaders) == 1:
+        progress.epoch, progress.samples = loaders[0].epoch, loaders[0].samples_seen
+
+
 def apply_checkpoint(ckpt: Any, state: MutableMapping[str, Any], loaded: LoadedCheckpoint,
                      where: str) -> CheckpointInfo:
     """Load ``loaded`` into ``state`` and into the Checkpointer ``ckpt`` (its progress, trigger,
@@ -155,7 +164,7 @@ def apply_checkpoint(ckpt: Any, state: MutableMapping[str, Any], loaded: LoadedC
     if "trigger" in extra:
         ckpt.schedule.load_state_dict(getattr(extra["trigger"], "value", extra["trigger"]))
     rng = restore_rng(loaded, extra.get("rng"), comm.rank, comm.world) if ckpt.rng else "not restored"
-    ckpt._sync_data_position(state)
+    sync_data_position(ckpt.progress, state)
     if loaded.manifest.world_size != comm.world:
         log.warning("world size changed from %d to %d: sharded tensors resharded, the data continues at global "
                     "sample %d of epoch %d, RNGs %s", loaded.manifest.world_size, comm.world,

@@ -150,7 +150,7 @@ def _apply(live: Any, saved: Any, path: PathT) -> Any:
             with torch.no_grad():
                 live.copy_(saved)
             return live
-        return _own(saved, {}).to(live.device)
+        return saved.clone() if saved.device == live.device else saved.to(live.device)  # a copy either way
     if isinstance(live, dict) and isinstance(saved, dict):
         for k in [k for k in live if k not in saved]:
             del live[k]
