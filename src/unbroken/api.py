@@ -25,7 +25,7 @@ from .snapshot import Snapshotter
 from .state.apply import apply_state
 from .state.checks import clean_metrics
 from .state.codec import StatefulValue
-from .store import split_checkpoint
+from .store import open_store, split_checkpoint
 
 
 @dataclass(frozen=True)
@@ -154,6 +154,35 @@ def read_path(path: str | os.PathLike[str], storage_options: Mapping[str, Any] |
     return read_checkpoint(store, name, rank)
 
 
+def is_run(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> bool:
+    """True if ``path`` is a run (holds committed checkpoints) rather than one checkpoint."""
+    store, name = split_checkpoint(path, storage_options)
+    if store.remote:
+        if name in store.list_committed():
+            return False
+    elif not os.path.isdir(os.fspath(path)) or os.path.exists(os.path.join(os.fspath(path), "manifest.json")):
+        return False
+    return bool(open_store(path, storage_options, readonly=True).list_committed())
+
+
+def read_run(location: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None,
+             tag: str | None = None) -> LoadedCheckpoint:
+    """The newest checkpoint of the run at ``location`` that verifies (with ``tag``: the newest
+    carrying it), read-only: invalid ones are skipped with a warning, nothing is moved, no lock
+    is taken, so a job that only reads can run beside the training that writes."""
+    from .discovery import newest_valid, tagged  # discovery builds on this module
+
+    store = open_store(location, storage_options, readonly=True)
+    names = tagged(store, tag) if tag is not None else None
+    skip = lambda name, reason: log.warning("skipping an invalid checkpoint: %s", reason)  # noqa: E731
+    loaded, seen = newest_valid(store, skip, (lambda n: n in names) if names is not None else lambda n: True)
+    if loaded is None:
+        what = f"tagged {tag!r} " if tag is not None else ""
+        raise NoCheckpointError(f"no valid checkpoint {what}in {location}"
+                                + (f" ({seen} failed verification)" if seen else ""))
+    return loaded
+
+
 def verify(path: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None) -> CheckpointInfo:
     """Fully verify a checkpoint: every file of every rank (size, checksum), the tensor headers
     and the state trees; raise if anything is wrong."""
@@ -164,16 +193,27 @@ def verify(path: str | os.PathLike[str], *, storage_options: Mapping[str, Any] |
 
 
 def load(path: str | os.PathLike[str], state: MutableMapping[str, Any] | None = None, *,
-         strict: bool = True, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Verify and load a checkpoint (a folder or a URL).
+         strict: bool = True, storage_options: Mapping[str, Any] | None = None,
+         tag: str | None = None) -> dict[str, Any]:
+    """Verify and load a checkpoint, or the newest valid checkpoint of a run (a folder or a URL).
+
+    ``path`` may be one checkpoint, or a run written by a :class:`Checkpointer`: then the
+    newest checkpoint that verifies is loaded (with ``tag``, the newest carrying that tag);
+    invalid ones are skipped with a warning. This is the read-only restore for evaluation
+    jobs and notebooks: nothing is moved, quarantined or locked, so it works beside the
+    training process that writes the run, and no RNG or progress counter is touched.
 
     With ``state``, restore into its objects in place (``load_state_dict`` for
-    ``Stateful`` objects) and return it. Without, return the saved tree as plain
-    Python values and CPU tensors. Never unpickles anything. A checkpoint written by a
-    :class:`Checkpointer` loads into a plain ``state`` too: its own part (``__unbroken__``:
-    progress, RNGs) is left out unless ``state`` has that key; nothing takes the run's lock.
+    ``Stateful`` objects) and return it; like a restore, every key, shape, dtype and the
+    class of each optimizer and scheduler are checked before anything is loaded. Without,
+    return the saved tree as plain Python values and CPU tensors. Never unpickles anything.
+    A checkpoint written by a :class:`Checkpointer` loads into a plain ``state``: its own part
+    (``__unbroken__``: progress, RNGs) is left out unless ``state`` has that key.
     """
-    loaded = read_path(path, storage_options)
+    if tag is None and not is_run(path, storage_options):
+        loaded = read_path(path, storage_options)
+    else:
+        loaded = read_run(path, storage_options, tag)
     tree = loaded.materialize()  # sharded tensors (saved by several ranks) as full tensors
     if state is None:
         return unwrap(tree)

@@ -37,14 +37,18 @@ def discover(store: Any, tier: str = "") -> list[CheckpointInfo]:
     return sorted(out, key=lambda c: (c.seq, c.step), reverse=True)
 
 
-def newest_valid(store: Any, on_invalid: Callable[[str, str], None]) -> tuple[LoadedCheckpoint | None, int]:
+def newest_valid(store: Any, on_invalid: Callable[[str, str], None],
+                 only: Callable[[str], bool] = lambda name: True) -> tuple[LoadedCheckpoint | None, int]:
     """The newest checkpoint that verifies, and how many committed checkpoints were seen.
 
-    ``on_invalid(name, reason)`` is called for each one that fails, newest first.
+    ``on_invalid(name, reason)`` is called for each one that fails, newest first; ``only``
+    picks the names to consider (e.g. those with a tag). Read-only: nothing is moved or locked.
     A checkpoint from a newer format raises :class:`~unbroken.errors.NewerFormatError`.
     """
     candidates: list[tuple[int, int, str]] = []
     for name in store.list_committed():
+        if not only(name):
+            continue
         try:
             m = read_manifest(store, name)
         except CorruptCheckpointError as e:
@@ -54,6 +58,12 @@ def newest_valid(store: Any, on_invalid: Callable[[str, str], None]) -> tuple[Lo
     for _, _, name in sorted(candidates, reverse=True):
         try:
             return read_checkpoint(store, name), len(candidates)
-        except CorruptCheckpointError as e:
+        except (CorruptCheckpointError, FileNotFoundError) as e:  # pruned while we read: the next one
             on_invalid(name, str(e))
     return None, len(candidates)
+
+
+def tagged(store: Any, tag: str) -> set[str]:
+    """The names of the committed checkpoints of ``store`` that carry ``tag``."""
+    found = manifests(store)
+    return {n for n, tags in tags_by_checkpoint(store, {n: m.tags for n, m in found.items()}).items() if tag in tags}

@@ -38,6 +38,10 @@ from .store import open_store
 log = logging.getLogger("unbroken")
 
 INDEX_FILE = "index.sqlite"
+DURABLE = "metrics_durable"
+"""The kind of the internal event written at every save point: per metric, how many rows the
+segment had logged and the last step, committed durably with those rows (see :meth:`RunIndex.mark_durable`).
+:meth:`RunIndex.events` leaves these out unless asked for by kind."""
 SCHEMA_VERSION = 1
 STATUSES = ("committed", "quarantined", "pruned")
 BUSY_TIMEOUT_S = 30.0
@@ -107,10 +111,13 @@ class Continuity:
     checked: list[int] = field(default_factory=list)
     disagreeing: list[int] = field(default_factory=list)
     values: dict[int, list[tuple[int | None, float]]] = field(default_factory=dict)
+    missing: list[int] = field(default_factory=list)
+    """Steps whose row was made durable at a checkpoint's save point but is not in the index (a
+    :data:`DURABLE` mark counted more rows than there are), as far as the steps can be told."""
 
     @property
     def ok(self) -> bool:
-        return not self.disagreeing
+        return not self.disagreeing and not self.missing
 
 
 class RunIndex:
@@ -270,6 +277,13 @@ class RunIndex:
         with self._tx() as conn:
             return self._insert_event(conn, kind, message, step, checkpoint, data)
 
+    def mark_durable(self, step: int, rows: Mapping[str, tuple[int, int]]) -> None:
+        """At a save point: commit the buffered metrics durably (fsync), with a :data:`DURABLE` mark
+        saying that this segment had logged ``rows[name] = (count, last_step)`` by then, so that
+        :meth:`continuity` can tell a lost row from one never logged."""
+        with self._tx(durable=True) as conn:
+            self._insert_event(conn, DURABLE, step=step, data={"rows": {k: list(v) for k, v in rows.items()}})
+
     def log_metrics(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Buffer one step's metrics for the current segment: numbers, numpy scalars or one-element
         tensors (cloned now and read only when the batch is committed: no GPU sync per step)."""
@@ -350,7 +364,7 @@ class RunIndex:
 
     def events(self, kind: str | None = None) -> list[dict[str, Any]]:
         """Events (all, or those of ``kind``), oldest first."""
-        where, args = ("WHERE kind = ?", (kind,)) if kind else ("", ())
+        where, args = ("WHERE kind = ?", (kind,)) if kind else ("WHERE kind != ?", (DURABLE,))
         return [_decode(r) for r in self._query(f"SELECT * FROM events {where} ORDER BY id", args)]
 
     def segments(self) -> list[dict[str, Any]]:
@@ -377,7 +391,25 @@ class RunIndex:
                 if len({tuple(v) for v in by_seg.values()}) > 1:
                     report.disagreeing.append(step)
                     report.values[step] = [(g, _F64.unpack(_I64.pack(b))[0]) for g, v in by_seg.items() for b in v]
+        report.missing = self._missing(name, per_step)
         return report
+
+    def _missing(self, name: str, per_step: dict[int, dict[int | None, list[int]]]) -> list[int]:
+        """Steps of rows a :data:`DURABLE` mark promised that are not there: for each mark whose
+        segment has fewer rows of ``name`` up to the mark's last step than it counted, the steps
+        in that stretch where the segment has no row (or the last step, if none can be told)."""
+        starts = {r["id"]: r["start_step"] for r in self.segments()}
+        lost: set[int] = set()
+        for mark in self.events(DURABLE):
+            count, last = (mark["data"].get("rows", {}).get(name) or (0, 0))
+            seg = mark["segment"]
+            logged = [s for s, by_seg in per_step.items() if seg in by_seg and s <= last
+                      for _ in by_seg[seg]]
+            if len(logged) < count:
+                first = starts.get(seg, 0) + 1
+                gaps = [s for s in range(first, last + 1) if seg not in per_step.get(s, {})]
+                lost.update(gaps or [last])
+        return sorted(lost)
 
     def close(self) -> None:
         """Commit pending metrics durably and close the database (idempotent)."""

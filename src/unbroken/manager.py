@@ -17,11 +17,12 @@ import signal
 import weakref
 import time
 import warnings
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Any, Literal
 
 import torch
 
+from . import console
 from .api import CheckpointInfo, read_path
 from .background import BackgroundSaves
 from .environment import EnvCheck, fingerprint
@@ -44,6 +45,7 @@ from .restoring import RESERVED, apply_checkpoint, sync_data_position
 from .state.checks import UnbrokenWarning, clean_metrics, find_forgotten_state
 from .state.rng import GlobalRNG
 from .state.stateful import Gradients, PerRank, Progress
+from .state.validate import validate_state
 from .tags import check_tag
 from .tiers import Remote
 
@@ -92,6 +94,11 @@ class Checkpointer:
             state) to the background, until the next ``optimizer.step()``
             (:mod:`unbroken.lazy`). With several ranks, background saves commit over a gloo
             group of their own; sharded (FSDP2) states are saved synchronously (logged once).
+        allow_unsaved: top-level state keys left out of checkpoints on purpose (e.g. a plain
+            ``DataLoader`` you accept to restart): not saved, not restored, not checked. Every
+            other value is checked at :meth:`restore` (before any training step): a plain
+            ``DataLoader``, a sampler, an iterator or an object that cannot be saved is an
+            :class:`~unbroken.errors.UnsupportedStateError` that says what to use instead.
 
     A bad location (unknown scheme, missing extra, no bucket, refused credentials) raises
     :class:`~unbroken.errors.StorageError` here, before any training. The first
@@ -106,7 +113,8 @@ class Checkpointer:
                  remote: Remote | None = None, storage_options: Mapping[str, Any] | None = None,
                  preemption: Preemption | None = Preemption(), env: EnvCheck | None = None,
                  probe: ProbeFn | None = None, rng: bool = True, strict: bool = True,
-                 async_save: bool | Literal["lazy"] = False) -> None:
+                 async_save: bool | Literal["lazy"] = False, allow_unsaved: Iterable[str] = ()) -> None:
+        console.install()
         self.schedule = Schedule(save_every, trigger, keep_last, retention)
         self.events = EventBus()
         self.comm = Comm()
@@ -121,6 +129,9 @@ class Checkpointer:
         self.env = env if env is not None else EnvCheck()
         self.probe, self.probe_report = probe, None
         self.rng, self.strict = rng, strict
+        if isinstance(allow_unsaved, str):
+            raise TypeError("allow_unsaved takes a list of state keys, e.g. allow_unsaved=['data']")
+        self.allow_unsaved: frozenset[str] = frozenset(allow_unsaved)
         self.last_saved: CheckpointInfo | None = None
         if async_save not in (False, True, "lazy"):
             raise ValueError(f"async_save must be False, True or 'lazy', not {async_save!r}")
@@ -133,7 +144,7 @@ class Checkpointer:
         self._signals = SignalWatcher(self.preemption.signals)
         self._guard: StepGuard | None = None
         self._environment: dict[str, Any] | None = None
-        self._checked_state = False
+        self._checked_state = self._validated = False
         self._recorder: Recorder | None = None
         self._plugins: list[Any] = []
 
@@ -246,6 +257,7 @@ class Checkpointer:
         if it is invalid; with ``tag``, the checkpoint of this run carrying that tag.
         """
         self._check_reserved(state)
+        self._validate(state)
         self._begin()
         self.flush()  # a save in flight commits (and stops reading the live state) first
         if tag is not None:
@@ -329,11 +341,13 @@ class Checkpointer:
         self.flush(raise_errors=kind == "regular")  # backpressure: at most one save in flight
         if metrics:
             self.metrics.update(metrics)
+        self._validate(state)
         self._first_save_checks(state)
         tags = [check_tag(tag)] if tag else []
         if progress is None:
             sync_data_position(self.progress, state)
         prog = dict(progress) if progress is not None else self.progress.state_dict()
+        state = self.saved_part(state)
         shared: dict[str, Any] = {k: v for k, v in state.items() if not isinstance(v, PerRank)}
         shared[RESERVED] = {"progress": dict(prog)}
         if self.schedule.trigger is not None:
@@ -344,6 +358,8 @@ class Checkpointer:
         mine: dict[str, Any] = {"state": per_rank}
         if self.rng:
             mine["rng"] = dict(rng) if rng is not None else GlobalRNG()
+        if self._recorder is not None:  # the metric rows up to this checkpoint are durable before it commits
+            self._recorder.durable(prog["step"])
         t0 = time.monotonic()
         probe = run_probe(self.probe) if self.probe is not None and kind != "emergency" else None
         lazy = self.async_save == "lazy" and kind == "regular"
@@ -381,13 +397,29 @@ class Checkpointer:
         self.last_saved = info
         self.schedule.saved(manifest.step, manifest.metrics)
         self.events.publish(Saved(final, info.path, manifest, took, tuple(tags)))
-        log.info("saved %s (%s, %.1f MB in %.2f s)", info.path, kind, info.size_bytes / 1e6, took)
+        log.info("saved step %d to %s (%s%.1f MB in %.2f s)", manifest.step, info.path,
+                 "" if kind == "regular" else f"{kind}, ", info.size_bytes / 1e6, took)
         grace = self.preemption.grace_period
         if grace and took > grace and kind == "regular":
             log.warning("a save takes %.1f s, longer than the %.0f s grace period: a preemption save "
                         "would not finish in time", took, grace)
         self.prune(keep=final)
         return info
+
+    def saved_part(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """The part of ``state`` that is saved and restored: all but the ``allow_unsaved`` keys."""
+        return {k: v for k, v in state.items() if k not in self.allow_unsaved}
+
+    def _validate(self, state: Mapping[str, Any]) -> None:
+        """Check the whole state once, before training spends time on it (see ``allow_unsaved``)."""
+        if self._validated:
+            return
+        validate_state(state, self.allow_unsaved)
+        self._validated = True
+        left_out = sorted(self.allow_unsaved & set(state))
+        if left_out:
+            log.warning("not saved (allow_unsaved): %s; a resumed run will not continue %s exactly",
+                        ", ".join(f"state[{k!r}]" for k in left_out), "them" if len(left_out) > 1 else "it")
 
     def _first_save_checks(self, state: Mapping[str, Any]) -> None:
         if not self._checked_state:

@@ -24,6 +24,7 @@ class Recorder:
     def __init__(self, store: Any) -> None:
         self._index: RunIndex | None = None
         self._segment = False
+        self._rows: dict[str, tuple[int, int]] = {}  # per metric: rows logged by this segment, last step
         self._call("open", lambda: setattr(self, "_index", RunIndex(store)))
 
     def on_event(self, e: ev.Event) -> None:
@@ -92,6 +93,14 @@ class Recorder:
         if numbers and self._index is not None:
             self.segment(None, step - 1)
             self._call("log_metrics", lambda: self._index.log_metrics(step, numbers))  # type: ignore[union-attr]
+            for k in numbers:
+                self._rows[k] = (self._rows.get(k, (0, 0))[0] + 1, step)
+
+    def durable(self, step: int) -> None:
+        """At a save point: every metric row logged so far becomes durable before the checkpoint
+        commits, with a mark of how many there are (``metrics --check`` finds lost ones)."""
+        if self._index is not None and self._segment:
+            self._call("mark_durable", lambda: self._index.mark_durable(step, self._rows))  # type: ignore[union-attr]
 
     def saved(self, name: str, manifest: Any, took: float, tags: list[str]) -> None:
         if self._index is None:

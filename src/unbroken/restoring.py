@@ -151,14 +151,16 @@ def apply_checkpoint(ckpt: Any, state: MutableMapping[str, Any], loaded: LoadedC
     applied, RNGs come last. Publishes ``Restored``; returns what was loaded."""
     check_environment(loaded.manifest.environment, ckpt.environment(), ckpt.env.policy)
     comm = ckpt.comm
-    saved = dict(loaded.state)
+    saved = {k: v for k, v in loaded.state.items() if k not in ckpt.allow_unsaved}
     extra = saved.pop(RESERVED, None)
     extra = extra if isinstance(extra, dict) else {}
     check_parts(loaded, extra, comm.world, ckpt.rng)
-    saved = load_sharded_parts(state, saved, loaded, comm.group)
+    live = ckpt.saved_part(state)  # the allow_unsaved keys are neither saved nor restored
+    saved = load_sharded_parts(live, saved, loaded, comm.group)
     mine = (loaded.rank_state or {}).get("state")
-    apply_parts(state, saved, mine if isinstance(mine, dict) else None, list(extra.get("per_rank", [])),
+    apply_parts(live, saved, mine if isinstance(mine, dict) else None, list(extra.get("per_rank", [])),
                 ckpt.strict, comm.rank)
+    state.update(live)
     if "progress" in extra:
         ckpt.progress.load_state_dict(getattr(extra["progress"], "value", extra["progress"]))
     if "trigger" in extra:

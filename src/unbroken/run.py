@@ -300,7 +300,7 @@ class Run:
             for name in doomed:
                 self.store.delete(name)
                 self.publish(Pruned(name))
-                log.info("retention: deleted %s", self.store.describe(name))
+                log.debug("retention: deleted %s", self.store.describe(name))
         return doomed
 
     def _prune_remote(self) -> list[str]:
@@ -313,7 +313,7 @@ class Run:
         doomed = self.remote_schedule.doomed(infos, {c.name: set(c.tags) for c in infos}, None)
         for name in doomed:
             self.remote_store.delete(name)
-            log.info("remote retention: deleted %s", self.remote_store.describe(name))
+            log.debug("remote retention: deleted %s", self.remote_store.describe(name))
         return doomed
 
     # ----------------------------------------------------------------------- tags

@@ -143,6 +143,7 @@ class ResumableLoader:
         self.epoch = 0
         self.position = 0
         self.samples_seen = 0
+        self._restores = 0  # load_state_dict() calls: an iterator started before one is stale
         self._generator = torch.Generator()
         loader_kwargs["worker_init_fn"] = _WorkerInit(loader_kwargs.get("worker_init_fn"))
         self._loader = DataLoader(dataset, batch_sampler=_RankBatches(self), generator=self._generator,
@@ -181,7 +182,13 @@ class ResumableLoader:
         # Worker base seeds come from our own generator, never from the global RNG, so
         # creating this iterator changes no random stream of the training loop.
         self._generator.manual_seed(mix_ints(self.seed, self.epoch, 0xDA7A) >> 1)
+        born = self._restores
         for batch in self._loader:
+            if self._restores != born:
+                raise RuntimeError(
+                    "this iterator of the ResumableLoader was started before restore() loaded a new data "
+                    "position: it would serve batches of the old order. Create the iterator after restore() "
+                    "(`for batch in loader:` inside the training loop).")
             new = min(self.position + self.global_batch, self.epoch_length)
             self.samples_seen += new - self.position
             self.position = new
@@ -211,3 +218,4 @@ class ResumableLoader:
                 f"{state['position']} of epoch {state['epoch']} (batch boundaries shift)", stacklevel=2)
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self.samples_seen = int(state["samples_seen"])
+        self._restores += 1

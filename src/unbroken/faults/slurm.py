@@ -91,4 +91,4 @@ class SubmitScript:
 
         if isinstance(event, Saved) and not self.done and job_id():
             self.done = True
-            log.info("wrote %s", write_submit_script(self.run_dir))
+            log.debug("wrote %s", write_submit_script(self.run_dir))

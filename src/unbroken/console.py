@@ -1,0 +1,45 @@
+"""Console feedback by default: one concise line per save, resume and fallback on stderr.
+
+unbroken logs through the ``"unbroken"`` logger. If the application has configured logging
+(a handler on the root or on that logger), it decides what is shown and nothing is added.
+Otherwise the first :class:`~unbroken.Checkpointer` adds a stderr handler at ``INFO`` that
+prints ``unbroken: saved ...`` lines, on rank 0 only (other ranks show warnings and errors).
+Silence it with ``logging.getLogger("unbroken").setLevel(logging.WARNING)`` or
+``UNBROKEN_QUIET=1``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+_LOGGER = "unbroken"
+
+
+class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """stderr as it is when a record is written (pytest and notebooks swap ``sys.stderr``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("unbroken: %(message)s"))
+
+    @property  # type: ignore[override]
+    def stream(self):  # noqa: ANN201
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: object) -> None:
+        pass
+
+
+def install() -> None:
+    """Add the default console handler, unless logging is configured, quiet, or this is not rank 0."""
+    logger = logging.getLogger(_LOGGER)
+    if logger.handlers or logging.getLogger().handlers or os.environ.get("UNBROKEN_QUIET", "") not in ("", "0"):
+        return
+    if os.environ.get("RANK", "0") != "0":
+        return
+    logger.addHandler(_Stderr())
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
