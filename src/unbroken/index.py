@@ -14,6 +14,7 @@ SQLite stores NaN as NULL, so a metric is kept as ``value`` (REAL, NULL for NaN;
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import math
@@ -399,15 +400,17 @@ class RunIndex:
         segment has fewer rows of ``name`` up to the mark's last step than it counted, the steps
         in that stretch where the segment has no row (or the last step, if none can be told)."""
         starts = {r["id"]: r["start_step"] for r in self.segments()}
+        steps_of: dict[int | None, list[int]] = {}  # per segment, the step of each row, sorted
+        for step in sorted(per_step):
+            for seg, values in per_step[step].items():
+                steps_of.setdefault(seg, []).extend([step] * len(values))
         lost: set[int] = set()
         for mark in self.events(DURABLE):
-            count, last = (mark["data"].get("rows", {}).get(name) or (0, 0))
-            seg = mark["segment"]
-            logged = [s for s, by_seg in per_step.items() if seg in by_seg and s <= last
-                      for _ in by_seg[seg]]
-            if len(logged) < count:
-                first = starts.get(seg, 0) + 1
-                gaps = [s for s in range(first, last + 1) if seg not in per_step.get(s, {})]
+            count, last = mark["data"].get("rows", {}).get(name) or (0, 0)
+            steps = steps_of.get(mark["segment"], [])
+            if bisect.bisect_right(steps, last) < count:
+                have = set(steps)
+                gaps = [s for s in range(starts.get(mark["segment"], 0) + 1, last + 1) if s not in have]
                 lost.update(gaps or [last])
         return sorted(lost)
 
