@@ -172,7 +172,7 @@ def test_submit_script_is_written_under_slurm(tmp_path: Path, monkeypatch: pytes
     ckpt = unbroken.Checkpointer(tmp_path / "run", preemption=None)
     ckpt.save({"w": torch.zeros(1)})
     text = (tmp_path / "run" / "submit.slurm").read_text()
-    for line in ("#SBATCH --job-name=exp1", "#SBATCH --partition=gpu", "#SBATCH --signal=USR1@120",
+    for line in ("#SBATCH --job-name=exp1", "#SBATCH --partition=gpu", "#SBATCH --signal=B:USR1@120",
                  "#SBATCH --requeue", "#SBATCH --open-mode=append", "exec "):
         assert line in text
     assert os.access(tmp_path / "run" / "submit.slurm", os.X_OK)

@@ -2,9 +2,13 @@
 
 The pattern that loses nothing on a SLURM cluster::
 
-    #SBATCH --signal=USR1@120      # USR1 two minutes before the time limit / preemption
+    #SBATCH --signal=B:USR1@120    # USR1 to the batch script two minutes before the time limit
     #SBATCH --requeue              # the job may be requeued
     #SBATCH --open-mode=append     # keep the log of every attempt
+    exec python train.py           # python is the batch script: it receives the signal
+
+(Without ``B:`` SLURM signals only the job's ``srun`` steps; a job whose ranks are ``srun``
+steps uses ``--signal=USR1@120``.)
 
 with ``Checkpointer(..., requeue=True)``: on USR1 the run saves at the next step
 boundary, calls ``scontrol requeue $SLURM_JOB_ID`` and exits; SLURM starts it again
@@ -64,7 +68,8 @@ def submit_script(run_dir: str | os.PathLike[str], signal_seconds: int = 120) ->
         if os.environ.get(var):
             lines.append(f"#SBATCH {flag}={os.environ[var]}")
     log_path = Path(run_dir) / "slurm-%j.out"
-    lines += [f"#SBATCH --signal=USR1@{signal_seconds}", "#SBATCH --requeue", "#SBATCH --open-mode=append",
+    # B: the signal goes to the batch script, which is the exec'd python below
+    lines += [f"#SBATCH --signal=B:USR1@{signal_seconds}", "#SBATCH --requeue", "#SBATCH --open-mode=append",
               f"#SBATCH --output={log_path}", "", f"cd {shlex.quote(os.getcwd())}",
               "exec " + " ".join(shlex.quote(a) for a in [sys.executable, *sys.orig_argv[1:]]), ""]
     return "\n".join(lines)
