@@ -1,0 +1,12 @@
+"""Converting checkpoints from and to other tools: ``unbroken import`` and ``unbroken export``.
+
+- :func:`import_checkpoint` — an HF Trainer ``checkpoint-N/`` folder, a Lightning ``.ckpt`` or a
+  ``torch.save`` file into a run, pickles loaded safely (:mod:`.pickles`).
+- :func:`export_weights` — a checkpoint's model weights as safetensors or an HF model folder.
+"""
+
+from .exporting import export_weights
+from .importing import Imported, import_checkpoint, read_source
+from .pickles import UntrustedPickleError, load_pickle
+
+__all__ = ["Imported", "UntrustedPickleError", "export_weights", "import_checkpoint", "load_pickle", "read_source"]

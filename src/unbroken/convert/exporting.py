@@ -1,0 +1,85 @@
+"""``unbroken export``: a checkpoint's model weights as a safetensors file, or an HF model folder.
+
+The weights are one part of the saved state (``model`` by default): a module's state dict,
+a flat mapping of names to tensors. They are verified on read like any load, optionally cast
+(floating-point tensors only: ``bfloat16``, ``float16``, ``float32``), and written as
+
+* ``--to model.safetensors``: one safetensors file, loadable with ``safetensors.torch.load_file``
+  and ``model.load_state_dict``;
+* ``--to DIR --format hf``: ``DIR/model.safetensors`` plus ``DIR/config.json`` (the checkpoint's
+  ``config`` part, which an HF import or the HF integration records, or a file given with
+  ``--config``), the layout ``from_pretrained(DIR)`` reads.
+
+Tensors that share memory (tied weights) are written once each as separate copies, since
+safetensors cannot store aliases; ``from_pretrained`` ties them again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from ..api import load
+from ..errors import UnbrokenError
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "fp32": torch.float32, "float32": torch.float32}
+
+
+def weights_of(tree: Mapping[str, Any], key: str) -> dict[str, torch.Tensor]:
+    """The flat name → tensor mapping at ``tree[key]`` (nested dicts joined with dots)."""
+    if key not in tree:
+        candidates = [k for k, v in tree.items() if isinstance(v, dict) and _flat(v)]
+        raise UnbrokenError(f"the checkpoint has no part {key!r}; parts with tensors: {candidates or 'none'}")
+    flat = _flat(tree[key])
+    if not flat:
+        raise UnbrokenError(f"the checkpoint's part {key!r} holds no tensors")
+    return flat
+
+
+def _flat(value: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(value, torch.Tensor):
+        out[prefix] = value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def export_weights(checkpoint: str | os.PathLike[str], to: str | os.PathLike[str], *, key: str = "model",
+                   dtype: str | None = None, fmt: str = "safetensors", config: str | os.PathLike[str] | None = None,
+                   storage_options: Mapping[str, Any] | None = None) -> list[Path]:
+    """Write the weights of ``checkpoint`` (one checkpoint, or a run: its newest valid one) to
+    ``to``; return the files written. See the module docstring for ``fmt`` and ``dtype``."""
+    from safetensors.torch import save_file
+
+    if fmt not in ("safetensors", "hf"):
+        raise UnbrokenError(f"unknown export format {fmt!r}: use 'safetensors' or 'hf'")
+    if dtype is not None and dtype not in DTYPES:
+        raise UnbrokenError(f"unknown dtype {dtype!r}: use one of {sorted(DTYPES)}")
+    tree = load(checkpoint, storage_options=storage_options)
+    weights = weights_of(tree, key)
+    cast = DTYPES[dtype] if dtype else None
+    tensors = {name: (t.to(cast) if cast is not None and t.is_floating_point() else t).contiguous().clone()
+               for name, t in weights.items()}
+    metadata = {"format": "pt", "exported_by": "unbroken", "source": os.fspath(checkpoint)}
+    out = Path(to)
+    if fmt == "safetensors":
+        out.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(out), metadata=metadata)
+        return [out]
+    if config is None and not isinstance(tree.get("config"), dict):
+        raise UnbrokenError("the checkpoint has no 'config' part (an HF model config): pass --config config.json")
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata=metadata)
+    if config is not None:
+        shutil.copyfile(config, out / "config.json")
+    else:
+        (out / "config.json").write_text(json.dumps(tree["config"], indent=2, sort_keys=True) + "\n")
+    return [out / "model.safetensors", out / "config.json"]

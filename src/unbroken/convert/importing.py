@@ -1,0 +1,230 @@
+"""``unbroken import``: turn another tool's checkpoint into a verified, pickle-free unbroken checkpoint.
+
+Three sources, recognized by their shape:
+
+* an **HF Trainer** ``checkpoint-N/`` folder (``trainer_state.json``): model weights
+  (``model.safetensors``, sharded ``model-*.safetensors`` or ``pytorch_model.bin``),
+  ``optimizer.pt``, ``scheduler.pt``, ``scaler.pt``, ``rng_state.pth`` (rank 0's) and the
+  trainer state; ``training_args.bin`` (a pickled ``TrainingArguments`` object: settings,
+  not state) is left out;
+* a **Lightning** ``.ckpt`` file: ``state_dict``, the optimizer and LR-scheduler states,
+  ``global_step``, ``epoch``, the loops' progress, the AMP scaler, the hyper-parameters;
+* a **torch.save** ``.pt``/``.pth``/``.bin`` file: a dict of tensors (a model's weights) or a
+  dict of named parts (``{"model": ..., "optimizer": ...}``).
+
+The imported state has the keys a plain loop uses: ``model``, ``optimizer``, ``scheduler``,
+``scaler`` (those the source has) plus, where the source has them, ``trainer_state``
+(HF), ``lightning`` (Lightning's counters and loop progress), ``config`` (the HF model
+config) and ``hyper_parameters``. The step and epoch become the checkpoint's progress; an HF
+RNG state becomes the checkpoint's RNG state (other sources: the RNGs are reseeded from the
+checkpoint on resume). Restore it into a state with the parts you have and ``strict=False``.
+Every pickle is loaded safely (:mod:`unbroken.convert.pickles`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from ..api import CheckpointInfo
+from ..errors import UnbrokenError, UnsupportedStateError
+from ..manager import Checkpointer
+from ..state.validate import validate_state
+from .pickles import load_pickle
+
+
+@dataclass
+class Imported:
+    """A source read into unbroken's terms: the state tree, progress, RNG and what was left out."""
+
+    kind: str
+    state: dict[str, Any]
+    progress: dict[str, int]
+    rng: dict[str, Any] | None = None
+    left_out: list[str] = field(default_factory=list)
+
+
+def detect(src: str | os.PathLike[str]) -> str:
+    """``"hf"``, ``"lightning"`` or ``"torch"`` for the source at ``src``; raises if it is none."""
+    path = Path(src)
+    if path.is_dir():
+        if (path / "trainer_state.json").is_file():
+            return "hf"
+        raise UnbrokenError(f"{src} is a folder without trainer_state.json: not an HF Trainer checkpoint folder")
+    if not path.is_file():
+        raise UnbrokenError(f"{src} does not exist")
+    return "lightning" if path.suffix == ".ckpt" else "torch"
+
+
+def read_source(src: str | os.PathLike[str], trust_pickle: bool = False) -> Imported:
+    """Read ``src`` (see the module docstring) without writing anything."""
+    kind = detect(src)
+    reader = {"hf": _read_hf, "lightning": _read_lightning, "torch": _read_torch}[kind]
+    imported = reader(Path(src), trust_pickle)
+    _drop_unsavable(imported)
+    return imported
+
+
+def import_checkpoint(src: str | os.PathLike[str], run: str | os.PathLike[str], *, trust_pickle: bool = False,
+                      storage_options: Mapping[str, Any] | None = None) -> tuple[CheckpointInfo, Imported]:
+    """Read ``src`` and commit it as the newest checkpoint of the run ``run`` (a folder or URL,
+    created if needed); returns the checkpoint's info and what was imported. Takes the run's
+    writer lock for the commit, so it fails while a training process writes the run."""
+    imported = read_source(src, trust_pickle)
+    ckpt = Checkpointer(run, keep_last=None, preemption=None, rng=imported.rng is not None,
+                        storage_options=storage_options)
+    try:
+        info = ckpt.save(imported.state, kind="imported", rng=imported.rng, progress=imported.progress)
+    finally:
+        ckpt.close()
+    assert info is not None  # a synchronous save
+    return info, imported
+
+
+# ---------------------------------------------------------------------------------- sources
+def _progress(step: Any, epoch: Any) -> dict[str, int]:
+    step = int(step) if isinstance(step, (int, float)) and step >= 0 else 0
+    epoch = int(epoch) if isinstance(epoch, (int, float)) and epoch >= 0 else 0
+    return {"step": step, "epoch": epoch, "micro_step": 0, "samples": 0}
+
+
+def _read_hf(folder: Path, trust: bool) -> Imported:
+    trainer_state = json.loads((folder / "trainer_state.json").read_text())
+    state: dict[str, Any] = {"model": _hf_weights(folder, trust)}
+    for key, name in (("optimizer", "optimizer.pt"), ("scheduler", "scheduler.pt"), ("scaler", "scaler.pt")):
+        if (folder / name).is_file():
+            state[key] = load_pickle(folder / name, trust)
+    state["trainer_state"] = trainer_state
+    notes: list[str] = []
+    if (folder / "config.json").is_file():
+        state["config"] = json.loads((folder / "config.json").read_text())
+        notes += _fill_tied(state["model"], state["config"])
+    rng_file = next((folder / n for n in ("rng_state.pth", "rng_state_0.pth") if (folder / n).is_file()), None)
+    out = Imported("hf", state, _progress(trainer_state.get("global_step"), trainer_state.get("epoch")),
+                   rng=_hf_rng(load_pickle(rng_file, trust)) if rng_file is not None else None)
+    out.left_out += notes
+    if (folder / "training_args.bin").is_file():
+        out.left_out.append("training_args.bin (a pickled TrainingArguments object: settings, not training state)")
+    others = sorted(p.name for p in folder.glob("rng_state_*.pth") if p.name != "rng_state_0.pth")
+    if others:
+        out.left_out.append(f"{', '.join(others)} (other ranks' RNG states: a resume reseeds those ranks)")
+    return out
+
+
+def _hf_weights(folder: Path, trust: bool) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weights: dict[str, torch.Tensor] = {}
+        for name in files:
+            weights.update(load_file(_inside(folder, name)))
+        return weights
+    if (folder / "model.safetensors").is_file():
+        return load_file(folder / "model.safetensors")
+    if (folder / "pytorch_model.bin").is_file():
+        return load_pickle(folder / "pytorch_model.bin", trust)
+    raise UnbrokenError(f"{folder} has no model weights (model.safetensors, its index, or pytorch_model.bin)")
+
+
+def _fill_tied(weights: dict[str, torch.Tensor], config: dict[str, Any]) -> list[str]:
+    """HF files store tied weights once (``lm_head.weight`` is ``wte.weight``); the model's
+    ``state_dict`` has both names. Build the model from its config on the meta device (no
+    memory, no download), find the parameters shared under several names, and add the missing
+    names; returns a note if that cannot be done (then restore with ``strict=False``)."""
+    try:
+        import transformers
+    except ImportError:
+        return ["tied weights (installing 'unbroken[hf]' lets the import add their second names)"]
+    arch = (config.get("architectures") or [None])[0]
+    cls = getattr(transformers, arch, None) if isinstance(arch, str) else None
+    if cls is None or "model_type" not in config:
+        return [f"tied weights (the config names no known architecture: {arch!r})"]
+    cfg = transformers.AutoConfig.for_model(**config)
+    with torch.device("meta"):
+        model = cls(cfg)
+    model.tie_weights()
+    names_of: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(name)
+    for names in names_of.values():
+        present = [n for n in names if n in weights]
+        for name in names:
+            if present and name not in weights:
+                weights[name] = weights[present[0]]
+    return []
+
+
+def _inside(folder: Path, name: str) -> Path:
+    """``folder / name`` for a file name taken from an index file: no path components."""
+    if Path(name).name != name or name in ("", ".", ".."):
+        raise UnbrokenError(f"{folder}: the weight index names {name!r}, which is not a plain file name")
+    return folder / name
+
+
+def _hf_rng(saved: Any) -> dict[str, Any] | None:
+    """An HF ``rng_state.pth`` (python, numpy legacy tuple, torch CPU) as unbroken's RNG state."""
+    if not isinstance(saved, dict) or not {"python", "numpy", "cpu"} <= set(saved):
+        return None
+    legacy = np.random.RandomState()
+    legacy.set_state(saved["numpy"])
+    py = random.Random()
+    py.setstate(saved["python"])  # validates it
+    return {"python": py.getstate(), "numpy": legacy.get_state(legacy=False), "torch": saved["cpu"]}
+
+
+def _read_lightning(file: Path, trust: bool) -> Imported:
+    ck = load_pickle(file, trust)
+    if not isinstance(ck, dict) or "state_dict" not in ck:
+        raise UnbrokenError(f"{file} is not a Lightning checkpoint (no 'state_dict')")
+    state: dict[str, Any] = {"model": ck["state_dict"]}
+    optims, scheds = ck.get("optimizer_states") or [], ck.get("lr_schedulers") or []
+    if optims:
+        state["optimizer"] = optims[0] if len(optims) == 1 else optims
+    if scheds:
+        state["scheduler"] = scheds[0] if len(scheds) == 1 else scheds
+    for key in ("MixedPrecision", "native_amp_scaling_state"):
+        if key in ck:
+            state["scaler"] = ck[key]
+    state["lightning"] = {k: ck[k] for k in ("global_step", "epoch", "loops", "pytorch-lightning_version")
+                          if k in ck}
+    if ck.get("hyper_parameters"):
+        state["hyper_parameters"] = dict(ck["hyper_parameters"])
+    out = Imported("lightning", state, _progress(ck.get("global_step"), ck.get("epoch")))
+    if ck.get("callbacks"):
+        out.left_out.append(f"callbacks ({', '.join(map(str, ck['callbacks']))}: their own state)")
+    return out
+
+
+def _read_torch(file: Path, trust: bool) -> Imported:
+    obj = load_pickle(file, trust)
+    if isinstance(obj, torch.nn.Module):
+        obj = obj.state_dict()
+    if not isinstance(obj, dict) or not obj or not all(isinstance(k, str) for k in obj):
+        raise UnbrokenError(f"{file} holds a {type(obj).__name__}, not a dict with string keys")
+    if all(isinstance(v, torch.Tensor) for v in obj.values()):
+        return Imported("torch", {"model": obj}, _progress(0, 0))
+    state = dict(obj)
+    step = next((state[k] for k in ("global_step", "step") if isinstance(state.get(k), int)), 0)
+    return Imported("torch", state, _progress(step, state.get("epoch", 0)))
+
+
+def _drop_unsavable(imported: Imported) -> None:
+    """Leave out (and say so) the top-level parts the codec cannot save, e.g. hyper-parameters
+    holding objects; the model weights must be savable."""
+    for key in list(imported.state):
+        try:
+            validate_state({key: imported.state[key]})
+        except UnsupportedStateError as e:
+            if key == "model":
+                raise
+            del imported.state[key]
+            imported.left_out.append(f"{key} ({e})")

@@ -1,0 +1,8 @@
+"""Integrations with training frameworks, each an optional extra.
+
+- :mod:`unbroken.integrations.hf` — the Hugging Face ``transformers.Trainer`` (``pip install 'unbroken[hf]'``).
+- :mod:`unbroken.integrations.lightning` — PyTorch Lightning (``pip install 'unbroken[lightning]'``).
+
+They use only unbroken's public API. Importing one without its framework raises an
+``ImportError`` that names the extra to install.
+"""

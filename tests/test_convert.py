@@ -1,0 +1,196 @@
+"""``unbroken import`` / ``export`` (issue 14): real HF Trainer folders and Lightning ``.ckpt`` files
+written by those libraries in the test, imported, verified, resumed; a malicious pickle refused
+without running; weights exported to safetensors and to an HF folder that ``from_pretrained`` reads."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import unbroken
+from unbroken.convert import UntrustedPickleError, export_weights, import_checkpoint, read_source
+
+transformers = pytest.importorskip("transformers")
+pl = pytest.importorskip("pytorch_lightning")
+
+
+def _tiny_gpt2() -> "transformers.GPT2LMHeadModel":
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=16)
+    return transformers.GPT2LMHeadModel(config)
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = torch.arange(i, i + 8) % 64
+        return {"input_ids": ids, "labels": ids}
+
+
+def _args(out: Path) -> "transformers.TrainingArguments":
+    return transformers.TrainingArguments(output_dir=str(out), max_steps=3, save_strategy="steps", save_steps=3,
+                                          per_device_train_batch_size=4, learning_rate=1e-3, warmup_steps=1,
+                                          report_to=[], use_cpu=True, disable_tqdm=True, logging_strategy="no")
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint-3 folder written by a real transformers.Trainer (AdamW, linear schedule)."""
+    out = tmp_path_factory.mktemp("hf")
+    transformers.Trainer(model=_tiny_gpt2(), args=_args(out), train_dataset=_Tokens()).train()
+    return out / "checkpoint-3"
+
+
+def test_an_hf_trainer_folder_imports_verified_and_resumes(hf_folder: Path, tmp_path: Path) -> None:
+    assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json"} <= \
+        {p.name for p in hf_folder.iterdir()}
+    info, imported = import_checkpoint(hf_folder, tmp_path / "run")
+    assert imported.kind == "hf" and info.step == 3 and info.progress["step"] == 3
+    assert any("training_args.bin" in note for note in imported.left_out)
+    unbroken.verify(info.path)
+    tree = unbroken.load(tmp_path / "run")
+    saved = load_file(hf_folder / "model.safetensors")
+    assert set(saved) <= set(tree["model"]) and all(torch.equal(saved[k], tree["model"][k]) for k in saved)
+    hf_optim = torch.load(hf_folder / "optimizer.pt", weights_only=True)
+    assert torch.equal(tree["optimizer"]["state"][0]["exp_avg"], hf_optim["state"][0]["exp_avg"])
+    assert tree["trainer_state"]["global_step"] == 3 and tree["config"]["n_embd"] == 16
+
+    # resume from the import: a plain loop continues from step 3 with the HF optimizer and schedule
+    model = _tiny_gpt2()
+    for p in model.parameters():
+        p.data.zero_()
+    trainer = transformers.Trainer(model=model, args=_args(tmp_path))  # the optimizer's parameter groups as HF builds them
+    opt = trainer.create_optimizer()
+    sched = trainer.create_scheduler(3, opt)
+    state = {"model": model, "optimizer": opt, "scheduler": sched}
+    with unbroken.Checkpointer(tmp_path / "run", strict=False) as ckpt:
+        assert ckpt.restore(state).step == 3
+        assert torch.equal(model.transformer.wte.weight, saved["transformer.wte.weight"])
+        assert sched.last_epoch == 3 and opt.state_dict()["state"][0]["step"] == hf_optim["state"][0]["step"]
+        torch.manual_seed(1)
+        batch = _Tokens()[0]
+        loss = model(input_ids=batch["input_ids"][None], labels=batch["labels"][None]).loss
+        loss.backward()
+        opt.step()
+        sched.step()
+        ckpt.step(state, loss=loss)
+        assert ckpt.progress.step == 4 and torch.isfinite(loss)
+
+
+class _Tiny(pl.LightningModule):
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Linear(width, 1)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):  # noqa: ANN201
+        opt = torch.optim.Adam(self.parameters(), lr=1e-2)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, 2)]
+
+
+def test_a_lightning_ckpt_imports_and_resumes(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 8), torch.randn(32, 1))
+    trainer = pl.Trainer(max_steps=10, accelerator="cpu", logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=str(tmp_path), enable_checkpointing=False)
+    module = _Tiny()
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    info, imported = import_checkpoint(tmp_path / "last.ckpt", tmp_path / "run")
+    assert imported.kind == "lightning" and info.step == 10
+    tree = unbroken.load(tmp_path / "run")
+    assert torch.equal(tree["model"]["net.weight"], module.net.weight.detach())
+    assert tree["lightning"]["global_step"] == 10 and tree["hyper_parameters"] == {"width": 8}
+    fresh = _Tiny()
+    opt = torch.optim.Adam(fresh.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2)
+    with unbroken.Checkpointer(tmp_path / "run", strict=False) as ckpt:
+        ckpt.restore({"model": fresh, "optimizer": opt, "scheduler": sched})
+        assert torch.equal(fresh.net.weight, module.net.weight)
+        assert sched.state_dict() == trainer.lr_scheduler_configs[0].scheduler.state_dict()
+        assert sched.last_epoch == 1  # StepLR steps per epoch (8 batches): one epoch done by step 10
+        assert ckpt.progress.step == 10 and ckpt.progress.epoch == tree["lightning"]["epoch"]
+        assert opt.state_dict()["state"][0]["exp_avg"].abs().sum() > 0
+
+
+def test_torch_save_files_import(tmp_path: Path) -> None:
+    model = torch.nn.Linear(3, 2)
+    torch.save(model.state_dict(), tmp_path / "weights.pt")
+    info, _ = import_checkpoint(tmp_path / "weights.pt", tmp_path / "a")
+    assert info.step == 0 and torch.equal(unbroken.load(info.path)["model"]["weight"], model.weight.detach())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 7}, tmp_path / "parts.pt")
+    info, _ = import_checkpoint(tmp_path / "parts.pt", tmp_path / "b")
+    tree = unbroken.load(info.path)
+    assert info.step == 7 and torch.equal(tree["optimizer"]["state"][0]["momentum_buffer"],
+                                          opt.state_dict()["state"][0]["momentum_buffer"])
+
+
+_EVIL = textwrap.dedent("""
+    import os, sys, torch
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("touch " + sys.argv[2],))
+
+    torch.save({"model": {"w": torch.zeros(2)}, "payload": Evil()}, sys.argv[1])
+""")
+
+
+def test_a_malicious_pickle_is_refused_and_runs_nothing(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    subprocess.run([sys.executable, "-c", _EVIL, str(tmp_path / "evil.pt"), str(marker)], check=True, timeout=120)
+    assert not marker.exists()
+    with pytest.raises(UntrustedPickleError) as e:
+        read_source(tmp_path / "evil.pt")
+    assert "system" in str(e.value) and "--trust-pickle" in str(e.value)
+    assert not marker.exists(), "refusing must not run the payload"
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(UntrustedPickleError):
+        import_checkpoint(tmp_path / "evil.pt", tmp_path / "run")
+    assert not marker.exists() and not (tmp_path / "run").exists()
+
+
+def test_export_safetensors_cast_and_hf_folder(hf_folder: Path, tmp_path: Path) -> None:
+    info, _ = import_checkpoint(hf_folder, tmp_path / "run")
+    [out] = export_weights(info.path, tmp_path / "model.safetensors", dtype="bf16")
+    weights = load_file(out)
+    original = load_file(hf_folder / "model.safetensors")
+    assert all(weights[k].dtype == torch.bfloat16 for k in original if original[k].is_floating_point())
+    assert all(torch.equal(weights[k], original[k].to(torch.bfloat16)) for k in original)
+    files = export_weights(tmp_path / "run", tmp_path / "hf", fmt="hf")
+    assert sorted(f.name for f in files) == ["config.json", "model.safetensors"]
+    model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
+    assert torch.equal(model.transformer.wte.weight, original["transformer.wte.weight"])
+    with pytest.raises(unbroken.errors.UnbrokenError, match="no part 'nope'"):
+        export_weights(info.path, tmp_path / "x.safetensors", key="nope")
+    with pytest.raises(unbroken.errors.UnbrokenError, match="unknown dtype"):
+        export_weights(info.path, tmp_path / "x.safetensors", dtype="int8")
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_import_refuses_sources_it_does_not_know(tmp_path: Path) -> None:
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(unbroken.errors.UnbrokenError, match="not an HF Trainer checkpoint folder"):
+        read_source(tmp_path / "folder")
+    torch.save([1, 2, 3], tmp_path / "list.pt")
+    with pytest.raises(unbroken.errors.UnbrokenError, match="not a dict"):
+        read_source(tmp_path / "list.pt")
+    with pytest.raises(unbroken.errors.UnbrokenError, match="does not exist"):
+        read_source(tmp_path / "missing.ckpt")
+    assert sorted(os.listdir(tmp_path)) == ["folder", "list.pt"]
