@@ -194,3 +194,43 @@ def test_import_refuses_sources_it_does_not_know(tmp_path: Path) -> None:
     with pytest.raises(unbroken.errors.UnbrokenError, match="does not exist"):
         read_source(tmp_path / "missing.ckpt")
     assert sorted(os.listdir(tmp_path)) == ["folder", "list.pt"]
+
+
+# ------------------------------------------------------------------ the commands
+def test_import_and_export_commands(hf_folder: Path, tmp_path: Path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from unbroken.cli import app
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["import", str(hf_folder), str(tmp_path / "run"), "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["kind"] == "hf" and doc["step"] == 3 and doc["rng"] is True
+    assert {"model", "optimizer", "scheduler", "trainer_state", "config"} <= set(doc["parts"])
+    assert unbroken.verify(doc["checkpoint"]).step == 3
+    res = runner.invoke(app, ["import", str(hf_folder), str(tmp_path / "run2")])
+    assert res.exit_code == 0 and "imported hf checkpoint" in res.stdout and "left out: training_args.bin" in res.stdout
+
+    res = runner.invoke(app, ["export", str(tmp_path / "run"), "--to", str(tmp_path / "w.safetensors"),
+                              "--dtype", "fp16", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["files"] == [str(tmp_path / "w.safetensors")]
+    assert load_file(tmp_path / "w.safetensors")["transformer.wte.weight"].dtype == torch.float16
+    res = runner.invoke(app, ["export", doc["checkpoint"], "--to", str(tmp_path / "hf"), "--format", "hf"])
+    assert res.exit_code == 0 and (tmp_path / "hf" / "config.json").is_file(), res.output
+    res = runner.invoke(app, ["export", doc["checkpoint"], "--to", str(tmp_path / "x"), "--key", "nope"])
+    assert res.exit_code == 1 and "no part 'nope'" in res.output
+
+
+def test_import_command_refuses_a_malicious_pickle(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    subprocess.run([sys.executable, "-c", _EVIL, str(tmp_path / "evil.pt"), str(marker)], check=True, timeout=120)
+    unbroken_cli = str(Path(sys.executable).parent / "unbroken")
+    res = subprocess.run([unbroken_cli, "import", str(tmp_path / "evil.pt"), str(tmp_path / "run")],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1 and "UntrustedPickleError" in res.stderr and "--trust-pickle" in res.stderr
+    assert "Traceback" not in res.stderr
+    assert not marker.exists() and not (tmp_path / "run").exists()

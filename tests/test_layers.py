@@ -14,7 +14,7 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 
 LAYERS: dict[str, int] = {
     # 0: foundations, each package self-contained
-    "errors": 0, "events": 0, "_faults": 0, "progress": 0, "policies": 0, "tags": 0, "probe": 0, "environment": 0,
+    "errors": 0, "console": 0, "events": 0, "_faults": 0, "progress": 0, "policies": 0, "tags": 0, "probe": 0, "environment": 0,
     "state": 0, "data": 0, "format": 0, "store": 0,
     # 1: capture, bytes on disk, reading, ranks
     "snapshot": 1, "persist": 1, "reader": 1, "dist": 1, "background": 1, "lazy": 1,
@@ -25,7 +25,7 @@ LAYERS: dict[str, int] = {
     # 4: the orchestrator
     "manager": 4,
     # 5: the public surface and thin tools
-    "": 5, "cli": 5, "demo": 5, "demo_train": 5,
+    "": 5, "cli": 5, "demo": 5, "demo_train": 5, "integrations": 5, "convert": 5, "plotting": 5,
 }
 SELF_CONTAINED = {"store": {"errors"}, "format": {"errors"}, "state": {"errors"}, "data": set()}
 
@@ -33,6 +33,11 @@ SELF_CONTAINED = {"store": {"errors"}, "format": {"errors"}, "state": {"errors"}
 def _top(module: str) -> str:
     parts = module.split(".")[1:]  # drop "unbroken"
     return parts[0] if parts else ""
+
+
+def _is_module(name: str) -> bool:
+    path = SRC.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
 def imports() -> dict[str, set[str]]:
@@ -47,8 +52,9 @@ def imports() -> dict[str, set[str]]:
                 base = ".".join(package.split(".")[: len(package.split(".")) - (node.level - 1)])
                 if node.module:
                     deps.add(f"{base}.{node.module}")
-                else:  # from . import x: the module x (or a name of the package, e.g. __version__)
-                    deps |= {f"{base}.{a.name}" for a in node.names}
+                else:  # from . import x: the module x, or a name the package exports (then the package)
+                    deps |= {f"{base}.{a.name}" if _is_module(f"{base}.{a.name}") or a.name == "__version__"
+                             else base for a in node.names}
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("unbroken"):
                 deps.add(node.module)  # type: ignore[arg-type]
             elif isinstance(node, ast.Import):

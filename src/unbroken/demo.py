@@ -6,7 +6,8 @@ some delivered inside a save (half-way through a tensor file, between the data f
 and the manifest, between the manifest and the commit). Each attempt resumes from
 the newest valid checkpoint. At the end it compares the final parameters, optimizer
 state, scheduler and scaler, and every logged per-step loss (including the losses
-of steps that were recomputed after a kill) with the uninterrupted run.
+of steps that were recomputed after a kill) with the uninterrupted run, and draws both
+runs' losses into a PNG (:func:`plot_losses`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class Attempt:
     workers: int = 0
     rc: int = 0
     stderr: str = ""
+    logged: int = 0
+    """Lines of the run's ``losses.jsonl`` once this attempt ended (the attempts append to it)."""
 
 
 def make_plan(rng: random.Random, steps: int, kills: int) -> list[tuple[str, str]]:
@@ -146,6 +149,39 @@ def compare(ref: Path, got: Path) -> dict[str, bool]:
     }
 
 
+def _losses(path: Path) -> list[tuple[int, float]]:
+    """``(step, loss)`` per line of a ``losses.jsonl`` (none if it does not exist yet)."""
+    if not path.exists():
+        return []
+    return [(r["step"], r["loss"]) for r in map(json.loads, path.read_text().split("\n")[:-1])]
+
+
+def plot_losses(base: Path, attempts: list[Attempt], out: Path) -> Path:
+    """Draw the uninterrupted run's losses (a grey band) and each attempt's (a coloured line on
+    it), with the kills and resumes marked, into the PNG file ``out``."""
+    from .plotting import Curve, Marker, plot_curves
+
+    ref = _losses(base / "reference" / "out" / "losses.jsonl")
+    got = _losses(base / "interrupted" / "out" / "losses.jsonl")
+    curves = [Curve("uninterrupted", [s for s, _ in ref], [v for _, v in ref], reference=True)]
+    markers, start = [], 0
+    for i, a in enumerate(attempts, 1):
+        part, before, start = got[start:a.logged], got[:start], a.logged
+        if not part:
+            continue
+        resumed_at = int(a.started.rsplit(" ", 1)[1]) if a.started.startswith("resumed from step") else None
+        origin = [(s, v) for s, v in before if s == resumed_at][-1:]  # the line starts where it resumed
+        if origin:
+            part = origin + part
+            markers.append(Marker("resume", *origin[0]))
+        curves.append(Curve(f"process {i}: {a.started or 'started'}", [s for s, _ in part], [v for _, v in part]))
+        if a.ended.startswith("killed"):
+            markers.append(Marker("interruption", *part[-1]))
+    kills = sum(m.kind == "interruption" for m in markers)
+    return plot_curves(curves, out, markers=markers, ylabel="loss",
+                       title=f"loss per step: uninterrupted, and killed {kills} times and resumed")
+
+
 def run_demo(workdir: str | None = None, steps: int = 150, kills: int = 3, seed: int | None = None,
              keep: bool = False) -> bool:
     """Run the whole demo, print the report, return whether the runs are bitwise identical."""
@@ -178,6 +214,7 @@ def run_demo(workdir: str | None = None, steps: int = 150, kills: int = 3, seed:
         workers = (0, 2, 1)[i % 3]  # the data position does not depend on the worker count
         att = run_attempt(cmd("interrupted", workers), kind, arg, env)
         att.workers = workers
+        att.logged = len(_losses(base / "interrupted" / "out" / "losses.jsonl"))
         if kind == "none":
             att.plan = "run to the end"
         attempts.append(att)
@@ -203,6 +240,13 @@ def run_demo(workdir: str | None = None, steps: int = 150, kills: int = 3, seed:
     ok = all(results.values())
     console.print(f"total {time.monotonic() - t0:.1f} s, {len(attempts) - 1} kills")
     console.print(f"bitwise identical: {'yes' if ok else 'no'}", style="bold green" if ok else "bold red")
+    if keep or not ok or workdir is not None:
+        png = base / "losses.png"
+    else:  # the work folder is removed below: the picture gets a file of its own
+        fd, name = tempfile.mkstemp(prefix="unbroken-demo-losses-", suffix=".png")
+        os.close(fd)
+        png = Path(name)
+    console.print(f"loss curves: {plot_losses(base, attempts, png)}")
     if keep or not ok:
         console.print(f"files kept in {base}")
     elif workdir is None:

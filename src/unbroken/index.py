@@ -372,6 +372,10 @@ class RunIndex:
         """Segments (the processes that wrote the run), oldest first."""
         return [dict(r) for r in self._query("SELECT * FROM segments ORDER BY id")]
 
+    def metric_names(self) -> list[str]:
+        """The names of every metric logged in the run, sorted."""
+        return [r[0] for r in self._query("SELECT DISTINCT name FROM metrics ORDER BY name")]
+
     def metric(self, name: str) -> list[tuple[int, float, int | None]]:
         """``(step, value, segment)`` for every logged value of metric ``name``, in logging order."""
         return [(r[0], _F64.unpack(_I64.pack(r[1]))[0], r[2]) for r in self._query(

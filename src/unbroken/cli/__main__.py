@@ -1,0 +1,5 @@
+"""``python -m unbroken.cli``."""
+
+from . import main
+
+main()

@@ -1,0 +1,115 @@
+"""``unbroken inspect``: one checkpoint's manifest and tensors, or the numbers of one tensor."""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+import torch
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from ..errors import UnbrokenError
+from ..format.manifest import Manifest
+from ..format.tensorfile import parse_header
+from ..reader import CheckpointFiles, read_manifest
+from .base import JSON_OPTION, app, emit_json, fail, metrics_text, number, open_checkpoint, out, size, when
+
+ENV_SHOWN = ("python", "torch", "numpy", "cuda", "host", "world_size")
+
+
+def tensor_entries(storage: Any, name: str, manifest: Manifest) -> list[dict[str, Any]]:
+    """Every tensor of every ``.safetensors`` file: ``{file, name, dtype, shape}`` from the headers
+    (data not verified), or ``{file, error}`` for a file whose header does not parse."""
+    entries: list[dict[str, Any]] = []
+    for fname, entry in sorted(manifest.files.items()):
+        if not fname.endswith(".safetensors"):
+            continue
+        try:
+            header, _ = parse_header(memoryview(storage.read(name, fname, entry.size)), fname)
+        except (UnbrokenError, OSError) as e:
+            entries.append({"file": fname, "error": str(e)})
+            continue
+        entries += [{"file": fname, "name": key, "dtype": info["dtype"], "shape": list(info["shape"])}
+                    for key, info in header.items()]
+    return entries
+
+
+def tensor_stats(t: torch.Tensor) -> dict[str, Any]:
+    """dtype, shape, element count, min, max, mean, L2 norm and the count of non-finite values
+    (computed in float64; min/max/mean are ``None`` for an empty tensor)."""
+    x = t.detach().to(torch.float64).reshape(-1)
+    empty = x.numel() == 0
+    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "numel": x.numel(),
+            "min": None if empty else x.min().item(), "max": None if empty else x.max().item(),
+            "mean": None if empty else x.mean().item(), "l2_norm": torch.linalg.vector_norm(x).item(),
+            "non_finite": int((~x.isfinite()).sum().item())}
+
+
+def _summary(path: str, m: Manifest) -> dict[str, Any]:
+    return {"path": path, "step": m.step, "seq": m.seq, "format_version": m.format_version, "kind": m.kind,
+            "created": m.created, "size_bytes": m.total_bytes, "world_size": m.world_size, "tags": m.tags,
+            "metrics": m.metrics, "progress": m.progress, "environment": m.environment,
+            "files": {f: {"size": e.size, "xxh3_128": e.xxh3_128} for f, e in sorted(m.files.items())}}
+
+
+def _one_tensor(storage: Any, name: str, m: Manifest, path: str, wanted: str, json_: bool) -> None:
+    entries = tensor_entries(storage, name, m)
+    found = [e for e in entries if e.get("name") == wanted]
+    if not found:
+        names = [e["name"] for e in entries if "name" in e]
+        close = difflib.get_close_matches(wanted, names, n=5, cutoff=0.4)
+        hint = f"close names: {', '.join(close)}" if close else \
+            f"it has {len(names)} tensors; `unbroken inspect {path}` lists them"
+        fail(escape(f"no tensor {wanted!r} in {path}; {hint}"))
+    fname = found[0]["file"]
+    t = CheckpointFiles(storage, name, m).tensors(fname)[wanted]  # the file is verified (checksum) first
+    stats = {"name": wanted, "file": fname, "verified": True, **tensor_stats(t)}
+    if json_:
+        emit_json({**_summary(path, m), "tensor": stats})
+        return
+    con = out()
+    con.print(f"[bold]{escape(wanted)}[/] in {escape(fname)} [green](file checksum verified)[/]")
+    con.print(f"dtype {stats['dtype']}, shape {stats['shape']}, {stats['numel']} elements"
+              + (f", [red]{stats['non_finite']} non-finite[/]" if stats["non_finite"] else ""))
+    con.print("  ".join(f"{label} {'-' if stats[key] is None else number(stats[key])}"
+                        for label, key in (("min", "min"), ("max", "max"), ("mean", "mean"), ("L2 norm", "l2_norm"))))
+
+
+@app.command()
+def inspect(path: str = typer.Argument(..., metavar="CHECKPOINT", help="A checkpoint (folder or URL)."),
+            tensor: str | None = typer.Option(None, "--tensor", metavar="NAME",
+                                              help="Load and verify this tensor (e.g. model/weight) and show its "
+                                                   "dtype, shape, min, max, mean and L2 norm."),
+            json_: bool = JSON_OPTION) -> None:
+    """Show a checkpoint's manifest and every tensor (file, name, dtype, shape) without loading data."""
+    storage, name = open_checkpoint(path)
+    m = read_manifest(storage, name)
+    if tensor is not None:
+        _one_tensor(storage, name, m, path, tensor, json_)
+        return
+    entries = tensor_entries(storage, name, m)
+    if json_:
+        emit_json({**_summary(path, m), "tensors": entries})
+        return
+    con = out()
+    con.print(f"[bold]{escape(path)}[/]: step {m.step}, seq {m.seq}, {m.kind}, format v{m.format_version}, "
+              f"{size(m.total_bytes)}, saved {when(m.created)}, world size {m.world_size}")
+    con.print(escape(f"metrics: {metrics_text(m.metrics) or '-'}   progress: {metrics_text(m.progress) or '-'}"
+                     + (f"   tags: {', '.join(m.tags)}" if m.tags else "")))
+    env = m.environment
+    git: dict[str, Any] = env["git"] if isinstance(env.get("git"), dict) else {}
+    shown = [f"{k} {env[k]}" for k in ENV_SHOWN if env.get(k) is not None]
+    if git.get("commit"):
+        shown.append(f"git {str(git['commit'])[:12]}" + (" (dirty)" if git.get("dirty") else ""))
+    con.print(escape("environment: " + (", ".join(shown) or "-")))
+    table = Table()
+    for col in ("file", "tensor", "dtype", "shape"):
+        table.add_column(col)
+    for e in entries:
+        if "error" in e:
+            table.add_row(escape(e["file"]), f"[red]{escape(e['error'])}[/]", "", "")
+        else:
+            table.add_row(escape(e["file"]), escape(e["name"]), e["dtype"], escape(str(e["shape"])))
+    con.print(table)

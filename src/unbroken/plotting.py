@@ -1,0 +1,146 @@
+"""Metric curves as PNG files: a run from its index (``unbroken plot``), or any curves (the demo).
+
+Drawing uses matplotlib's object API with the Agg canvas (no pyplot, no display, no global
+state), imported only when a plot is drawn. Each curve gets its own colour; a *reference*
+curve (the uninterrupted run of the demo) is drawn wide and light behind the others, so
+an exact resume shows as coloured lines lying on a grey band. Markers show saves,
+interruptions and resumes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from .index import RunIndex
+
+MarkerKind = Literal["save", "interruption", "resume"]
+MARKERS: dict[str, dict[str, Any]] = {
+    "save": {"marker": "o", "s": 22, "facecolors": "none", "edgecolors": "0.25", "label": "checkpoint saved"},
+    "interruption": {"marker": "X", "s": 70, "color": "#d62728", "label": "interrupted"},
+    "resume": {"marker": "^", "s": 60, "color": "black", "label": "resumed"},
+}
+LOG_SPAN = 100.0
+"""Values spanning more than this factor get a logarithmic axis (unless told otherwise)."""
+COLOURS = ("C0", "C1", "C2", "C4", "C5", "C6", "C8", "C9")
+"""Curve colours: matplotlib's default cycle without red (interruptions) and grey (the reference)."""
+
+
+@dataclass(frozen=True)
+class Curve:
+    """One line: a metric over steps."""
+
+    label: str
+    steps: Sequence[int]
+    values: Sequence[float]
+    reference: bool = False
+    """Draw wide, light and behind the others (the curve the others are compared with)."""
+
+
+@dataclass(frozen=True)
+class Marker:
+    """A point of interest: a save, an interruption or a resume, at ``step`` (on the curve at
+    ``value``; a vertical line when ``value`` is ``None``)."""
+
+    kind: MarkerKind
+    step: int
+    value: float | None = None
+
+
+def plot_curves(curves: Sequence[Curve], out: str | Path, *, markers: Sequence[Marker] = (), title: str = "",
+                ylabel: str = "value", xlabel: str = "step", log_y: bool | None = None) -> Path:
+    """Draw ``curves`` and ``markers`` into the PNG file ``out`` (its folder is created); return its path.
+    Interruptions also get a dashed vertical line. ``log_y``: a logarithmic value axis; by default
+    when no value is negative and they span more than two orders of magnitude (a loss; with exact
+    zeros, a symmetric-log axis that is linear below the smallest positive value)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 5), dpi=100, layout="constrained")
+    ax = fig.add_subplot()
+    colour = 0
+    for c in curves:
+        if c.reference:
+            ax.plot(c.steps, c.values, color="0.8", linewidth=6, solid_capstyle="round", label=c.label, zorder=1)
+        else:
+            ax.plot(c.steps, c.values, color=COLOURS[colour % len(COLOURS)], linewidth=1.4, label=c.label, zorder=2)
+            colour += 1
+    for kind, style in MARKERS.items():
+        here = [m for m in markers if m.kind == kind]
+        placed = [(m.step, m.value) for m in here if m.value is not None]
+        if placed:
+            ax.scatter([s for s, _ in placed], [v for _, v in placed], zorder=3, **style)
+        for i, m in enumerate(here):
+            if kind == "interruption" or m.value is None:
+                first_unplaced = not placed and i == 0  # lines carry the legend entry only without points
+                ax.axvline(m.step, color=style.get("color", "0.4"), linestyle="--", linewidth=0.8, alpha=0.6,
+                           zorder=0, label=style["label"] if first_unplaced else None)
+    values = [v for c in curves for v in c.values if math.isfinite(v)]
+    positive = [v for v in values if v > 0]
+    wide = bool(positive) and min(values) >= 0 and max(values) > LOG_SPAN * min(positive)
+    if log_y if log_y is not None else wide:
+        if values and min(values) <= 0:  # a loss that reaches exactly 0: linear near 0, logarithmic above
+            ax.set_yscale("symlog", linthresh=min(positive, default=1e-12))
+        else:
+            ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small", loc="best")
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+    return path
+
+
+def run_curves(index: RunIndex, metric: str) -> tuple[list[Curve], list[Marker]]:
+    """A run's ``metric`` from its index: one curve per segment (each process that wrote the run;
+    a resumed one starts at the value of the step it resumed from), and markers for saves
+    (``saved``/``emergency_save`` events), resumes (that first point) and interruptions (where
+    a segment stopped after a step the next one then re-ran or started before; ``preempted``
+    and ``emergency_save`` events)."""
+    per_segment: dict[int | None, list[tuple[int, float]]] = {}
+    for step, value, segment in index.metric(metric):
+        per_segment.setdefault(segment, []).append((step, value))
+    segments = [s for s in index.segments() if s["id"] in per_segment]
+
+    def value_at(step: int, segment: int | None) -> float | None:
+        for seg in (segment, *per_segment):
+            found = [v for s, v in per_segment.get(seg, []) if s == step]
+            if found:
+                return found[-1]
+        return None
+
+    curves, markers = [], []
+    for seg in segments:
+        points = per_segment[seg["id"]]
+        how = f"resumed from {seg['resumed_from']}" if seg["resumed_from"] else "fresh start"
+        if seg["resumed_from"]:  # the line starts at the checkpoint it resumed from
+            start = value_at(seg["start_step"], None)
+            points = [(seg["start_step"], start), *points] if start is not None else points
+            markers.append(Marker("resume", *points[0]))
+        curves.append(Curve(f"segment {seg['id']} ({how})", [s for s, _ in points], [v for _, v in points]))
+    for prev, nxt in itertools.pairwise(segments):
+        last = per_segment[prev["id"]][-1][0]
+        if nxt["start_step"] < last or not nxt["resumed_from"]:  # steps were lost, or it started over
+            markers.append(Marker("interruption", last, value_at(last, prev["id"])))
+    for e in index.events():
+        if e["step"] is None:
+            continue
+        if e["kind"] in ("saved", "emergency_save"):
+            markers.append(Marker("save", e["step"], value_at(e["step"], e["segment"])))
+        if e["kind"] in ("preempted", "emergency_save"):
+            markers.append(Marker("interruption", e["step"], value_at(e["step"], e["segment"])))
+    return curves, list(dict.fromkeys(markers))
+
+
+def plot_run(index: RunIndex, metric: str, out: str | Path, title: str = "") -> Path:
+    """Draw a run's ``metric`` (see :func:`run_curves`) into the PNG file ``out``; return its path."""
+    curves, markers = run_curves(index, metric)
+    return plot_curves(curves, out, markers=markers, title=title, ylabel=metric)

@@ -1,0 +1,236 @@
+"""``unbroken events``, ``metrics`` and ``plot`` on real runs, the plotting module, the demo's picture."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+
+import numpy as np
+import pytest
+from matplotlib.image import imread
+from test_cli import as_json, invoke, make_state, snapshot, train
+
+import unbroken
+from unbroken.demo import Attempt, plot_losses
+from unbroken.index import RunIndex
+from unbroken.plotting import Curve, Marker, plot_curves, run_curves
+
+TAB10 = {"C0": (0x1F, 0x77, 0xB4), "C1": (0xFF, 0x7F, 0x0E)}  # the colours of the first two curves
+
+
+@pytest.fixture()
+def resumed(tmp_path: Path) -> Path:
+    """Steps 1-4 (saves at 2 and 4), then a resume from step 2 that re-runs steps 3 and 4 and goes
+    on to 6: an interruption after step 4 that lost two steps, as a kill after a lost save would."""
+    run = tmp_path / "run"
+    train(run, 4)
+    train(run, 6, resume_from=run / "step-000000002")
+    return run
+
+
+def colours(png: Path) -> tuple[np.ndarray, set[tuple[int, int, int]]]:
+    rgb = (imread(png)[..., :3] * 255).round().astype(int)
+    return rgb, {tuple(map(int, c)) for c in rgb.reshape(-1, 3)}
+
+
+def near(found: set[tuple[int, int, int]], colour: tuple[int, int, int], tolerance: int = 8) -> bool:
+    return any(all(abs(a - b) <= tolerance for a, b in zip(c, colour, strict=True)) for c in found)
+
+
+# ------------------------------------------------------------------------- events
+def test_events_of_a_resumed_run(resumed: Path) -> None:
+    res = invoke("events", resumed, "--json")
+    assert res.exit_code == 0, res.output
+    doc = as_json(res)
+    assert doc["rebuilt"] is False
+    kinds = [e["kind"] for e in doc["events"]]
+    assert kinds.count("run_started") == 1 and kinds.count("resumed") == 1 and kinds.count("saved") == 4
+    resume = next(e for e in doc["events"] if e["kind"] == "resumed")
+    assert resume["checkpoint"] == "step-000000002" and resume["step"] == 2
+    only = as_json(invoke("events", resumed, "--kind", "saved", "--json"))["events"]
+    assert [e["checkpoint"] for e in only] == ["step-000000002", "step-000000004", "step-000000004-2",
+                                               "step-000000006"]
+    text = invoke("events", resumed)
+    assert text.exit_code == 0 and "resumed" in text.stdout and "step-000000004-2" in text.stdout
+    none = invoke("events", resumed, "--kind", "preempted")
+    assert none.exit_code == 0 and "kinds in this run" in none.output and "saved" in none.output
+
+
+def test_events_without_an_index_are_rebuilt_in_memory(resumed: Path) -> None:
+    for f in resumed.glob("index.sqlite*"):
+        f.unlink()
+    before = snapshot(resumed)
+    res = invoke("events", resumed, "--json")
+    assert res.exit_code == 0 and as_json(res)["rebuilt"] is True
+    assert "rebuilt in memory" in res.stderr
+    assert snapshot(resumed) == before  # read-only: no index file was created
+
+
+@pytest.mark.parametrize("command", [["events"], ["metrics", "loss"], ["metrics", "loss", "--check"], ["plot"]])
+def test_a_folder_that_is_not_a_run_is_refused_and_left_alone(tmp_path: Path, command: list[str]) -> None:
+    folder = tmp_path / "not-a-run"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("my notes")
+    (folder / "tensorboard").mkdir()
+    before = snapshot(folder)
+    res = invoke(command[0], folder, *command[1:])
+    assert res.exit_code == 1 and "not an unbroken run" in res.output, res.output
+    assert "index_rebuilt" not in res.output
+    assert snapshot(folder) == before
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert invoke(command[0], empty, *command[1:]).exit_code == 1
+    assert list(empty.iterdir()) == []
+    assert invoke(command[0], tmp_path / "missing", *command[1:]).exit_code == 1
+    assert not (tmp_path / "missing").exists()
+
+
+# ------------------------------------------------------------------------ metrics
+def test_metrics_per_step(resumed: Path) -> None:
+    doc = as_json(invoke("metrics", resumed, "loss", "--json"))
+    assert [(v["step"], v["segment"]) for v in doc["values"]] == [(1, 1), (2, 1), (3, 1), (4, 1), (3, 2), (4, 2),
+                                                                 (5, 2), (6, 2)]
+    lines = invoke("metrics", resumed, "loss").stdout.splitlines()
+    assert len(lines) == 8 and lines[0].split("\t")[0] == "1" and lines[0].split("\t")[2] == "1"
+    assert float(lines[0].split("\t")[1]) == doc["values"][0]["value"]
+
+
+def test_a_metric_never_logged_names_the_known_ones(resumed: Path) -> None:
+    for args in (["metrics", resumed, "accuracy"], ["metrics", resumed, "accuracy", "--check"],
+                 ["plot", resumed, "--metric", "accuracy"]):
+        res = invoke(*args)
+        assert res.exit_code == 1 and "'accuracy' was never logged" in res.output and "logged: loss" in res.output
+
+
+def test_metrics_check_of_an_exact_resume(resumed: Path) -> None:
+    res = invoke("metrics", resumed, "loss", "--check")
+    assert res.exit_code == 0, res.output
+    assert "loss: 2 re-run steps compared, 0 differ" in res.stdout
+    doc = as_json(invoke("metrics", resumed, "loss", "--check", "--json"))
+    assert (doc["ok"], doc["compared"], doc["checked"], doc["disagreeing"], doc["resumes"]) == \
+        (True, 2, [3, 4], [], 1)
+
+
+def test_metrics_check_catches_a_different_value(resumed: Path) -> None:
+    train(resumed, 3, resume_from=resumed / "step-000000002", loss=lambda step, value: value + 1.0)
+    res = invoke("metrics", resumed, "loss", "--check")
+    assert res.exit_code == 1 and "step 3" in res.stdout and "not continuous" in res.stdout
+    doc = as_json(invoke("metrics", resumed, "loss", "--check", "--json"))
+    assert doc["ok"] is False and doc["disagreeing"] == [3]
+    assert sorted(v["segment"] for v in doc["values"]["3"]) == [1, 2, 3]
+
+
+def test_metrics_check_says_when_nothing_could_be_compared(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    train(run, 4)
+    train(run, 6)  # resumes from step 4, the last step logged: no step is logged twice
+    res = invoke("metrics", run, "loss", "--check")
+    assert res.exit_code == 0
+    assert "0 steps compared" in res.stdout and "resumed once" in res.stdout
+    fresh = tmp_path / "fresh"
+    train(fresh, 2)
+    assert "never resumed" in invoke("metrics", fresh, "loss", "--check").stdout
+
+
+def test_metrics_check_reports_rows_lost_from_the_index(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    train(run, 4)
+    with sqlite3.connect(run / "index.sqlite") as db:  # a row the save at step 4 had made durable, lost
+        db.execute("DELETE FROM metrics WHERE name = 'loss' AND step = 3")
+    db.close()
+    res = invoke("metrics", run, "loss", "--check")
+    assert res.exit_code == 1
+    assert "1 step missing" in res.stdout and res.stdout.split("index): ")[1].startswith("3\n")
+    doc = as_json(invoke("metrics", run, "loss", "--check", "--json"))
+    assert (doc["ok"], doc["missing"], doc["compared"]) == (False, [3], 0)
+
+
+# --------------------------------------------------------------------------- plot
+def test_run_curves_of_a_resumed_run(resumed: Path) -> None:
+    with RunIndex(resumed, readonly=True) as index:
+        curves, markers = run_curves(index, "loss")
+        logged = {(s, g): v for s, v, g in index.metric("loss")}
+    assert [(c.label, list(c.steps)) for c in curves] == [
+        ("segment 1 (fresh start)", [1, 2, 3, 4]), ("segment 2 (resumed from step-000000002)", [2, 3, 4, 5, 6])]
+    assert curves[1].values[0] == logged[2, 1]  # the resumed line starts at the checkpoint's step
+    assert Marker("interruption", 4, logged[4, 1]) in markers
+    assert Marker("resume", 2, logged[2, 1]) in markers
+    assert sorted(m.step for m in markers if m.kind == "save") == [2, 4, 6]  # both saves at 4: one point
+
+
+def test_an_emergency_save_is_marked_as_an_interruption(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    state = make_state()
+    ckpt = unbroken.Checkpointer(run, save_every=2, keep_last=None, preemption=None)
+    ckpt.restore(state)
+    with pytest.raises(RuntimeError, match="bad batch"), ckpt.guard(state):
+        while True:
+            if ckpt.progress.step == 3:
+                raise RuntimeError("bad batch")  # in step 4, before the optimizer stepped
+            state["optimizer"].step()
+            ckpt.step(state, loss=1.0 / (ckpt.progress.step + 1))
+    ckpt.close()
+    train(run, 5)  # resumes from the emergency checkpoint of step 3
+    with RunIndex(run, readonly=True) as index:
+        assert [e["step"] for e in index.events("emergency_save")] == [3]
+        _, markers = run_curves(index, "loss")
+    assert [m.step for m in markers if m.kind == "interruption"] == [3]
+
+
+def test_plot_writes_a_png_with_a_colour_per_segment(resumed: Path, tmp_path: Path) -> None:
+    res = invoke("plot", resumed, "-o", tmp_path / "out" / "loss.png")
+    assert res.exit_code == 0, res.output
+    png = tmp_path / "out" / "loss.png"
+    assert res.stdout.strip() == str(png)
+    assert png.stat().st_size > 10_000
+    rgb, found = colours(png)
+    assert (rgb < 250).any(axis=-1).mean() > 0.02  # not blank
+    assert len(found) > 50
+    assert near(found, TAB10["C0"]) and near(found, TAB10["C1"])  # segment 1 and segment 2
+
+
+def test_plot_default_file_name_and_metric(resumed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    res = invoke("plot", resumed)
+    assert res.exit_code == 0, res.output
+    assert res.stdout.strip() == "run-loss.png" and (tmp_path / "run-loss.png").stat().st_size > 10_000
+
+
+def test_plot_curves_draws_reference_curves_and_markers(tmp_path: Path) -> None:
+    steps = list(range(1, 21))
+    png = plot_curves([Curve("reference", steps, [1 / s for s in steps], reference=True),
+                       Curve("attempt", steps[:10], [1 / s for s in steps[:10]])],
+                      tmp_path / "p.png", markers=[Marker("interruption", 10, 0.1), Marker("save", 5, None)])
+    _, found = colours(png)
+    assert near(found, (204, 204, 204)) and near(found, TAB10["C0"])  # the grey band and the first colour
+    assert near(found, (0xD6, 0x27, 0x28))  # the interruption's red
+
+
+def test_the_demo_draws_both_runs_and_the_kills(tmp_path: Path) -> None:
+    """The demo's picture from the files its runs leave (here written directly): the reference's
+    losses, then two processes of the interrupted run, the first killed after step 6."""
+    ref, got = tmp_path / "reference" / "out", tmp_path / "interrupted" / "out"
+    ref.mkdir(parents=True)
+    got.mkdir(parents=True)
+    losses = {s: 2.0 / s for s in range(1, 13)}
+    (ref / "losses.jsonl").write_text("".join(json.dumps({"step": s, "loss": v}) + "\n" for s, v in losses.items()))
+    lines = [s for s in range(1, 7)] + [s for s in range(5, 13)]
+    (got / "losses.jsonl").write_text("".join(json.dumps({"step": s, "loss": losses[s]}) + "\n" for s in lines))
+    attempts = [Attempt("SIGKILL after step 6", started="fresh start", ended="killed after step 6", logged=6),
+                Attempt("run to the end", started="resumed from step 4", ended="finished", logged=14)]
+    png = plot_losses(tmp_path, attempts, tmp_path / "losses.png")
+    assert png == tmp_path / "losses.png" and png.stat().st_size > 10_000
+    _, found = colours(png)
+    assert near(found, TAB10["C0"]) and near(found, TAB10["C1"]) and near(found, (0xD6, 0x27, 0x28))
+
+
+@pytest.mark.e2e
+def test_the_demo_ends_with_its_picture(tmp_path: Path) -> None:
+    res = invoke("demo", "--steps", "24", "--kills", "1", "--seed", "1", "--workdir", tmp_path / "demo")
+    assert res.exit_code == 0, res.output
+    assert "bitwise identical: yes" in res.stdout
+    shown = res.stdout.strip().splitlines()[-1]
+    assert shown == f"loss curves: {tmp_path / 'demo' / 'losses.png'}"
+    _, found = colours(tmp_path / "demo" / "losses.png")
+    assert near(found, (204, 204, 204)) and near(found, TAB10["C0"]) and near(found, (0xD6, 0x27, 0x28))
