@@ -153,6 +153,49 @@ def test_guard_writes_an_exact_emergency_checkpoint(tmp_path: Path, fail: str) -
                        opt.state_dict()["state"][0]["momentum_buffer"])
 
 
+@pytest.mark.parametrize("as_keyword", [True, False])
+def test_an_exception_inside_a_step_closure_is_a_step_not_begun(tmp_path: Path, as_keyword: bool) -> None:
+    """Lightning and LBFGS run forward and backward inside ``optimizer.step(closure)``: an exception
+    in the closure changed no parameter, so it gets the emergency checkpoint of the step's start
+    (not "the optimizer was stepping"); one after the closure returned is a torn step."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = {"model": model, "optimizer": opt}
+    x = torch.randn(8, 4)
+
+    def closure(fail: bool) -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        if fail:
+            raise RuntimeError("out of memory in the backward pass (simulated)")
+        return loss
+
+    with unbroken.Checkpointer(tmp_path / "run", save_every=100, preemption=None) as ckpt:
+        with pytest.raises(RuntimeError, match="simulated"), ckpt.guard(state):
+            for i in range(3):
+                fail = i == 2
+                opt.step(closure=lambda: closure(fail)) if as_keyword else opt.step(lambda: closure(fail))
+                ckpt.step(state)
+        latest = ckpt.latest()
+        assert latest is not None and latest.step == 2 and latest.kind == "emergency"
+
+    calls = []
+
+    def lbfgs_closure() -> torch.Tensor:  # LBFGS re-evaluates after updating the parameters
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("failed during the update")
+        return closure(False)
+
+    opt2 = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3)
+    state2 = {"model": model, "optimizer": opt2}
+    with unbroken.Checkpointer(tmp_path / "run2", save_every=100, preemption=None) as ckpt2:
+        with pytest.raises(RuntimeError, match="during the update"), ckpt2.guard(state2):
+            opt2.step(lbfgs_closure)
+        assert ckpt2.latest() is None  # half-applied: no emergency checkpoint that would mix two steps
+
+
 def test_guard_does_not_save_twice_right_after_a_save(tmp_path: Path) -> None:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

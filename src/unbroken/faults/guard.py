@@ -132,8 +132,24 @@ class StepGuard:
                 return f"state[{key!r}] (an LR scheduler stepped every step) has not stepped yet"
         return None
 
-    def _on_optimizer_pre_step(self, *args: Any, **kwargs: Any) -> None:
-        self.stepping = True
+    def _on_optimizer_pre_step(self, optimizer: Any, args: tuple[Any, ...],
+                               kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """The update begins, unless ``step`` got a closure (Lightning, LBFGS): the closure runs the
+        forward and backward pass *inside* ``step`` and changes no parameter, so the update begins
+        only once it returns; an exception in it leaves the step cleanly not begun."""
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0] is the optimizer
+        if closure is None:
+            self.stepping = True
+            return None
+
+        def closure_then_update() -> Any:
+            result = closure()
+            self.stepping = True
+            return result
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_update}
+        return (args[0], closure_then_update, *args[2:]), kwargs
 
     def _on_optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         self.stepped = True

@@ -1,0 +1,159 @@
+"""``UnbrokenCheckpointIO``: Lightning's checkpoint files written and read by unbroken.
+
+``Trainer(plugins=[UnbrokenCheckpointIO()])`` makes every checkpoint Lightning writes
+(``trainer.save_checkpoint``, ``ModelCheckpoint``, ``OnExceptionCheckpoint``) an unbroken
+checkpoint folder at the same path: safetensors plus JSON, no pickle, committed atomically
+(written into a hidden staging folder, fsynced, renamed into place), checksummed. Reading
+(``fit/validate/test(ckpt_path=...)``) verifies every file before decoding it and never
+unpickles anything. ``ckpt_path`` may also be:
+
+- a run written by :class:`~.callback.UnbrokenCallback` (or one of its checkpoints): its newest
+  valid checkpoint, converted to the dict Lightning restores from (weights, optimizers,
+  schedulers, loop counters with the data position, callbacks). The RNG states are not part
+  of that dict: for an exact resume keep the callback in the Trainer, which restores them.
+- a regular ``.ckpt`` file: read by Lightning's ``TorchCheckpointIO`` (``torch.load``, with
+  Lightning's ``weights_only`` rules), so old runs still load.
+
+Overwriting a path (``last.ckpt``) writes the new checkpoint beside it, then swaps the two
+with renames: there is always a complete checkpoint at or beside the path.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections.abc import Mapping
+from typing import Any
+
+from ... import load, save
+from ._compat import fabric_io, pick
+
+RESERVED = "__unbroken__"
+
+
+def stored_as(path: str) -> str:
+    """Where unbroken stores the checkpoint Lightning names ``path``: a checkpoint's folder name is one plain
+    component of ``[A-Za-z0-9._-]`` starting with a letter or digit, so ModelCheckpoint's
+    ``epoch=3-step=28.ckpt`` is stored as ``epoch_3-step_28.ckpt`` (every other character becomes ``_``)."""
+    head, sep, name = path.rstrip("/").rpartition("/")
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", name)
+    if not safe[:1].isalnum():
+        safe = "c" + safe
+    return head + sep + safe
+
+
+def _is_unbroken(path: str) -> bool:
+    """A checkpoint folder (``manifest.json``) or a run (checkpoint folders inside) of unbroken."""
+    if "://" in path:
+        return not path.endswith((".ckpt", ".pt", ".pth"))
+    if not os.path.isdir(path):
+        return False
+    if os.path.isfile(os.path.join(path, "manifest.json")):
+        return True
+    return any(os.path.isfile(os.path.join(path, d, "manifest.json")) for d in os.listdir(path))
+
+
+def _numbered(tree: Mapping[str, Any], name: str) -> list[Any]:
+    if name in tree:
+        return [tree[name]]
+    out, i = [], 0
+    while f"{name}_{i}" in tree:
+        out.append(tree[f"{name}_{i}"])
+        i += 1
+    return out
+
+
+def to_lightning(tree: Mapping[str, Any], version: str) -> dict[str, Any]:
+    """A checkpoint of :class:`~.callback.UnbrokenCallback` as the dict Lightning's ``ckpt_path`` restores."""
+    progress = dict((tree.get(RESERVED) or {}).get("progress") or {})
+    out: dict[str, Any] = {
+        "epoch": progress.get("epoch", 0), "global_step": progress.get("step", 0),
+        "pytorch-lightning_version": version, "state_dict": tree["model"], "loops": dict(tree["loops"]),
+        "optimizer_states": _numbered(tree, "optimizer"), "lr_schedulers": _numbered(tree, "scheduler"),
+        "callbacks": dict(tree.get("callbacks") or {}),
+    }
+    if "scaler" in tree:
+        out["native_amp_scaling_state"] = tree["scaler"]
+    return out
+
+
+class UnbrokenCheckpointIO:
+    """Lightning ``CheckpointIO`` plugin: pickle-free, atomic, verified checkpoints (see the module docstring).
+
+    Args:
+        storage_options: for URL paths (``s3://...``): endpoint, credentials (never recorded).
+    """
+
+    _classes: dict[str, type] = {}
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "UnbrokenCheckpointIO":
+        if cls is UnbrokenCheckpointIO:
+            cls = _io_class(pick())
+        return super().__new__(cls)
+
+    def __init__(self, storage_options: Mapping[str, Any] | None = None) -> None:
+        self.storage_options = dict(storage_options) if storage_options else None
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        path = stored_as(os.fspath(path))
+        opts = storage_options if isinstance(storage_options, Mapping) else self.storage_options
+        step = checkpoint.get("global_step", 0)
+        step = step if isinstance(step, int) and step >= 0 else 0
+        if "://" in path or not os.path.lexists(path):
+            if "://" in path:
+                self.remove_checkpoint(path)
+            save(path, checkpoint, step=step, storage_options=opts)
+            return
+        parent, name = os.path.split(os.path.abspath(path))
+        new, old = os.path.join(parent, f"{name}.unbroken-new"), os.path.join(parent, f"{name}.unbroken-old")
+        for leftover in (new, old):
+            _remove_local(leftover)
+        save(new, checkpoint, step=step)  # complete and committed before the old one is touched
+        os.replace(path, old) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+        os.replace(new, path)
+        _remove_local(old)
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        path = os.fspath(path)
+        if not os.path.isfile(path) and "://" not in path:
+            path = stored_as(path)
+        if not _is_unbroken(path):
+            torch_io = fabric_io(pick()).plugins.TorchCheckpointIO()
+            return torch_io.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        tree = load(path, storage_options=self.storage_options)
+        if RESERVED in tree and "loops" in tree and "model" in tree:  # written by UnbrokenCallback
+            return to_lightning(tree, pick().__version__)
+        return tree
+
+    def remove_checkpoint(self, path: Any) -> None:
+        path = stored_as(os.fspath(path))
+        if "://" in path:
+            import fsspec
+
+            fs, p = fsspec.core.url_to_fs(path, **(self.storage_options or {}))
+            if fs.exists(p):
+                fs.rm(p, recursive=True)
+            return
+        _remove_local(path)
+
+    def teardown(self) -> None:
+        pass
+
+
+def _remove_local(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def _io_class(pl: Any) -> type:
+    """``UnbrokenCheckpointIO`` as a ``CheckpointIO`` of the Lightning package ``pl`` (made once, picklable)."""
+    name = f"UnbrokenCheckpointIO_{pl.__name__.replace('.', '_')}"
+    if name not in UnbrokenCheckpointIO._classes:
+        base = fabric_io(pl).plugins.CheckpointIO
+        cls = type(name, (UnbrokenCheckpointIO, base), {"__module__": __name__, "__qualname__": name})
+        globals()[name] = cls
+        UnbrokenCheckpointIO._classes[name] = cls
+    return UnbrokenCheckpointIO._classes[name]
