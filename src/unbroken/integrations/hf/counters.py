@@ -1,0 +1,77 @@
+"""``TrainerCounters``: what a ``transformers.Trainer`` carries from step to step, as a ``Stateful``."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from transformers import Trainer
+from transformers.trainer_callback import ExportableState
+
+log = logging.getLogger("unbroken")
+
+
+class TrainerCounters:
+    """``Stateful`` view of what the Trainer itself carries from step to step.
+
+    ``TrainerState``'s progress (``global_step``, ``epoch``, ``total_flos``,
+    ``num_input_tokens_seen``, ``log_history``, best metric / step / checkpoint), the loss
+    accumulators behind the logged ``loss`` and the final ``train_loss`` (the Trainer's
+    ``_tr_loss``, ``_total_loss_scalar``, ``_globalstep_last_logged``), ``current_flos``, the
+    ``TrainerControl`` flags and the attributes of ``ExportableState`` callbacks. The
+    configuration-derived fields (``max_steps``, ``logging_steps``, ...) are not restored:
+    they come from this run's arguments.
+    """
+
+    _STATE = ("global_step", "epoch", "total_flos", "num_input_tokens_seen", "log_history", "best_metric",
+              "best_global_step", "best_model_checkpoint")
+    _TRAINER = (("tr_loss", "_tr_loss"), ("total_loss_scalar", "_total_loss_scalar"),
+                ("globalstep_last_logged", "_globalstep_last_logged"), ("current_flos", "current_flos"))
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def _callbacks(self) -> dict[str, Any]:
+        out, seen = {}, {}
+        for cb in self.trainer.callback_handler.callbacks:
+            if isinstance(cb, ExportableState):
+                name = type(cb).__name__
+                seen[name] = seen.get(name, -1) + 1
+                out[f"{name}.{seen[name]}"] = cb
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        t, s = self.trainer, self.trainer.state
+        out: dict[str, Any] = {k: getattr(s, k) for k in self._STATE}
+        out.update({k: getattr(t, attr) for k, attr in self._TRAINER if hasattr(t, attr)})
+        out["control"] = dict(t.control.state()["args"])
+        out["callbacks"] = {k: dict(cb.state().get("attributes", {})) for k, cb in self._callbacks().items()}
+        return out
+
+    def load_state_dict(self, saved: Mapping[str, Any]) -> None:
+        t, s = self.trainer, self.trainer.state
+        for k in self._STATE:
+            if k == "log_history":
+                s.log_history[:] = list(saved[k])
+            elif k in saved:
+                setattr(s, k, saved[k])
+        for k, attr in self._TRAINER:
+            if k not in saved:
+                continue
+            live = getattr(t, attr, None)
+            if isinstance(live, torch.Tensor):
+                with torch.no_grad():
+                    live.copy_(saved[k])  # the same tensor object: the loop holds it
+            else:
+                setattr(t, attr, saved[k])
+        for flag, value in saved.get("control", {}).items():
+            setattr(t.control, flag, value)
+        live_cbs = self._callbacks()
+        for k, attrs in saved.get("callbacks", {}).items():
+            if k in live_cbs:
+                for name, value in attrs.items():
+                    setattr(live_cbs[k], name, value)
+            else:
+                log.warning("the checkpoint has the state of callback %s, which this Trainer does not have", k)
