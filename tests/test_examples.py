@@ -301,6 +301,27 @@ def test_s3_tiered_local_folder_lost_run_continues_from_s3(s3_reference: Result,
 
 
 # -------------------------------------------------------------------------------- SLURM
+@pytest.mark.e2e
+@pytest.mark.parametrize("example", ["hf_trainer.py", "lightning_train.py"])
+def test_framework_example_killed_inside_a_save_resumes_bitwise(tmp_path: Path, example: str) -> None:
+    """The HF Trainer and Lightning examples: SIGKILLed inside their 3rd save (just before it would
+    commit), run again, they end with the uninterrupted run's final line (loss, step, sha256)."""
+    pytest.importorskip("transformers" if example == "hf_trainer.py" else "pytorch_lightning")
+
+    def cmd(run_dir: Path) -> list[str]:
+        return [sys.executable, f"examples/{example}", "--run-dir", str(run_dir), "--steps", "40", "--save-every", "10"]
+
+    ref = run(cmd(tmp_path / "ref"))
+    assert ref.rc == 0, ref.text
+    [want] = ref.first("final ")
+    killed = run(cmd(tmp_path / "run"), env={**ENV, "UNBROKEN_FAULTS": "save.before_commit=3"})
+    assert killed.rc == -signal.SIGKILL and not killed.first("final "), killed.text
+    assert sorted(p.name for p in (tmp_path / "run").glob("step-*")) == ["step-000000010", "step-000000020"]
+    resumed = run(cmd(tmp_path / "run"))
+    assert resumed.rc == 0, resumed.text
+    assert resumed.first("resumed from step 20") and resumed.first("final ") == [want]
+
+
 @pytest.mark.slurm
 def test_slurm_job_preempted_requeued_and_resumed_bitwise(cluster, tmp_path: Path) -> None:  # noqa: F811
     steps, save_every = 120, 20
