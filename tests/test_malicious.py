@@ -365,11 +365,40 @@ def test_source_scanner_catches_unpickling() -> None:
     assert violations('"""never unpickle"""\n# pickle is banned\nx = "torch.load(f)"\nimport json\n') == []
 
 
+PICKLE_READER = "convert/pickles.py"
+"""The one audited exception: ``unbroken import`` reads other tools' ``torch.save`` files, with
+``weights_only=True`` unless the user passes ``--trust-pickle``. Nothing that reads unbroken
+checkpoints can reach it (test below)."""
+
+
 def test_package_source_never_unpickles_or_evaluates() -> None:
     files = sorted(SRC.rglob("*.py"))
     assert len(files) >= 10 and SRC / "reader.py" in files
     bad = {str(f.relative_to(SRC)): v for f in files if (v := violations(f.read_text(encoding="utf-8")))}
+    # passes Lightning's own ``weights_only`` argument through to Lightning's loader, for a plain
+    # ``.ckpt`` file the user names in ``ckpt_path=`` (what Lightning does without unbroken)
+    assert bad.pop("integrations/lightning/checkpoint_io.py", []) == [r"\bweights_only\b"]
+    assert sorted(bad.pop(PICKLE_READER, [])) == sorted(
+        [r"\bpickle\b", r"\btorch\s*\.\s*load\b", r"\btorch\s*\.\s*serialization\b", r"\bweights_only\b",
+         "import pickle"]), "the pickle reader changed: audit it again"
     assert bad == {}
+
+
+def test_the_pickle_reader_is_safe_by_default_and_unreachable_from_checkpoint_reading() -> None:
+    """``convert/pickles.py`` calls the full unpickler only behind ``trust``, and only the import
+    command's modules import it: restore, load, verify and every other path never can."""
+    source = (SRC / PICKLE_READER).read_text(encoding="utf-8")
+    loads = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call) and ast.unparse(n.func) == "torch.load"]
+    kinds = sorted(next(ast.unparse(k.value) for k in call.keywords if k.arg == "weights_only") for call in loads)
+    assert kinds == ["False", "True"]
+    assert "if not trust:" in source and source.index("if not trust:") < source.index("weights_only=False")
+    importers = set()
+    for f in SRC.rglob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module and (
+                    node.module.endswith("convert") or node.module.endswith("pickles") or "convert." in node.module):
+                importers.add(str(f.relative_to(SRC)))
+    assert importers <= {"convert/__init__.py", "convert/importing.py", "cli/convert.py"}, importers
 
 
 # --------------------------------------------------------- symlinked folders

@@ -283,7 +283,7 @@ def test_cli_lists_verifies_and_inspects_a_remote_run(s3, s3_url) -> None:
     assert out.returncode == 1 and "BAD" in out.stdout and "checksum mismatch" in out.stdout, out
     out = subprocess.run(base + ["list", "s3://no-such-bucket-here/run"], capture_output=True, text=True,
                          env=env, timeout=120)
-    assert out.returncode == 1 and "does not exist" in out.stdout and "Traceback" not in out.stderr, out
+    assert out.returncode == 1 and "does not exist" in out.stderr and "Traceback" not in out.stderr, out
 
 
 # --------------------------------------------------------------- the index

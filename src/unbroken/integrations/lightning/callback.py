@@ -332,9 +332,7 @@ def _callback_class(pl: Any) -> type:
     """``UnbrokenCallback`` as a ``Checkpoint`` of the Lightning package ``pl`` (made once, picklable)."""
     name = f"UnbrokenCallback_{pl.__name__.replace('.', '_')}"
     if name not in UnbrokenCallback._classes:
-        from importlib import import_module
-
-        base = import_module(f"{pl.__name__}.callbacks").Checkpoint
+        base = pl.callbacks.Checkpoint
         cls = type(name, (UnbrokenCallback, base), {"__module__": __name__, "__qualname__": name})
         globals()[name] = cls
         UnbrokenCallback._classes[name] = cls
