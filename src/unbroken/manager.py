@@ -39,6 +39,7 @@ from .recorder import Recorder
 from .lazy import StepGate, step_only_storages
 from .run import Run
 from .scheduling import Schedule
+from .selftest import protocol as selftest
 from .snapshot import Snapshotter
 from .dist.comm import Comm
 from .restoring import RESERVED, apply_checkpoint, sync_data_position
@@ -115,6 +116,7 @@ class Checkpointer:
                  probe: ProbeFn | None = None, rng: bool = True, strict: bool = True,
                  async_save: bool | Literal["lazy"] = False, allow_unsaved: Iterable[str] = ()) -> None:
         console.install()
+        location = selftest.run_location(location)  # `unbroken selftest` owns the run folders
         self.schedule = Schedule(save_every, trigger, keep_last, retention)
         self.events = EventBus()
         self.comm = Comm()
@@ -147,6 +149,9 @@ class Checkpointer:
         self._checked_state = self._validated = False
         self._recorder: Recorder | None = None
         self._plugins: list[Any] = []
+        # `unbroken selftest` (UNBROKEN_SELFTEST set): per-step fingerprints and planned interruptions;
+        # otherwise None, and the cost is one attribute check per step (see unbroken.selftest)
+        self._selftest = selftest.attach(self)
 
     # ------------------------------------------------------------------ lifecycle
     def _begin(self) -> None:
@@ -259,6 +264,8 @@ class Checkpointer:
         self._check_reserved(state)
         self._validate(state)
         self._begin()
+        if self._selftest is not None:
+            self._selftest.watch(state)  # fingerprints the state once restored (on Restored / Started)
         self.flush()  # a save in flight commits (and stops reading the live state) first
         if tag is not None:
             found = [c for c in self.checkpoints() if tag in c.tags]
@@ -303,6 +310,8 @@ class Checkpointer:
             self._guard.mark(start)
         self.metrics.update(clean)  # tensors stay tensors (no .item(): no GPU sync per step)
         self.events.publish(StepEnded(self.progress.step, clean))
+        if self._selftest is not None:  # the step's fingerprint, before any save (same instant in every run)
+            self._selftest.step_ended(self, state, clean)
         # the ranks agree on saving and on preemption: one small collective per step (none at world size 1)
         flags = self.comm.max((1 if self._due(epoch_end=False) else 0) | (2 if self._signals.received else 0))
         info = self.save(state) if flags & 1 else None
@@ -310,6 +319,8 @@ class Checkpointer:
             sig = self._signals.received or signal.SIGTERM  # a peer's signal: stop at the same step
             self.flush(raise_errors=False)
             preempt_and_exit(self, state, sig, self._signals.received_at or time.monotonic())
+        if self._selftest is not None:
+            self._selftest.after_step(self)  # a planned interruption or stop (SystemExit(0) after step N)
         return info
 
     def end_epoch(self, state: Mapping[str, Any], **metrics: Any) -> CheckpointInfo | None:

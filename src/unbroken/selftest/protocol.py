@@ -1,0 +1,46 @@
+"""The environment variables by which ``unbroken selftest`` talks to the script's Checkpointer.
+
+The script is not modified: its :class:`~unbroken.Checkpointer` reads these at construction.
+
+- ``UNBROKEN_SELFTEST=<dir>``: selftest mode; fingerprints are appended to ``<dir>/records.jsonl``.
+- ``UNBROKEN_SELFTEST_RUN=<folder>``: the run location used instead of the one the script gave,
+  so the selftest owns fresh run folders.
+- ``UNBROKEN_SELFTEST_SEGMENT=<n>``: which process of the run this is (0, 1, ...).
+- ``UNBROKEN_SELFTEST_STOP=<N>``: end the process cleanly (``SystemExit(0)``) after step N.
+- ``UNBROKEN_SELFTEST_KILL=<kind>@<step>``: interrupt this process after the first step >= ``step``:
+  ``sigkill`` (SIGKILL itself), ``sigterm`` (SIGTERM itself: unbroken's preemption path saves and
+  exits 75), ``exception`` (raise from ``ckpt.step``). A kill *inside a save* uses the fault points
+  of :mod:`unbroken._faults` (``UNBROKEN_FAULTS=save.mid_file=1``) instead.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+DIR, RUN, SEGMENT, STOP, KILL = ("UNBROKEN_SELFTEST", "UNBROKEN_SELFTEST_RUN", "UNBROKEN_SELFTEST_SEGMENT",
+                                 "UNBROKEN_SELFTEST_STOP", "UNBROKEN_SELFTEST_KILL")
+RECORDS = "records.jsonl"
+INJECTED = "unbroken selftest: injected exception"
+"""The message of the exception raised for an ``exception`` interruption (the runner looks for it)."""
+
+
+def active() -> bool:
+    """Whether this process runs under ``unbroken selftest``."""
+    return bool(os.environ.get(DIR))
+
+
+def run_location(location: Any) -> Any:
+    """The run location a Checkpointer uses: the selftest's own folder in selftest mode."""
+    override = os.environ.get(RUN)
+    return override if override and active() else location
+
+
+def attach(ckpt: Any) -> Any:
+    """The in-process recorder for ``ckpt`` (:class:`unbroken.selftest.hooks.Hooks`), or ``None``
+    outside selftest mode (then nothing else of this package is imported)."""
+    if not active():
+        return None
+    from .hooks import Hooks
+
+    return Hooks(ckpt)

@@ -1,0 +1,210 @@
+"""The whole selftest: the uninterrupted run, the interrupted one, the comparison, the verdict.
+
+Exit codes of the command: 0 identical, 1 diverged (or the script failed after a resume),
+2 could not run (no Checkpointer, a crash or a hang of the uninterrupted run, a hang later).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import protocol
+from .compare import compare, load_records
+from .diagnose import diagnose
+from .plan import Interruption, make_plan
+from .runner import Attempt, run_attempt
+
+IDENTICAL, DIVERGED, ERROR = "identical", "diverged", "error"
+EXIT = {IDENTICAL: 0, DIVERGED: 1, ERROR: 2}
+_OURS = (protocol.DIR, protocol.RUN, protocol.SEGMENT, protocol.STOP, protocol.KILL, "UNBROKEN_FAULTS")
+
+
+@dataclass
+class Report:
+    verdict: str
+    command: list[str]
+    steps: int = 0
+    seed: int = 0
+    reference: Attempt | None = None
+    attempts: list[Attempt] = field(default_factory=list)
+    plan: list[Interruption] = field(default_factory=list)
+    compared: dict[str, int] = field(default_factory=dict)
+    divergence: Any = None
+    diagnosis: Any = None
+    error: str = ""
+    stderr_tail: str = ""
+    notes: list[str] = field(default_factory=list)
+    workdir: str | None = None
+
+    @property
+    def code(self) -> int:
+        return EXIT[self.verdict]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"verdict": self.verdict, "exit_code": self.code, "command": self.command, "steps": self.steps,
+                "seed": self.seed, "plan": [p.as_dict() for p in self.plan],
+                "reference": self.reference.as_dict() if self.reference else None,
+                "attempts": [a.as_dict() for a in self.attempts], "compared": self.compared,
+                "divergence": self.divergence.as_dict() if self.divergence else None,
+                "diagnosis": self.diagnosis.as_dict() if self.diagnosis else None,
+                "error": self.error or None, "stderr_tail": self.stderr_tail or None, "notes": self.notes,
+                "workdir": self.workdir}
+
+
+def _env(records: Path, run: Path, segment: int, stop: int, extra: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _OURS}
+    env.update({"PYTHONUNBUFFERED": "1", protocol.DIR: str(records), protocol.RUN: str(run),
+                protocol.SEGMENT: str(segment), protocol.STOP: str(stop)}, **extra)
+    return env
+
+
+def _of(records: list[dict[str, Any]], seg: int, kind: str) -> list[dict[str, Any]]:
+    return [r for r in records if r.get("seg") == seg and r.get("kind") == kind]
+
+
+def _outcome(att: Attempt, records: list[dict[str, Any]], seg: int) -> tuple[str, int | None]:
+    """Fill ``att.started``/``att.ended``; return (``finished`` | ``interrupted`` | ``failed``, last step)."""
+    restored = _of(records, seg, "restore")
+    steps = [r["step"] for r in _of(records, seg, "step")]
+    last = steps[-1] if steps else (restored[0]["step"] if restored else None)
+    if restored:
+        r = restored[-1].get("resumed_from")
+        att.started = f"resumed from step {r}" if r is not None else "fresh start"
+    injected = _of(records, seg, "injected")
+    after = f" after step {last}" if last is not None else ""
+    if att.rc == 0:
+        att.ended = f"finished at step {last}"
+        return "finished", last
+    if att.rc == -9 and injected and injected[-1]["what"] == "sigkill":
+        att.ended = f"killed{after}"
+    elif att.rc == -9 and "save" in att.plan:
+        att.ended = f"killed in a save{after}"
+    elif injected and injected[-1]["what"] == "sigterm" and att.rc in (75, -15):
+        att.ended = f"preempted{after} (exit {att.rc})"
+    elif injected and injected[-1]["what"] == "exception" and att.rc not in (None, 0) and att.rc > 0:
+        att.ended = f"exception{after} (exit {att.rc})"
+    else:
+        att.ended = f"failed{after} (exit {att.rc})"
+        return "failed", last
+    return "interrupted", last
+
+
+def _last_line(text: str) -> str:
+    lines = [x for x in text.strip().splitlines() if x.strip()]
+    return lines[-1].strip() if lines else ""
+
+
+def run_selftest(cmd: list[str], *, steps: int = 40, kills: int = 4, kinds: list[str] | None = None,
+                 seed: int = 0, timeout: float = 600.0, workdir: str | None = None, keep: bool = False,
+                 say: Callable[[str], None] = lambda _: None) -> Report:
+    """Run the selftest of ``cmd`` (the user's unmodified command line); see the module docstring."""
+    kinds = kinds or ["sigkill", "sigterm", "exception"]
+    base = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="unbroken-selftest-"))
+    if workdir:
+        shutil.rmtree(base, ignore_errors=True)
+    rep = Report(ERROR, list(cmd), steps=steps, seed=seed, workdir=str(base))
+    try:
+        _run(rep, cmd, base, steps, kills, kinds, seed, timeout, say)
+    finally:
+        if rep.verdict == IDENTICAL and not keep and not workdir:
+            shutil.rmtree(base, ignore_errors=True)
+            rep.workdir = None
+    return rep
+
+
+def _run(rep: Report, cmd: list[str], base: Path, steps: int, kills: int, kinds: list[str], seed: int,
+         timeout: float, say: Callable[[str], None]) -> None:
+    ref_dir, got_dir = base / "uninterrupted", base / "interrupted"
+    for d in (ref_dir, got_dir):
+        d.mkdir(parents=True, exist_ok=True)
+    say(f"uninterrupted run to step {steps} ...")
+    ref = run_attempt(cmd, _env(ref_dir, ref_dir / "run", 0, steps, {}), ref_dir / "process-0", timeout,
+                      "run to the end")
+    rep.reference = ref
+    records = load_records(ref_dir)
+    if ref.timed_out:
+        rep.error = (f"the uninterrupted run did not finish within {timeout:g} s: killed it and every process it "
+                     "started. A hang? If it is just slow, raise --timeout or lower --steps")
+        rep.stderr_tail = ref.stderr_tail
+        return
+    if not _of(records, 0, "hello"):
+        if ref.rc == 0:
+            rep.error = ("no Checkpointer was created: selftest needs one (unbroken.Checkpointer(...), restore(), "
+                         "step() once per optimizer step); see README.md, 'Add it to your loop'")
+        else:
+            rep.error = f"the script failed on its own before creating a Checkpointer (exit {ref.rc})"
+            rep.stderr_tail = ref.stderr_tail
+        return
+    state, last = _outcome(ref, records, 0)
+    if state == "failed":
+        rep.error = f"the script failed on its own in the uninterrupted run (exit {ref.rc}): {_last_line(ref.stderr_tail)}"
+        rep.stderr_tail = ref.stderr_tail
+        return
+    if not _of(records, 0, "step"):
+        rep.error = ("the script created a Checkpointer but never called ckpt.step(state): selftest fingerprints "
+                     "the state at every ckpt.step(), once per optimizer step")
+        return
+    if last is not None and last < steps:
+        rep.notes.append(f"the script ends by itself at step {last}: compared up to there")
+        steps = rep.steps = last
+    say(f"uninterrupted run: {steps} steps in {ref.seconds:.1f} s")
+    saved = sorted({r["step"] for r in _of(records, 0, "saved")})
+    if not saved:
+        rep.notes.append(f"the script saved no checkpoint in {steps} steps: every resume starts from scratch, so "
+                         "this proves little; use --steps larger than its save interval")
+    rep.plan = make_plan(steps, kills, kinds, seed)
+    seg, finished = 0, False
+    for planned in rep.plan + [None]:
+        label = planned.describe() if planned else "run to the end"
+        say(f"process {seg + 1} of the interrupted run: {label} ...")
+        extra = planned.env() if planned else {}
+        att = run_attempt(cmd, _env(got_dir, got_dir / "run", seg, steps, extra), got_dir / f"process-{seg}",
+                          timeout, label)
+        rep.attempts.append(att)
+        if att.timed_out:
+            rep.error = (f"process {seg + 1} of the interrupted run ({label}) did not finish within {timeout:g} s: "
+                         "killed it and every process it started (a hang after a resume?)")
+            rep.stderr_tail = att.stderr_tail
+            return
+        state, _ = _outcome(att, load_records(got_dir), seg)
+        seg += 1
+        if state == "failed":
+            got = load_records(got_dir)
+            result = compare(records, got, steps)
+            if result.divergence is not None:  # a difference before the failure explains it better
+                rep.divergence, rep.diagnosis = result.divergence, diagnose(result.divergence)
+            rep.verdict, rep.stderr_tail = DIVERGED, att.stderr_tail
+            rep.error = (f"the script failed in process {seg} of the interrupted run ({att.started or 'before restore'}"
+                         f", exit {att.rc}) though it ran uninterrupted: {_last_line(att.stderr_tail)}")
+            return
+        if state == "finished":
+            finished = True
+            break
+    done = len([a for a in rep.attempts if a.ended and not a.ended.startswith("finished")])
+    if done < len(rep.plan):
+        rep.notes.append(f"{done} of {len(rep.plan)} planned interruptions happened (the run reached step {steps} "
+                         "first, or a process never saved)")
+    if not finished:
+        rep.error = "the interrupted run did not finish"
+        return
+    if not any(a.started.startswith("resumed") for a in rep.attempts):
+        rep.notes.append("no process of the interrupted run resumed from a checkpoint (every interruption came "
+                         "before the first save): this proves little; raise --steps")
+    result = compare(records, load_records(got_dir), steps)
+    rep.compared = {"records": result.compared_records, "components": result.compared_components,
+                    "rerun_steps": result.rerun_steps}
+    if result.ignored:
+        rep.notes.append(f"not compared: {', '.join(result.ignored)} (not seeded, but never drawn from)")
+    if result.divergence is not None:
+        rep.verdict, rep.divergence, rep.diagnosis = DIVERGED, result.divergence, diagnose(result.divergence)
+    elif result.missing_steps:
+        rep.verdict = DIVERGED
+        rep.error = f"the interrupted run has no record of steps {result.missing_steps[:10]}"
+    else:
+        rep.verdict = IDENTICAL
