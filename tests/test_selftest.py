@@ -140,12 +140,49 @@ def test_a_script_that_hangs_is_killed_with_its_children(tmp_path: Path) -> None
 
 
 def test_bad_options() -> None:
-    code, out, err = selftest("--nproc", "2", *script("crashes"))
-    assert code == 2 and "not implemented yet" in err
+    code, out, err = selftest("--nproc", "2", "--", str(SCRIPTS / "crashes.py"))
+    assert code == 2 and "python train.py" in err  # under torchrun the leading python is replaced
     code, out, err = selftest("--kinds", "sigkill,meteor", *script("crashes"))
     assert code == 2 and "meteor" in err
     code, out, err = selftest("--steps", "10")
     assert code == 2 and "after --" in err
+
+
+def test_under_torchrun_every_kind_of_interruption_on_rank_0_and_both_ranks_identical(tmp_path: Path) -> None:
+    code, out, err = selftest("--nproc", "2", "--steps", "16", "--kills", "4", "--seed", "17", "--timeout", "120",
+                              "--workdir", str(tmp_path / "w"), "--json", *script("ddp_ok"))
+    doc = json.loads(out)
+    assert code == 0 and doc["verdict"] == "identical", (doc, err)
+    assert doc["nproc"] == 2 and doc["divergence"] is None
+    att = doc["attempts"]
+    ended = [a["ended"] for a in att]
+    assert ended[0] == "killed after step 5" and ended[1].startswith("preempted after step 7 (exit "), ended
+    assert ended[2:] == ["exception after step 9 (exit 1)", "killed in a save after step 12", "finished at step 16"]
+    assert att[0]["ranks"]["0"] == -9 and att[3]["ranks"]["0"] == -9  # rank 0 SIGKILLed (torchrun's report)
+    # one SIGTERM to rank 0: both ranks saved step 7 and exited 75 (torchrun may SIGTERM the later one first)
+    assert set(att[1]["ranks"]) == {"0", "1"} and 75 in att[1]["ranks"].values(), att[1]
+    assert set(att[1]["ranks"].values()) <= {75, -15}, att[1]
+    assert [a["started"] for a in att] == ["fresh start", "resumed from step 4", "resumed from step 7",
+                                           "resumed from step 8", "resumed from step 8"]
+    for rank, name in ((0, "records.jsonl"), (1, "records.rank1.jsonl")):  # each rank recorded every step
+        recs = [json.loads(x) for x in (tmp_path / "w" / "interrupted" / name).read_text().splitlines()]
+        assert {r["step"] for r in recs if r["kind"] == "step"} == set(range(1, 17)), rank
+        assert not [r for r in recs if r["kind"] == "injected" and rank != 0]  # only rank 0 interrupts itself
+        assert max(r["step"] for r in recs if r["kind"] == "step" and r["seg"] == 1) == 7, rank  # same stop step
+    assert doc["compared"]["records"] >= 2 * 16 and doc["compared"]["rerun_steps"] >= 2
+
+
+def test_under_torchrun_a_mistake_on_one_rank_is_found_on_that_rank(tmp_path: Path) -> None:
+    code, out, err = selftest("--nproc", "2", "--steps", "12", "--kills", "1", "--kinds", "sigkill", "--seed", "0",
+                              "--timeout", "120", "--json", *script("ddp_ok", "--rank1-draws-after-restore"))
+    doc = json.loads(out)
+    assert code == 1 and doc["verdict"] == "diverged", (doc, err)
+    d, attempts = doc["divergence"], doc["attempts"]
+    assert attempts[0]["ended"] == "killed after step 7" and attempts[1]["started"] == "resumed from step 4"
+    # rank 0's gradients differ at the same step (DDP averages them), but the cause is upstream on rank 1
+    assert (d["rank"], d["segment"], d["step"], d["components"][0]) == (1, 1, 5, "batch/rng/torch"), d
+    assert doc["diagnosis"]["headline"].startswith("rank 1, step 5: the torch CPU RNG before the first batch")
+    assert "draws from the global RNG between restore() and the first step" in doc["diagnosis"]["cause"]
 
 
 def test_the_plan_is_seeded_and_cycles_the_kinds() -> None:
@@ -155,6 +192,7 @@ def test_the_plan_is_seeded_and_cycles_the_kinds() -> None:
     assert [p.step for p in plan] == sorted(p.step for p in plan) and all(1 <= p.step < 40 for p in plan)
     assert plan[3].env() == {"UNBROKEN_FAULTS": "save.mid_file=1"}
     assert plan[1].env() == {"UNBROKEN_SELFTEST_KILL": f"sigterm@{plan[1].step}"}
+    assert plan[3].env(nproc=2) == {"UNBROKEN_FAULTS": "save.mid_file@0=1"}  # under torchrun: rank 0 only
     assert make_plan(40, 4, ["sigkill"], seed=6) != plan
 
 

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from ..selftest.diagnose import describe
 from ..selftest.plan import parse_kinds
-from ..selftest.session import ERROR, IDENTICAL, Report, run_selftest
+from ..selftest.session import ERROR, IDENTICAL, Report, launcher, run_selftest
 from .base import JSON_OPTION, app, emit_json, err, out
 
 TAIL_LINES = 20
@@ -30,7 +30,9 @@ def selftest(
                                     "(random if unset; printed, so a failure can be replayed)."),
     timeout: float = typer.Option(600.0, "--timeout", metavar="SECONDS", help="Limit per process; one that runs "
                                   "longer is killed with everything it started (exit 2)."),
-    nproc: int = typer.Option(1, "--nproc", metavar="N", help="Processes per run under torchrun (not yet: only 1)."),
+    nproc: int = typer.Option(1, "--nproc", metavar="N", help="Processes per run: N > 1 runs every process as `torchrun --standalone --nproc-per-node N "
+                       "--max-restarts 0 train.py ...` (the leading python replaced); rank 0 is interrupted, the "
+                       "ranks are compared one by one."),
     workdir: str | None = typer.Option(None, "--workdir", metavar="DIR", help="Keep run folders, records and logs "
                                        "here (emptied first). By default a temporary folder, removed when identical."),
     json_: bool = JSON_OPTION,
@@ -42,11 +44,14 @@ def selftest(
     cmd = list(ctx.args)
     if not cmd:
         raise typer.BadParameter("give the training command after --: unbroken selftest -- python train.py ...")
-    if nproc != 1:
-        err().print("[red]--nproc: selftest under torchrun is not implemented yet; run it with one process[/]")
-        raise typer.Exit(2)
     if steps < 2 or kills < 0 or timeout <= 0:
         raise typer.BadParameter("--steps must be at least 2, --kills at least 0, --timeout positive")
+    if nproc < 1:
+        raise typer.BadParameter("--nproc must be at least 1", param_hint="--nproc")
+    try:
+        launcher(cmd, nproc)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--nproc") from None
     try:
         kind_list = parse_kinds(kinds)
     except ValueError as e:
@@ -55,9 +60,10 @@ def selftest(
     note = err()
     say = (lambda _: None) if json_ else (lambda m: note.print(escape(m), style="dim"))
     if not json_:
-        note.print(escape(f"unbroken selftest (seed {seed}): {' '.join(cmd)}"))
+        ranks = f", {nproc} processes under torchrun" if nproc > 1 else ""
+        note.print(escape(f"unbroken selftest (seed {seed}{ranks}): {' '.join(cmd)}"))
     rep = run_selftest(cmd, steps=steps, kills=kills, kinds=kind_list, seed=seed, timeout=timeout,
-                       workdir=workdir, say=say)
+                       workdir=workdir, nproc=nproc, say=say)
     if json_:
         emit_json(rep.as_dict())
     else:
@@ -97,7 +103,8 @@ def _print(rep: Report) -> None:
         note.print(f"[red]{escape(rep.error)}[/]")
     if rep.verdict == IDENTICAL:
         con.print(f"[bold green]identical[/]: {rep.steps} steps, every per-step fingerprint and the final state "
-                  f"bitwise equal across {len(rep.attempts) - 1} interruptions")
+                  f"bitwise equal across {len(rep.attempts) - 1} interruptions"
+                  + (f", on each of the {rep.nproc} ranks" if rep.nproc > 1 else ""))
     elif rep.verdict != ERROR and not rep.divergence:
         con.print("[bold red]diverged[/]")
     if rep.workdir and rep.verdict != IDENTICAL:

@@ -15,15 +15,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .protocol import RECORDS
+from .protocol import records_file
 
 EVIDENCE = ("unsaved generators",)
 """Components recorded to explain a divergence, never a divergence themselves (heuristic)."""
 
 
-def load_records(folder: Path) -> list[dict[str, Any]]:
-    """The records of one run, in the order written (a line cut short by a SIGKILL is skipped)."""
-    path = folder / RECORDS
+def load_records(folder: Path, rank: int = 0) -> list[dict[str, Any]]:
+    """The records of one run (of one rank), in the order written (a line cut short by a SIGKILL is skipped)."""
+    path = folder / records_file(rank)
     if not path.exists():
         return []
     out = []
@@ -59,9 +59,11 @@ class Divergence:
     values: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     restore_differ: list[str] = field(default_factory=list)
     """Components that differed in this process's restore record (evidence included)."""
+    rank: int | None = None
+    """The rank whose records differ (``None``: a single process)."""
 
     def as_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "segment": self.segment, "record": self.kind, "resumed_from": self.resumed_from,
+        return {"rank": self.rank, "step": self.step, "segment": self.segment, "record": self.kind, "resumed_from": self.resumed_from,
                 "components": self.differ, "agreeing": self.agree,
                 "values": {k: {"uninterrupted": a, "interrupted": b} for k, (a, b) in self.values.items()},
                 "after_restore_differ": self.restore_differ}
@@ -76,6 +78,8 @@ class Comparison:
     missing_steps: list[int]
     ignored: list[str] = field(default_factory=list)
     """Global RNG streams left out: not seeded (they differ from the start) and never drawn from."""
+    missing_rank: int | None = None
+    """Under torchrun: the rank whose ``missing_steps`` these are."""
 
 
 def _reference(ref: list[dict[str, Any]]) -> dict[int, dict[str, str]]:

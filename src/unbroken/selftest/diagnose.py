@@ -19,7 +19,7 @@ The first diverging record (:mod:`.compare`) is read like this, first rule that 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .compare import Divergence
 
@@ -82,6 +82,12 @@ def _data_key(names: list[str]) -> str | None:
 
 
 def diagnose(d: Divergence) -> Diagnosis:
+    """The cause and fix of a divergence; its headline names the rank when there are several."""
+    g = _diagnose(d)
+    return g if d.rank is None else replace(g, headline=f"rank {d.rank}, {g.headline}")
+
+
+def _diagnose(d: Divergence) -> Diagnosis:
     first, where, resumed = d.differ[0], _where(d), d.resumed_from is not None
     head = f"step {d.step}: {describe(first)} {differ(first)} {where}"
     if d.kind == "restore":

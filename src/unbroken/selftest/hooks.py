@@ -15,7 +15,8 @@ and the components of :mod:`.fingerprint` plus what only hooks can see:
   calling frames), whose restarting from their seed explains a divergence after a resume.
 
 Right after ``restore()`` it writes a ``restore`` record (the state as restored). Then it
-carries out the interruption the selftest asked for (:mod:`.protocol`). Nothing here draws
+carries out the interruption the selftest asked for (:mod:`.protocol`). Under torchrun every
+rank records to its own file (:func:`.protocol.records_file`) and only rank 0 interrupts itself. Nothing here draws
 from a random generator. None of this is imported outside selftest mode.
 """
 
@@ -90,8 +91,10 @@ class Hooks:
         self.segment = int(os.environ.get(protocol.SEGMENT, "0") or 0)
         self.stop = int(os.environ.get(protocol.STOP, "0") or 0)
         kind, _, at = os.environ.get(protocol.KILL, "").partition("@")
-        self.kill, self.kill_at = kind, int(at or 0)
         self.rank = int(os.environ.get("RANK", "0") or 0)
+        # only rank 0 interrupts itself: torchrun tears the other ranks down after a SIGKILL or an
+        # exception, and after a SIGTERM unbroken's preemption flag stops every rank at the same step
+        self.kill, self.kill_at = (kind, int(at or 0)) if self.rank == 0 else ("", 0)
         self.state: Mapping[str, Any] | None = None
         self.resumed_from: int | None = None
         self.batches: list[tuple[Any, str]] = []
@@ -105,11 +108,9 @@ class Hooks:
 
     # --------------------------------------------------------------- writing
     def write(self, record: dict[str, Any]) -> None:
-        if self.rank != 0:
-            return
         if self._fd is None:
             self.dir.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(self.dir / protocol.RECORDS, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._fd = os.open(self.dir / protocol.records_file(self.rank), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         line = json.dumps({"seg": self.segment, **record}, sort_keys=True) + "\n"
         os.write(self._fd, line.encode())  # one write per record: a SIGKILL never leaves half a line in the middle
 

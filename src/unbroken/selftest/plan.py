@@ -33,10 +33,11 @@ class Interruption:
         what = {"sigkill": "SIGKILL", "sigterm": "SIGTERM", "exception": "an exception"}[self.kind]
         return f"{what} after step {self.step}"
 
-    def env(self) -> dict[str, str]:
-        """The environment that makes the script's Checkpointer carry it out (:mod:`.protocol`)."""
+    def env(self, nproc: int = 1) -> dict[str, str]:
+        """The environment that makes the script's Checkpointer carry it out (:mod:`.protocol`);
+        with several processes (torchrun), on rank 0 only."""
         if self.kind == "save":
-            return {"UNBROKEN_FAULTS": f"{self.point}=1"}
+            return {"UNBROKEN_FAULTS": f"{self.point}{'@0' if nproc > 1 else ''}=1"}
         return {"UNBROKEN_SELFTEST_KILL": f"{self.kind}@{self.step}"}
 
     def as_dict(self) -> dict[str, object]:

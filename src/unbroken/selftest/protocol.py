@@ -2,7 +2,8 @@
 
 The script is not modified: its :class:`~unbroken.Checkpointer` reads these at construction.
 
-- ``UNBROKEN_SELFTEST=<dir>``: selftest mode; fingerprints are appended to ``<dir>/records.jsonl``.
+- ``UNBROKEN_SELFTEST=<dir>``: selftest mode; fingerprints are appended to ``<dir>/records.jsonl``
+  (rank 0; under torchrun rank ``r > 0`` to ``<dir>/records.rank<r>.jsonl``, see :func:`records_file`).
 - ``UNBROKEN_SELFTEST_RUN=<folder>``: the run location used instead of the one the script gave,
   so the selftest owns fresh run folders.
 - ``UNBROKEN_SELFTEST_SEGMENT=<n>``: which process of the run this is (0, 1, ...).
@@ -10,7 +11,9 @@ The script is not modified: its :class:`~unbroken.Checkpointer` reads these at c
 - ``UNBROKEN_SELFTEST_KILL=<kind>@<step>``: interrupt this process after the first step >= ``step``:
   ``sigkill`` (SIGKILL itself), ``sigterm`` (SIGTERM itself: unbroken's preemption path saves and
   exits 75), ``exception`` (raise from ``ckpt.step``). A kill *inside a save* uses the fault points
-  of :mod:`unbroken._faults` (``UNBROKEN_FAULTS=save.mid_file=1``) instead.
+  of :mod:`unbroken._faults` (``UNBROKEN_FAULTS=save.mid_file=1``) instead. Under torchrun only
+  rank 0 carries out the interruption (``save.mid_file@0=1`` for a kill inside a save); the others
+  follow it: torchrun tears them down, or unbroken's preemption stops every rank at the same step.
 """
 
 from __future__ import annotations
@@ -21,6 +24,14 @@ from typing import Any
 DIR, RUN, SEGMENT, STOP, KILL = ("UNBROKEN_SELFTEST", "UNBROKEN_SELFTEST_RUN", "UNBROKEN_SELFTEST_SEGMENT",
                                  "UNBROKEN_SELFTEST_STOP", "UNBROKEN_SELFTEST_KILL")
 RECORDS = "records.jsonl"
+
+
+def records_file(rank: int = 0) -> str:
+    """The name of the records file of ``rank`` (``RANK``, as torchrun sets it): ``records.jsonl`` for
+    rank 0 (and a single process), ``records.rank<r>.jsonl`` for the others."""
+    return RECORDS if rank == 0 else f"records.rank{rank}.jsonl"
+
+
 INJECTED = "unbroken selftest: injected exception"
 """The message of the exception raised for an ``exception`` interruption (the runner looks for it)."""
 

@@ -31,9 +31,11 @@ class Attempt:
     started: str = ""
     ended: str = ""
     records: list[dict] = field(default_factory=list)
+    ranks: dict[int, int] = field(default_factory=dict)
+    """Under torchrun: the exit status of each rank that failed (from torchrun's report)."""
 
     def as_dict(self) -> dict[str, object]:
-        return {"plan": self.plan, "rc": self.rc, "seconds": round(self.seconds, 3), "timed_out": self.timed_out,
+        return {"plan": self.plan, "rc": self.rc, "ranks": {str(r): c for r, c in sorted(self.ranks.items())}, "seconds": round(self.seconds, 3), "timed_out": self.timed_out,
                 "started": self.started, "ended": self.ended}
 
 

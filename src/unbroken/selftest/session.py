@@ -2,12 +2,19 @@
 
 Exit codes of the command: 0 identical, 1 diverged (or the script failed after a resume),
 2 could not run (no Checkpointer, a crash or a hang of the uninterrupted run, a hang later).
+
+With ``nproc > 1`` every process of both runs is ``torchrun --standalone --nproc-per-node N
+--max-restarts 0 train.py ARGS`` (the leading ``python`` replaced); each rank records its own
+fingerprints, rank 0 carries out the interruptions (the other ranks are torn down by torchrun,
+or stop at the same step by unbroken's preemption), and the runs are compared rank by rank.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from . import protocol
-from .compare import compare, load_records
+from .compare import Comparison, compare, load_records, order
 from .diagnose import diagnose
 from .plan import Interruption, make_plan
 from .runner import Attempt, run_attempt
@@ -41,13 +48,15 @@ class Report:
     stderr_tail: str = ""
     notes: list[str] = field(default_factory=list)
     workdir: str | None = None
+    nproc: int = 1
 
     @property
     def code(self) -> int:
         return EXIT[self.verdict]
 
     def as_dict(self) -> dict[str, Any]:
-        return {"verdict": self.verdict, "exit_code": self.code, "command": self.command, "steps": self.steps,
+        return {"verdict": self.verdict, "exit_code": self.code, "command": self.command, "nproc": self.nproc,
+                "steps": self.steps,
                 "seed": self.seed, "plan": [p.as_dict() for p in self.plan],
                 "reference": self.reference.as_dict() if self.reference else None,
                 "attempts": [a.as_dict() for a in self.attempts], "compared": self.compared,
@@ -68,8 +77,42 @@ def _of(records: list[dict[str, Any]], seg: int, kind: str) -> list[dict[str, An
     return [r for r in records if r.get("seg") == seg and r.get("kind") == kind]
 
 
-def _outcome(att: Attempt, records: list[dict[str, Any]], seg: int) -> tuple[str, int | None]:
-    """Fill ``att.started``/``att.ended``; return (``finished`` | ``interrupted`` | ``failed``, last step)."""
+_EXIT = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def launcher(cmd: list[str], nproc: int) -> list[str]:
+    """The command of one process of a run: ``cmd`` itself, or with ``nproc > 1`` under torchrun (from the
+    folder of this Python), its leading ``python`` replaced. ValueError if ``cmd`` does not start with Python."""
+    if nproc <= 1:
+        return list(cmd)
+    exe = os.path.basename(cmd[0])
+    if len(cmd) < 2 or not (exe.startswith("python") or os.path.realpath(cmd[0]) == os.path.realpath(sys.executable)):
+        raise ValueError(f"--nproc runs the script under torchrun: give it as `python train.py ...` (got {cmd[0]!r})")
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    return [torchrun, "--standalone", "--nproc-per-node", str(nproc), "--max-restarts", "0", *cmd[1:]]
+
+
+def rank_exits(stderr: str) -> dict[int, int]:
+    """The exit codes of the ranks that failed, from torchrun's failure report on its stderr."""
+    return {int(r): int(c) for r, c in _EXIT.findall(stderr)}
+
+
+def _rank0_rc(att: Attempt, logs: Path) -> int | None:
+    """Rank 0's exit status under torchrun (which itself exits 1 whenever a rank failed)."""
+    if att.rc == 0 or att.timed_out:
+        return att.rc
+    try:
+        exits = rank_exits(logs.with_suffix(".err").read_text(errors="replace"))
+    except OSError:
+        exits = {}
+    att.ranks = exits
+    return exits.get(0, att.rc)
+
+
+def _outcome(att: Attempt, records: list[dict[str, Any]], seg: int, rc: int | None = None) -> tuple[str, int | None]:
+    """Fill ``att.started``/``att.ended``; return (``finished`` | ``interrupted`` | ``failed``, last step).
+    ``rc``: the exit status of the process that was interrupted (rank 0 under torchrun; default ``att.rc``)."""
+    rc = att.rc if rc is None else rc
     restored = _of(records, seg, "restore")
     steps = [r["step"] for r in _of(records, seg, "step")]
     last = steps[-1] if steps else (restored[0]["step"] if restored else None)
@@ -78,19 +121,19 @@ def _outcome(att: Attempt, records: list[dict[str, Any]], seg: int) -> tuple[str
         att.started = f"resumed from step {r}" if r is not None else "fresh start"
     injected = _of(records, seg, "injected")
     after = f" after step {last}" if last is not None else ""
-    if att.rc == 0:
+    if rc == 0:
         att.ended = f"finished at step {last}"
         return "finished", last
-    if att.rc == -9 and injected and injected[-1]["what"] == "sigkill":
+    if rc == -9 and injected and injected[-1]["what"] == "sigkill":
         att.ended = f"killed{after}"
-    elif att.rc == -9 and "save" in att.plan:
+    elif rc == -9 and "save" in att.plan:
         att.ended = f"killed in a save{after}"
-    elif injected and injected[-1]["what"] == "sigterm" and att.rc in (75, -15):
-        att.ended = f"preempted{after} (exit {att.rc})"
-    elif injected and injected[-1]["what"] == "exception" and att.rc not in (None, 0) and att.rc > 0:
-        att.ended = f"exception{after} (exit {att.rc})"
+    elif injected and injected[-1]["what"] == "sigterm" and rc in (75, -15):
+        att.ended = f"preempted{after} (exit {rc})"
+    elif injected and injected[-1]["what"] == "exception" and rc not in (None, 0) and rc > 0:
+        att.ended = f"exception{after} (exit {rc})"
     else:
-        att.ended = f"failed{after} (exit {att.rc})"
+        att.ended = f"failed{after} (exit {rc})"
         return "failed", last
     return "interrupted", last
 
@@ -102,15 +145,17 @@ def _last_line(text: str) -> str:
 
 def run_selftest(cmd: list[str], *, steps: int = 40, kills: int = 4, kinds: list[str] | None = None,
                  seed: int = 0, timeout: float = 600.0, workdir: str | None = None, keep: bool = False,
-                 say: Callable[[str], None] = lambda _: None) -> Report:
-    """Run the selftest of ``cmd`` (the user's unmodified command line); see the module docstring."""
+                 nproc: int = 1, say: Callable[[str], None] = lambda _: None) -> Report:
+    """Run the selftest of ``cmd`` (the user's unmodified command line); see the module docstring.
+    ``nproc > 1``: under torchrun with that many processes (ValueError if ``cmd`` is not ``python ...``)."""
+    launch = launcher(cmd, nproc)
     kinds = kinds or ["sigkill", "sigterm", "exception"]
     base = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="unbroken-selftest-"))
     if workdir:
         shutil.rmtree(base, ignore_errors=True)
-    rep = Report(ERROR, list(cmd), steps=steps, seed=seed, workdir=str(base))
+    rep = Report(ERROR, list(cmd), steps=steps, seed=seed, workdir=str(base), nproc=max(nproc, 1))
     try:
-        _run(rep, cmd, base, steps, kills, kinds, seed, timeout, say)
+        _run(rep, launch, base, steps, kills, kinds, seed, timeout, say)
     finally:
         if rep.verdict == IDENTICAL and not keep and not workdir:
             shutil.rmtree(base, ignore_errors=True)
@@ -126,6 +171,7 @@ def _run(rep: Report, cmd: list[str], base: Path, steps: int, kills: int, kinds:
     say(f"uninterrupted run to step {steps} ...")
     ref = run_attempt(cmd, _env(ref_dir, ref_dir / "run", 0, steps, {}), ref_dir / "process-0", timeout,
                       "run to the end")
+    ref_rc = _rank0_rc(ref, ref_dir / "process-0") if rep.nproc > 1 else ref.rc
     rep.reference = ref
     records = load_records(ref_dir)
     if ref.timed_out:
@@ -141,7 +187,7 @@ def _run(rep: Report, cmd: list[str], base: Path, steps: int, kills: int, kinds:
             rep.error = f"the script failed on its own before creating a Checkpointer (exit {ref.rc})"
             rep.stderr_tail = ref.stderr_tail
         return
-    state, last = _outcome(ref, records, 0)
+    state, last = _outcome(ref, records, 0, ref_rc)
     if state == "failed":
         rep.error = f"the script failed on its own in the uninterrupted run (exit {ref.rc}): {_last_line(ref.stderr_tail)}"
         rep.stderr_tail = ref.stderr_tail
@@ -163,7 +209,7 @@ def _run(rep: Report, cmd: list[str], base: Path, steps: int, kills: int, kinds:
     for planned in rep.plan + [None]:
         label = planned.describe() if planned else "run to the end"
         say(f"process {seg + 1} of the interrupted run: {label} ...")
-        extra = planned.env() if planned else {}
+        extra = planned.env(rep.nproc) if planned else {}
         att = run_attempt(cmd, _env(got_dir, got_dir / "run", seg, steps, extra), got_dir / f"process-{seg}",
                           timeout, label)
         rep.attempts.append(att)
@@ -172,16 +218,16 @@ def _run(rep: Report, cmd: list[str], base: Path, steps: int, kills: int, kinds:
                          "killed it and every process it started (a hang after a resume?)")
             rep.stderr_tail = att.stderr_tail
             return
-        state, _ = _outcome(att, load_records(got_dir), seg)
+        rc = _rank0_rc(att, got_dir / f"process-{seg}") if rep.nproc > 1 else att.rc
+        state, _ = _outcome(att, load_records(got_dir), seg, rc)
         seg += 1
         if state == "failed":
-            got = load_records(got_dir)
-            result = compare(records, got, steps)
+            result = _compare(ref_dir, got_dir, steps, rep.nproc)
             if result.divergence is not None:  # a difference before the failure explains it better
                 rep.divergence, rep.diagnosis = result.divergence, diagnose(result.divergence)
             rep.verdict, rep.stderr_tail = DIVERGED, att.stderr_tail
             rep.error = (f"the script failed in process {seg} of the interrupted run ({att.started or 'before restore'}"
-                         f", exit {att.rc}) though it ran uninterrupted: {_last_line(att.stderr_tail)}")
+                         f", exit {rc}) though it ran uninterrupted: {_last_line(att.stderr_tail)}")
             return
         if state == "finished":
             finished = True
@@ -196,7 +242,7 @@ def _run(rep: Report, cmd: list[str], base: Path, steps: int, kills: int, kinds:
     if not any(a.started.startswith("resumed") for a in rep.attempts):
         rep.notes.append("no process of the interrupted run resumed from a checkpoint (every interruption came "
                          "before the first save): this proves little; raise --steps")
-    result = compare(records, load_records(got_dir), steps)
+    result = _compare(ref_dir, got_dir, steps, rep.nproc)
     rep.compared = {"records": result.compared_records, "components": result.compared_components,
                     "rerun_steps": result.rerun_steps}
     if result.ignored:
@@ -205,6 +251,33 @@ def _run(rep: Report, cmd: list[str], base: Path, steps: int, kills: int, kinds:
         rep.verdict, rep.divergence, rep.diagnosis = DIVERGED, result.divergence, diagnose(result.divergence)
     elif result.missing_steps:
         rep.verdict = DIVERGED
-        rep.error = f"the interrupted run has no record of steps {result.missing_steps[:10]}"
+        rep.error = f"the interrupted run has no record of steps {result.missing_steps[:10]}" + (
+            f" (rank {result.missing_rank})" if rep.nproc > 1 else "")
     else:
         rep.verdict = IDENTICAL
+
+
+def _compare(ref_dir: Path, got_dir: Path, steps: int, nproc: int) -> Comparison:
+    """Compare the runs; with several ranks rank by rank (each rank's interrupted records with the same rank's
+    uninterrupted ones). The divergence reported is the earliest (process, step, restore before step), and
+    among ranks diverging there the one whose first differing component comes first causally (the rank
+    where it began: DDP's gradient averaging spreads it to the others within the step)."""
+    if nproc <= 1:
+        return compare(load_records(ref_dir), load_records(got_dir), steps)
+    results = [compare(load_records(ref_dir, r), load_records(got_dir, r), steps) for r in range(nproc)]
+    for r, res in enumerate(results):
+        if res.divergence is not None:
+            res.divergence.rank = r
+    total = Comparison(sum(x.compared_records for x in results), sum(x.compared_components for x in results),
+                       sum(x.rerun_steps for x in results), None, [],
+                       sorted({k for x in results for k in x.ignored}))
+    diverged = [x.divergence for x in results if x.divergence is not None]
+    if diverged:
+        total.divergence = min(diverged, key=lambda d: (d.segment, d.step, d.kind != "restore", order(d.differ[0]),
+                                                        d.rank))
+    else:
+        for r, res in enumerate(results):
+            if res.missing_steps:
+                total.missing_steps, total.missing_rank = res.missing_steps, r
+                break
+    return total
