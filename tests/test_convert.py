@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 import unbroken
 from unbroken.convert import UntrustedPickleError, export_weights, import_checkpoint, read_source
 
-transformers = pytest.importorskip("transformers")
-pl = pytest.importorskip("pytorch_lightning")
+import pytorch_lightning as pl  # the test extra installs both: a missing one fails, not skips
+import transformers
 
 
 def _tiny_gpt2() -> "transformers.GPT2LMHeadModel":

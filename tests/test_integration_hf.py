@@ -17,7 +17,6 @@ The same faults with the Trainer's own checkpointing (``save_strategy="steps"``,
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
@@ -32,7 +31,6 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.e2e
-needs_hf = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="pip install 'unbroken[hf]'")
 
 STEPS, SAVE_EVERY, PER_EPOCH = 40, 5, 9  # 9 optimizer steps per epoch, the 9th with one micro-batch of 4
 SCRIPT = Path(__file__).with_name("hf_train.py")
@@ -137,7 +135,6 @@ def checkpoints(run: Path) -> set[str]:
 # ----------------------------------------------------------------------------- unbroken
 
 
-@needs_hf
 @pytest.mark.parametrize("seed", [3])
 def test_sigkill_at_random_steps(references, tmp_path: Path, seed: int) -> None:
     targets = sorted(random.Random(seed).sample(range(2, STEPS - 2), 3))
@@ -167,7 +164,6 @@ def test_sigkill_at_random_steps(references, tmp_path: Path, seed: int) -> None:
     assert len(checkpoints(tmp_path / "run")) == 3  # keep_last=3
 
 
-@needs_hf
 def test_sigkill_inside_a_save(references, tmp_path: Path) -> None:
     # the 7th time a save is half-way through a tensor file: inside the save of step 10 (a save writes
     # several files); the assertions below only need it to be a save after the first
@@ -186,7 +182,6 @@ def test_sigkill_inside_a_save(references, tmp_path: Path) -> None:
     assert_exact(references["unbroken"], tmp_path, [att, done])
 
 
-@needs_hf
 @pytest.mark.parametrize("target", [PER_EPOCH * 3])
 def test_sigterm_saves_at_the_step_boundary(references, tmp_path: Path, target: int) -> None:
     """SIGTERM after the last step of an epoch (whose boundary is the end of the Trainer's epoch loop)."""
@@ -204,7 +199,6 @@ def test_sigterm_saves_at_the_step_boundary(references, tmp_path: Path, target: 
     assert_exact(references["unbroken"], tmp_path, [att, done])
 
 
-@needs_hf
 def test_exception_in_a_step_leaves_an_exact_emergency_checkpoint(references, tmp_path: Path) -> None:
     step = random.Random(6).choice([s for s in range(3, STEPS - 3) if s % SAVE_EVERY != 1])
     att = attempt(tmp_path, "unbroken", "--crash-at", str(step))
@@ -221,7 +215,6 @@ def test_exception_in_a_step_leaves_an_exact_emergency_checkpoint(references, tm
 # ----------------------------------------------------------------------------- HF alone, measured
 
 
-@needs_hf
 def test_hf_alone_sigkill_and_sigterm_lose_the_steps_since_its_last_save(references, tmp_path: Path) -> None:
     ref_att, ref_final = references["hf"]
     # a step after one of its saves, four before the next (a kill inside its save is the test below)
@@ -250,7 +243,6 @@ def test_hf_alone_sigkill_and_sigterm_lose_the_steps_since_its_last_save(referen
           f"log entries that differ at steps {differ}")
 
 
-@needs_hf
 def test_hf_alone_exception_loses_the_steps_since_its_last_save(references, tmp_path: Path) -> None:
     ref_att, ref_final = references["hf"]
     step = 23
@@ -264,7 +256,6 @@ def test_hf_alone_exception_loses_the_steps_since_its_last_save(references, tmp_
     assert not same_steps(ref_att, [a, b])
 
 
-@needs_hf
 def test_hf_alone_killed_inside_its_save_cannot_resume(references, tmp_path: Path) -> None:
     a = attempt(tmp_path, "hf", "--hf-kill-in-save", "3")  # weights of checkpoint-15 written, then SIGKILL
     assert a.rc == -signal.SIGKILL and a.last_step == 15
@@ -305,7 +296,6 @@ def _trainer(out: Path, steps: int):
     return hf_train, hf_train.ScriptTrainer(model=model, args=args, train_dataset=hf_train.Tokens())
 
 
-@needs_hf
 def test_resume_from_checkpoint_arguments(tmp_path: Path, one_thread: None) -> None:
     from unbroken.integrations.hf import enable
 
@@ -347,7 +337,6 @@ def test_resume_from_checkpoint_arguments(tmp_path: Path, one_thread: None) -> N
         trainer.train(resume_from_checkpoint=str(hf_dir))
 
 
-@needs_hf
 def test_enable_refuses_what_it_cannot_make_exact(tmp_path: Path) -> None:
     from unbroken.integrations.hf import enable
 

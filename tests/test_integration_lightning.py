@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("pytorch_lightning")
+import pytorch_lightning  # noqa: F401  (the test extra installs it: a missing one fails, not skips)
 
 pytestmark = pytest.mark.e2e
 

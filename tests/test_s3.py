@@ -53,7 +53,6 @@ def test_unknown_scheme_is_an_error_never_a_local_folder(tmp_path: Path, monkeyp
 
 
 def test_a_missing_backend_names_the_extra_to_install() -> None:
-    pytest.importorskip("fsspec")
     try:
         import gcsfs  # noqa: F401
         pytest.skip("gcsfs is installed here")

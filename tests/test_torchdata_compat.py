@@ -26,7 +26,7 @@ import torch
 
 import unbroken
 
-StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
+from torchdata.stateful_dataloader import StatefulDataLoader  # the test extra: missing fails, not skips
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning"),
