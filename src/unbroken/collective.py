@@ -30,6 +30,7 @@ import time
 from typing import Any, Callable, Iterator, TypeVar
 
 from . import _faults
+from .chunks import ChunkSave, ChunkWriter
 from .dist.comm import Comm
 from .errors import CorruptCheckpointError, NewerFormatError, StorageError, UnbrokenError
 from .format.manifest import STATE_FILE, FileEntry, Manifest
@@ -46,11 +47,27 @@ def _describe(e: BaseException) -> str:
 
 
 def write(comm: Comm, store: Any, lock: Any, name: str, shared: Snapshot, mine: Snapshot,
-          next_seq: Callable[[], int], broken: BaseException | None = None, **fields: Any) -> tuple[str, Manifest]:
+          next_seq: Callable[[], int], broken: BaseException | None = None, chunks: ChunkWriter | None = None,
+          **fields: Any) -> tuple[str, Manifest]:
     """Save as checkpoint ``name`` with every rank (see the module docstring); a collective.
 
     ``broken``: this rank's snapshot is unusable (a lazy copy found changed): the rank still
-    takes part, so that every rank learns it and none commits, and raises ``broken``."""
+    takes part, so that every rank learns it and none commits, and raises ``broken``.
+    ``chunks``: save incrementally (:mod:`unbroken.chunks`): every rank stores its tensors as
+    chunks of the run's chunk store."""
+    save = chunks.begin() if chunks is not None else None
+    result: tuple[str, Manifest] | None = None
+    try:
+        result = _write(comm, store, lock, name, shared, mine, next_seq, broken, save, **fields)
+        return result
+    finally:
+        if save is not None:
+            save.finish(result[1] if result is not None else None)
+
+
+def _write(comm: Comm, store: Any, lock: Any, name: str, shared: Snapshot, mine: Snapshot,
+           next_seq: Callable[[], int], broken: BaseException | None, save: ChunkSave | None,
+           **fields: Any) -> tuple[str, Manifest]:
     from .dist.sharded import SHARDED_FILE, save_sharded
 
     started = time.time()
@@ -84,12 +101,13 @@ def write(comm: Comm, store: Any, lock: Any, name: str, shared: Snapshot, mine: 
             staging = store.join(opened["token"])
         if any(s["sharded"] for s in sizes):  # a collective inside: every rank takes part
             md = save_sharded(shared.sharded, comm.rank, comm.group,
-                              lambda f, entries: files.__setitem__(f, write_tensors(staging, f, entries)))
+                              lambda f, entries: files.update(save.write_file(staging, f, entries)) if save
+                              else files.__setitem__(f, write_tensors(staging, f, entries)))
             if comm.coordinator and md is not None:
                 files[SHARDED_FILE] = write_blob(staging, SHARDED_FILE, md)
         assigned = share(shared, comm.rank, comm.world)
-        files.update(write_part(staging, shared, STATE_FILE if comm.coordinator else None, assigned))
-        files.update(write_part(staging, mine, rank_file(comm.rank), mine.files))
+        files.update(write_part(staging, shared, STATE_FILE if comm.coordinator else None, assigned, save))
+        files.update(write_part(staging, mine, rank_file(comm.rank), mine.files, save))
         staging.flush()
     except BaseException as e:  # noqa: BLE001 - reported to the coordinator, raised below
         mine_error = e

@@ -100,6 +100,11 @@ class Checkpointer:
             other value is checked at :meth:`restore` (before any training step): a plain
             ``DataLoader``, a sampler, an iterator or an object that cannot be saved is an
             :class:`~unbroken.errors.UnsupportedStateError` that says what to use instead.
+        incremental: store tensor bytes once per run as content-addressed chunks
+            (:mod:`unbroken.chunks`): a tensor unchanged since the previous checkpoint (a frozen
+            base model under LoRA or adapters) is referenced, not written again. Retention then
+            also deletes the chunks no checkpoint uses. Off by default: with every tensor
+            changing (full fine-tuning) it writes as much and hashes more.
 
     A bad location (unknown scheme, missing extra, no bucket, refused credentials) raises
     :class:`~unbroken.errors.StorageError` here, before any training. The first
@@ -114,14 +119,15 @@ class Checkpointer:
                  remote: Remote | None = None, storage_options: Mapping[str, Any] | None = None,
                  preemption: Preemption | None = Preemption(), env: EnvCheck | None = None,
                  probe: ProbeFn | None = None, rng: bool = True, strict: bool = True,
-                 async_save: bool | Literal["lazy"] = False, allow_unsaved: Iterable[str] = ()) -> None:
+                 async_save: bool | Literal["lazy"] = False, allow_unsaved: Iterable[str] = (),
+                 incremental: bool = False) -> None:
         console.install()
         location = selftest.run_location(location)  # `unbroken selftest` owns the run folders
         self.schedule = Schedule(save_every, trigger, keep_last, retention)
         self.events = EventBus()
         self.comm = Comm()
         self.run = Run(location, storage_options=storage_options, remote=remote, publish=self.events.publish,
-                       comm=self.comm)
+                       comm=self.comm, incremental=incremental)
         self._storage_options = storage_options
         self.run.check()
         self.location: str = self.run.url
@@ -408,8 +414,10 @@ class Checkpointer:
         self.last_saved = info
         self.schedule.saved(manifest.step, manifest.metrics)
         self.events.publish(Saved(final, info.path, manifest, took, tuple(tags)))
-        log.info("saved step %d to %s (%s%.1f MB in %.2f s)", manifest.step, info.path,
-                 "" if kind == "regular" else f"{kind}, ", info.size_bytes / 1e6, took)
+        new = self.run.chunks.last.written_bytes if self.run.chunks is not None else None
+        log.info("saved step %d to %s (%s%.1f MB%s in %.2f s)", manifest.step, info.path,
+                 "" if kind == "regular" else f"{kind}, ", info.size_bytes / 1e6,
+                 f", {new / 1e6:.1f} MB of it new" if new is not None else "", took)
         grace = self.preemption.grace_period
         if grace and took > grace and kind == "regular":
             log.warning("a save takes %.1f s, longer than the %.0f s grace period: a preemption save "

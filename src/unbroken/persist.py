@@ -17,7 +17,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 import json
 import time
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from . import _faults, progress
 from .errors import InsufficientSpaceError, StorageError, UnbrokenError
@@ -25,6 +25,9 @@ from .format.manifest import MANIFEST, STATE_FILE, FileEntry, Manifest, new_hash
 from .format.tensorfile import TensorEntry, write_tensor_file
 from .snapshot import Snapshot
 from .store.base import Staging, Store
+
+if TYPE_CHECKING:
+    from .chunks import ChunkSave
 
 
 WRITERS = int(os.environ.get("UNBROKEN_WRITERS", "2"))
@@ -58,9 +61,10 @@ def write_blob(staging: Staging, fname: str, raw: bytes) -> FileEntry:
     return FileEntry(len(raw), new_hasher_digest(raw))
 
 
-def write_part(staging: Staging, snapshot: Snapshot, json_name: str | None, tensor_files: Iterable[str]
-               ) -> dict[str, FileEntry]:
-    """Write some of ``snapshot``'s tensor files, and its tree as ``json_name`` (if given)."""
+def write_part(staging: Staging, snapshot: Snapshot, json_name: str | None, tensor_files: Iterable[str],
+               chunks: "ChunkSave | None" = None) -> dict[str, FileEntry]:
+    """Write some of ``snapshot``'s tensor files, and its tree as ``json_name`` (if given).
+    With ``chunks`` (an incremental save) tensor files become chunk maps and new chunks."""
     snapshot.complete()  # deferred and device copies land in the staging buffers first
     tensor_files = list(tensor_files)
     total = sum(e.tensor.numel() * e.tensor.element_size() for f in tensor_files for e in snapshot.files[f])
@@ -68,12 +72,17 @@ def write_part(staging: Staging, snapshot: Snapshot, json_name: str | None, tens
     big = [f for f in tensor_files if sizes[f] >= PARALLEL_MIN]
     with progress.task("saving", total):
         files: dict[str, FileEntry] = {}
-        if len(big) > 1 and WRITERS > 1 and getattr(staging, "parallel_files", False):
+        if chunks is not None:
+            for f in tensor_files:
+                files.update(chunks.write_file(staging, f, snapshot.files[f],
+                                               on_half=lambda: _faults.point("save.mid_file")))
+        elif len(big) > 1 and WRITERS > 1 and getattr(staging, "parallel_files", False):
             # local files: one file's write or fsync overlaps another's hashing
             with ThreadPoolExecutor(min(WRITERS, len(big)), thread_name_prefix="unbroken-write") as pool:
                 futures = {f: pool.submit(write_tensors, staging, f, snapshot.files[f]) for f in big}
                 files.update({f: fut.result() for f, fut in futures.items()})
-        files.update({f: write_tensors(staging, f, snapshot.files[f]) for f in tensor_files if f not in files})
+        if chunks is None:
+            files.update({f: write_tensors(staging, f, snapshot.files[f]) for f in tensor_files if f not in files})
     if json_name is not None:
         files[json_name] = write_blob(staging, json_name, tree_bytes(snapshot))
     return files

@@ -26,7 +26,8 @@ import torch
 
 from . import progress
 from .errors import CorruptCheckpointError
-from .format.manifest import MANIFEST, STATE_FILE, Manifest, new_hasher, strict_object
+from .format import chunkmap
+from .format.manifest import MANIFEST, STATE_FILE, Manifest, is_chunk, new_hasher, strict_object
 from .format.tensorfile import load_tensor_file
 from .snapshot import TOP
 from .state.codec import StatefulValue
@@ -74,6 +75,7 @@ class CheckpointFiles:
         self.storage, self.name, self.manifest = storage, name, manifest
         self._bytes: dict[str, Any] = {}
         self._tensors: dict[str, dict[str, torch.Tensor]] = {}
+        self._chunks_used: set[str] = set()
 
     def read(self, fname: str) -> Any:
         """The bytes of ``fname``, verified against the manifest."""
@@ -82,8 +84,14 @@ class CheckpointFiles:
             if entry is None:
                 raise CorruptCheckpointError(f"reference to unlisted file {fname!r}")
             h = new_hasher()
-            buf = self.storage.read(self.name, fname, entry.size, _Counted(h))  # hashed as it streams in
+            if is_chunk(fname):  # a chunk of an incremental checkpoint, in the run's chunks/
+                buf = self.storage.read_chunk(fname[1:], entry.size, _Counted(h))
+            else:
+                buf = self.storage.read(self.name, fname, entry.size, _Counted(h))  # hashed as it streams in
             if h.hexdigest() != entry.xxh3_128:
+                if is_chunk(fname):
+                    raise CorruptCheckpointError(f"chunk {fname[1:]}: checksum mismatch (the chunk was "
+                                                 "altered or damaged; every checkpoint that uses it is invalid)")
                 raise CorruptCheckpointError(f"{fname}: checksum mismatch (the file was altered or damaged)")
             self._bytes[fname] = buf
         return self._bytes[fname]
@@ -100,12 +108,41 @@ class CheckpointFiles:
             for fname in todo:
                 self.read(fname)
 
+    def has_tensor_file(self, fname: str) -> bool:
+        """True if ``fname`` is a tensor file of this checkpoint (written, or a chunk map)."""
+        return fname in self.manifest.files or chunkmap.map_name(fname) in self.manifest.files
+
+    def logical_files(self) -> set[str]:
+        """The names the checkpoint's trees may refer to: its files, and the tensor file each
+        chunk map stands for."""
+        names = {f for f in self.manifest.files if not is_chunk(f)}
+        return names | {chunkmap.tensor_file_of(f) for f in names if f.endswith(chunkmap.SUFFIX)}
+
     def tensors(self, fname: str) -> dict[str, torch.Tensor]:
         if not fname.endswith(".safetensors"):
             raise CorruptCheckpointError(f"tensor reference to non-tensor file {fname!r}")
         if fname not in self._tensors:
-            self._tensors[fname] = load_tensor_file(self.read(fname), fname)
+            if fname in self.manifest.files:
+                self._tensors[fname] = load_tensor_file(self.read(fname), fname)
+            else:
+                self._tensors[fname] = self._chunked(fname)
         return self._tensors[fname]
+
+    def _chunked(self, fname: str) -> dict[str, torch.Tensor]:
+        """The tensors of an incremental checkpoint's tensor file, from its chunk map. A chunk
+        used by two tensors (equal bytes) gives each its own memory."""
+        mname = chunkmap.map_name(fname)
+        if mname not in self.manifest.files:
+            raise CorruptCheckpointError(f"tensor reference to unlisted file {fname!r}")
+        table = chunkmap.decode(self.read(mname), mname, self.manifest.files)
+        out: dict[str, torch.Tensor] = {}
+        for key, (dtype, shape, cid) in table.items():
+            t = chunkmap.tensor_of(self.read("@" + cid), dtype, shape)
+            if cid in self._chunks_used:
+                t = t.clone()
+            self._chunks_used.add(cid)
+            out[key] = t
+        return out
 
     def json(self, fname: str) -> Any:
         try:
@@ -122,7 +159,7 @@ class CheckpointFiles:
 
         def resolve(ref: dict[str, Any]) -> torch.Tensor:
             fname, key = ref["file"], ref["key"]
-            if not isinstance(fname, str) or fname not in self.manifest.files:
+            if not isinstance(fname, str) or not self.has_tensor_file(fname):
                 raise CorruptCheckpointError(f"tensor reference to unlisted file {fname!r}")
             tensors = self.tensors(fname)
             if key not in tensors:
@@ -161,7 +198,7 @@ class LoadedCheckpoint:
         from .dist.sharded import SHARDED_FILE, decode_metadata
 
         assert self.files is not None
-        return decode_metadata(bytes(self.files.read(SHARDED_FILE)), set(self.manifest.files))
+        return decode_metadata(bytes(self.files.read(SHARDED_FILE)), self.files.logical_files())
 
     def materialize(self, tree: Any = None) -> Any:
         """Replace every :class:`ShardedRef` in ``tree`` (default: the state) by the full tensor
@@ -218,7 +255,8 @@ def read_checkpoint(storage: Storage, name: str, rank: int = 0, files: Checkpoin
         mine = rank_file(rank)
         others = {rank_file(r) for r in range(manifest.world_size)} - {mine}
         needed = [f for f in manifest.files if f not in others and not _other_rank_tensor(f, rank)
-                  and (all_shards or not _is_shard(f))]
+                  and (all_shards or not _is_shard(f))
+                  and (not is_chunk(f) or (all_shards and manifest.world_size == 1))]  # else: as used
         files.verify(needed)
         if STATE_FILE not in manifest.files:
             raise CorruptCheckpointError(f"the manifest does not list {STATE_FILE}")
@@ -230,7 +268,8 @@ def read_checkpoint(storage: Storage, name: str, rank: int = 0, files: Checkpoin
 
 
 def _is_shard(fname: str) -> bool:
-    return len(fname) == 18 and fname.startswith("s") and fname[1:6].isdigit() and fname.endswith(".safetensors")
+    return len(fname) == 18 and fname.startswith("s") and fname[1:6].isdigit() and \
+        fname.endswith((".safetensors", chunkmap.SUFFIX))
 
 
 def _other_rank_tensor(fname: str, rank: int) -> bool:

@@ -18,10 +18,12 @@ thing in both places.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from typing import Any, Callable, Iterator, Mapping
 
 from .api import CheckpointInfo
+from .chunks import ChunkWriter, collect
 from .discovery import discover, manifests
 from .errors import CorruptCheckpointError, RunLockedError, StorageError, UnbrokenError
 from .events import CorruptionFound, Event, Pruned, Quarantined
@@ -37,6 +39,7 @@ from .tags import TAGS_FILE, load_tags, save_tags, tags_by_checkpoint
 from .tiers import Remote, Uploader, copy_checkpoint
 
 log = logging.getLogger("unbroken")
+_DAMAGED_CHUNK = re.compile(r"chunk ([0-9a-f]{64}): checksum mismatch")
 
 
 class Run:
@@ -44,9 +47,11 @@ class Run:
 
     def __init__(self, location: Any, *, storage_options: Mapping[str, Any] | None = None,
                  remote: Remote | None = None, publish: Callable[[Event], None] | None = None,
-                 comm: Comm | None = None) -> None:
+                 comm: Comm | None = None, incremental: bool = False) -> None:
         self.comm = comm or Comm()
         self.store = open_store(location, storage_options)
+        self.chunks: ChunkWriter | None = ChunkWriter(self.store) if incremental else None
+        self._has_chunks = incremental
         self.remote: Remote | None = remote
         self.remote_store = open_store(remote.location, remote.storage_options) if remote else None
         if self.remote_store is not None and self.remote_store.url == self.store.url:
@@ -95,6 +100,7 @@ class Run:
                 self.lock.acquire()
                 for name in self.store.clean_stale():
                     log.info("removed leftover %s of an interrupted save", name)
+                self._collect_at_start()
                 if self.remote_store is not None:
                     self._begin_remote()
             except BaseException as e:  # noqa: BLE001 - told to every rank, then raised here
@@ -105,6 +111,15 @@ class Run:
         if outcome:
             raise RunLockedError(f"the coordinator (rank 0) could not open {self.url}: {outcome}")
         self._writing = True
+
+    def _collect_at_start(self) -> None:
+        """Chunks left by saves that died, or by checkpoints deleted before a collection ran
+        (no save of this run is in flight yet)."""
+        for name in self.store.clean_chunk_temps():
+            log.info("removed the half-written chunk %s of an interrupted save", name)
+        if self.store.list_chunks():
+            self._has_chunks = True
+            collect(self.store)
 
     def _begin_remote(self) -> None:
         assert self.remote_store is not None and self.remote_lock is not None
@@ -195,7 +210,7 @@ class Run:
         :mod:`unbroken.collective`, over ``comm``: the background saves' own group when they
         run beside the training loop's step collectives); the coordinator queues its upload."""
         final, manifest = collective.write(comm or self.comm, self.store, self.lock, name, shared, mine,
-                                           self.next_seq, broken, **fields)
+                                           self.next_seq, broken, chunks=self.chunks, **fields)
         self._next_seq = manifest.seq + 1
         if self.uploader is not None:
             self.uploader.enqueue(final)
@@ -222,6 +237,8 @@ class Run:
         if chosen is None:
             return None, "", seen_all
         name, loaded = chosen
+        if self.chunks is not None:
+            self.chunks.use_base(loaded.manifest)
         return loaded, self.store.describe(name), seen_all
 
     def _candidates(self, seen: list[int]) -> Iterator[str]:
@@ -274,6 +291,10 @@ class Run:
 
     def invalid(self, store: Any, name: str, reason: str, tier: str = "primary") -> None:
         self.publish(CorruptionFound(name, reason, tier))
+        for cid in sorted(set(_DAMAGED_CHUNK.findall(reason))):  # the next save writes it again
+            where = store.quarantine_chunk(cid, reason)
+            if where:
+                log.warning("chunk %s is damaged and was quarantined to %s", cid, where)
         moved = store.quarantine(name, reason)
         if moved:
             self.publish(Quarantined(name, reason, moved, tier))
@@ -301,6 +322,8 @@ class Run:
                 self.store.delete(name)
                 self.publish(Pruned(name))
                 log.debug("retention: deleted %s", self.store.describe(name))
+            if doomed and self._has_chunks:  # saves may be in flight (other ranks, the background)
+                collect(self.store, pinned=self.chunks.pinned if self.chunks else None, elsewhere=self.comm.world > 1)
         return doomed
 
     def _prune_remote(self) -> list[str]:
@@ -314,6 +337,8 @@ class Run:
         for name in doomed:
             self.remote_store.delete(name)
             log.debug("remote retention: deleted %s", self.remote_store.describe(name))
+        if doomed and self._has_chunks:  # in the uploader thread: no upload is in flight
+            collect(self.remote_store)
         return doomed
 
     # ----------------------------------------------------------------------- tags

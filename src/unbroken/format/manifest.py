@@ -6,6 +6,13 @@ checksum. File names are single, plain path components (no ``/``, no ``..``, no
 absolute paths), so a manifest can never make a reader touch a file outside the
 checkpoint folder.
 
+Format version 3 (incremental checkpoints, :mod:`unbroken.chunks`) adds ``chunks``: the
+content-addressed tensor chunks the checkpoint uses, by SHA-256 id, each with its size and
+xxh3-128 checksum like a file; they live in the run's ``chunks/`` folder, not in the
+checkpoint folder. In memory they sit in :attr:`Manifest.files` under ``@<id>``, so every
+piece of code that verifies, copies or gathers "the files of a checkpoint" handles them.
+A checkpoint without chunks is still written as format version 2.
+
 Since format version 2 the manifest protects itself: it ends with exactly
 ``,\n "manifest_xxh3_128": "<32 hex digits>"\n}\n`` and the digest is the xxh3-128 of
 every byte before that trailer. It is checked before any field is trusted, so a flipped
@@ -26,12 +33,16 @@ import xxhash
 from ..errors import CorruptCheckpointError, NewerFormatError
 
 FORMAT_NAME = "unbroken"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+"""The newest format this code reads; it writes 3 only for checkpoints with chunks."""
+CHUNK_PREFIX = "@"
+"""``Manifest.files`` key prefix of a chunk (``@<64 hex digits>``); never a file name."""
 MANIFEST = "manifest.json"
 STATE_FILE = "state.json"
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 _HEX128 = re.compile(r"^[0-9a-f]{32}$")
+_CHUNK_ID = re.compile(r"^[0-9a-f]{64}$")
 TRAILER_KEY = b',\n "manifest_xxh3_128": "'
 TRAILER_END = b'"\n}\n'
 TRAILER_LEN = len(TRAILER_KEY) + 32 + len(TRAILER_END)
@@ -50,6 +61,18 @@ def check_file_name(name: Any) -> str:
     if not isinstance(name, str) or not _SAFE_NAME.match(name) or name in (".", "..") or name == MANIFEST:
         raise CorruptCheckpointError(f"manifest lists an unsafe or invalid file name {name!r}")
     return name
+
+
+def check_chunk_id(cid: Any) -> str:
+    """Return ``cid`` if it is a chunk id (64 lowercase hex digits: a SHA-256), else raise."""
+    if not isinstance(cid, str) or not _CHUNK_ID.match(cid):
+        raise CorruptCheckpointError(f"invalid chunk id {str(cid)[:80]!r}")
+    return cid
+
+
+def is_chunk(key: str) -> bool:
+    """True for a :attr:`Manifest.files` key that names a chunk (``@<id>``), not a file."""
+    return key.startswith(CHUNK_PREFIX)
 
 
 @dataclass(frozen=True)
@@ -75,11 +98,21 @@ class Manifest:
     probe: dict[str, float] = field(default_factory=dict)
     tags: list[str] = field(default_factory=list)
     world_size: int = 1
-    format_version: int = FORMAT_VERSION
+    format_version: int = 2
+
+    def __post_init__(self) -> None:
+        if self.format_version < 3 and any(is_chunk(k) for k in self.files):
+            self.format_version = 3  # chunks need a reader that knows them
 
     @property
     def total_bytes(self) -> int:
+        """Every byte the checkpoint needs, its chunks included (shared ones too)."""
         return sum(f.size for f in self.files.values())
+
+    @property
+    def chunks(self) -> dict[str, FileEntry]:
+        """The chunks this checkpoint uses, by id."""
+        return {k[1:]: v for k, v in self.files.items() if is_chunk(k)}
 
     def to_json(self) -> bytes:
         doc = {
@@ -94,9 +127,13 @@ class Manifest:
             "metrics": self.metrics,
             "progress": self.progress,
             "world_size": self.world_size,
-            "files": {k: {"size": v.size, "xxh3_128": v.xxh3_128} for k, v in sorted(self.files.items())},
+            "files": {k: {"size": v.size, "xxh3_128": v.xxh3_128} for k, v in sorted(self.files.items())
+                      if not is_chunk(k)},
             "environment": self.environment,
         }
+        if self.format_version >= 3:
+            doc["chunks"] = {k[1:]: {"size": v.size, "xxh3_128": v.xxh3_128}
+                             for k, v in sorted(self.files.items()) if is_chunk(k)}
         body = json.dumps(doc, indent=1, allow_nan=False).encode("utf-8")
         assert body.endswith(b"\n}")
         prefix = body[:-2]
@@ -140,6 +177,17 @@ class Manifest:
                 if not _count(size) or not isinstance(digest, str) or not _HEX128.match(digest):
                     raise TypeError(f"bad size or checksum for {name!r}")
                 files[name] = FileEntry(size, digest)
+            chunks_doc = doc.get("chunks", {}) if version >= 3 else {}
+            if not isinstance(chunks_doc, dict):
+                raise TypeError("chunks is not an object")
+            for cid, entry in chunks_doc.items():
+                check_chunk_id(cid)
+                if not isinstance(entry, dict):
+                    raise TypeError(f"the entry of chunk {cid[:16]} is not an object")
+                size, digest = entry["size"], entry["xxh3_128"]
+                if not _count(size) or not isinstance(digest, str) or not _HEX128.match(digest):
+                    raise TypeError(f"bad size or checksum for chunk {cid[:16]}")
+                files[CHUNK_PREFIX + cid] = FileEntry(size, digest)
             if sum(f.size for f in files.values()) >= _INT64:
                 raise TypeError("the files add up to more than 2**63 bytes")
             step, seq = doc["step"], doc["seq"]

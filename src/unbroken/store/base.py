@@ -43,6 +43,8 @@ COMMIT_FILE = "manifest.json"
 """The file whose presence makes a checkpoint committed (written last)."""
 QUARANTINE = "quarantine"
 """Where checkpoints that failed verification are moved, inside the run."""
+CHUNKS = "chunks"
+"""Where the run keeps the content-addressed tensor chunks of incremental checkpoints."""
 MAX_META_BYTES = 1 << 20
 """Run-level files (``tags.json``) larger than this are refused, never read into memory."""
 
@@ -177,4 +179,29 @@ class Store(Protocol):
     def local_dir(self) -> Path:
         """A local folder for data derived from this run (the index, ``submit.slurm``): the run
         folder itself on a filesystem, a cache folder for a remote store."""
+        ...
+
+    # Chunks: content-addressed tensor bytes shared by the checkpoints of an incremental run
+    # (see unbroken.chunks), in the run's ``chunks/`` folder; ids are checked by the callers.
+    def put_chunk(self, cid: str, data: Buffer) -> None:
+        """Store chunk ``cid`` durably and atomically (whole or absent; replacing an existing
+        copy, which has the same bytes, is harmless)."""
+        ...
+
+    def read_chunk(self, cid: str, size: int, hasher: Any = None) -> Buffer:
+        """Chunk ``cid`` like :meth:`read` reads a file; a missing one raises
+        :class:`~unbroken.errors.CorruptCheckpointError`."""
+        ...
+
+    def list_chunks(self) -> dict[str, float]:
+        """Every stored chunk with its modification time (seconds since the epoch)."""
+        ...
+
+    def delete_chunk(self, cid: str) -> None:
+        """Remove a chunk (garbage collection only)."""
+        ...
+
+    def quarantine_chunk(self, cid: str, reason: str) -> str | None:
+        """Move a damaged chunk to ``quarantine/chunks/`` (so the next save writes it again);
+        where it went, or None."""
         ...

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import CorruptCheckpointError, StorageError
-from .base import COMMIT_FILE, MAX_META_BYTES, QUARANTINE, Buffer, check_meta_name, check_name
+from .base import CHUNKS, COMMIT_FILE, MAX_META_BYTES, QUARANTINE, Buffer, check_meta_name, check_name
 from .local import MAX_MANIFEST_BYTES
 from .readfile import Hasher, allocate
 from .retry import Retry
@@ -50,8 +50,10 @@ class FsspecStore:
     remote = True
 
     def __init__(self, fs: Any, root: str, url: str, *, retry: Retry | None = None,
-                 part_size: int = PART_SIZE, workers: int = 8, readonly: bool = False) -> None:
+                 part_size: int = PART_SIZE, workers: int = 8, readonly: bool = False,
+                 chunk_root: str | None = None) -> None:
         self.fs, self.root, self.url = fs, root.rstrip("/"), url.rstrip("/")
+        self.chunk_root = chunk_root or self.path(CHUNKS)
         self.retry = retry or Retry()
         self.part_size, self.workers, self.readonly = part_size, workers, readonly
         self._pool: ThreadPoolExecutor | None = None
@@ -85,9 +87,11 @@ class FsspecStore:
             if not key.startswith(prefix):
                 continue
             parts = key[len(prefix):].split("/")
-            if len(parts) == 2 and parts[0] != QUARANTINE and not parts[0].startswith("."):
+            if parts[0] in (QUARANTINE, CHUNKS):
+                continue
+            if len(parts) == 2 and not parts[0].startswith("."):
                 out.setdefault(parts[0], set()).add(parts[1])
-            elif len(parts) > 2 and parts[0] != QUARANTINE:
+            elif len(parts) > 2:
                 out.setdefault(parts[0], set())  # nested junk: an uncommitted leftover at best
         return out
 
@@ -201,7 +205,7 @@ class FsspecStore:
 
     def quarantined(self) -> "FsspecStore | None":
         q = FsspecStore(self.fs, self.path(QUARANTINE), self.url + "/" + QUARANTINE, retry=self.retry,
-                        readonly=True)
+                        readonly=True, chunk_root=self.chunk_root)  # their chunks stay in the run
         return q if q._objects() else None
 
     def size_of(self, path: str) -> int | None:
@@ -216,7 +220,9 @@ class FsspecStore:
     def read(self, name: str, file: str, size: int | None = None, hasher: Hasher | None = None) -> Buffer:
         if file != COMMIT_FILE:
             check_name(file)
-        path = self.path(check_name(name, "checkpoint"), file)
+        return self._read_object(self.path(check_name(name, "checkpoint"), file), file, size, hasher)
+
+    def _read_object(self, path: str, file: str, size: int | None, hasher: Hasher | None) -> Buffer:
         actual = self.size_of(path)
         if actual is None:
             raise CorruptCheckpointError(f"{file} is missing")
@@ -248,6 +254,49 @@ class FsspecStore:
             wait_all(futures)
         return buf
 
+    # ------------------------------------------------------------------ chunks
+    def put_chunk(self, cid: str, data: Buffer) -> None:
+        self.put(f"{self.chunk_root}/{cid}", memoryview(data))  # one PUT: whole or absent
+
+    def read_chunk(self, cid: str, size: int, hasher: Hasher | None = None) -> Buffer:
+        try:
+            return self._read_object(f"{self.chunk_root}/{cid}", f"chunk {cid}", size, hasher)
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(f"{e} ({self.url}/{CHUNKS})") from None
+
+    def list_chunks(self) -> dict[str, float]:
+        self.fs.invalidate_cache(self.chunk_root)
+        try:
+            found = self.call("list", self.fs.find, self.chunk_root, detail=True)
+        except FileNotFoundError:
+            return {}
+        out: dict[str, float] = {}
+        for key, info in found.items():
+            cid = key.rstrip("/").rsplit("/", 1)[-1]
+            if len(cid) == 64 and all(c in "0123456789abcdef" for c in cid):
+                out[cid] = _mtime(info)
+        return out
+
+    def delete_chunk(self, cid: str) -> None:
+        try:
+            self.remove([f"{self.chunk_root}/{cid}"])
+        except FileNotFoundError:
+            pass
+
+    def clean_chunk_temps(self) -> list[str]:
+        return []  # a PUT is whole or absent: nothing half-written to clean
+
+    def quarantine_chunk(self, cid: str, reason: str) -> str | None:
+        target = self.path(QUARANTINE, CHUNKS, cid)
+        try:
+            self.call("copy", self.fs.copy, f"{self.chunk_root}/{cid}", target)
+            self.put(target + ".reason.txt", (reason + "\n").encode())
+            self.delete_chunk(cid)
+        except Exception as e:
+            log.warning("could not quarantine chunk %s: %s", cid, e)
+            return None
+        return f"{self.url}/{QUARANTINE}/{CHUNKS}/{cid}"
+
     def read_meta(self, file: str) -> bytes | None:
         path = self.path(check_meta_name(file))
         size = self.size_of(path)
@@ -256,6 +305,21 @@ class FsspecStore:
         if size > MAX_META_BYTES:
             raise CorruptCheckpointError(f"{self.url}/{file} is implausibly large ({size} bytes)")
         return bytes(self.read_into(path, bytearray(size), file))
+
+
+def _mtime(info: dict[str, Any]) -> float:
+    """An object's modification time from an fsspec listing (S3: ``LastModified``)."""
+    for key in ("LastModified", "mtime", "last_modified", "created"):
+        v = info.get(key)
+        if v is None:
+            continue
+        if hasattr(v, "timestamp"):
+            return float(v.timestamp())
+        try:
+            return float(v)
+        except (TypeError, ValueError):
+            continue
+    return 0.0  # unknown: treated as old (collected once unreferenced)
 
 
 def _plain(name: str) -> bool:

@@ -31,12 +31,14 @@ from typing import BinaryIO
 import torch
 
 from ..errors import CorruptCheckpointError, StorageError
-from .base import COMMIT_FILE, MAX_META_BYTES, QUARANTINE, Buffer, check_meta_name, check_name
+from .base import CHUNKS, COMMIT_FILE, MAX_META_BYTES, QUARANTINE, Buffer, check_meta_name, check_name
 from .lock import FlockLock
 from .readfile import Hasher, read_file
 
 _HIDDEN = re.compile(r"^\.(staging|trash)-(?P<host>[^_]+)_(?P<pid>\d+)_(?:[0-9a-f]{8})_(?P<name>.*)$")
 _CHECKPOINT_NAME = re.compile(r"^step-\d{9,}([-.]\d+)?$")
+_CHUNK_ID = re.compile(r"^[0-9a-f]{64}$")
+_CHUNK_TMP = re.compile(r"^\.tmp-(?P<host>[^_]+)_(?P<pid>\d+)_[0-9a-f]{8}-[0-9a-f]{16}$")
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
@@ -191,10 +193,12 @@ class LocalStore:
 
     remote = False
 
-    def __init__(self, root: str | os.PathLike[str], readonly: bool = False) -> None:
+    def __init__(self, root: str | os.PathLike[str], readonly: bool = False,
+                 chunk_dir: str | os.PathLike[str] | None = None) -> None:
         self.root = Path(root)
         self.url = str(self.root)
         self.readonly = readonly
+        self.chunk_dir = Path(chunk_dir) if chunk_dir is not None else self.root / CHUNKS
 
     # ------------------------------------------------------------------ setup
     def check(self, deadline_s: float = 15.0) -> None:
@@ -323,7 +327,7 @@ class LocalStore:
         qdir = self.root / QUARANTINE
         if not qdir.is_dir() or qdir.is_symlink():
             return None
-        return LocalStore(qdir, readonly=True)
+        return LocalStore(qdir, readonly=True, chunk_dir=self.chunk_dir)  # their chunks stay in the run
 
     def read(self, name: str, file: str, size: int | None = None, hasher: Hasher | None = None) -> Buffer:
         try:
@@ -338,8 +342,72 @@ class LocalStore:
         except FileNotFoundError:
             return None
 
+    # ------------------------------------------------------------------ chunks
+    def put_chunk(self, cid: str, data: Buffer) -> None:
+        """Write to a hidden temp file (``O_EXCL``), fsync, rename into place, fsync the folder."""
+        self.chunk_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.chunk_dir / f".tmp-{_tag()}-{cid[:16]}"
+        try:
+            with _DurableFile(tmp) as f:
+                f.write(data)
+            os.replace(tmp, self.chunk_dir / cid)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        fsync_dir(self.chunk_dir)
 
-_MANAGED_FILES = {".lock", ".lock.json", "tags.json", "quarantine", "submit.slurm"}
+    def read_chunk(self, cid: str, size: int, hasher: Hasher | None = None) -> Buffer:
+        try:
+            return read_file(self.chunk_dir, cid, size, 0, hasher)
+        except FileNotFoundError:
+            note = " (it was quarantined as damaged)" if os.path.lexists(self.root / QUARANTINE / CHUNKS / cid) else ""
+            raise CorruptCheckpointError(f"chunk {cid} is missing from {self.chunk_dir}{note}") from None
+
+    def list_chunks(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        if not self.chunk_dir.is_dir():
+            return out
+        for entry in os.scandir(self.chunk_dir):
+            if _CHUNK_ID.match(entry.name) and entry.is_file(follow_symlinks=False):
+                out[entry.name] = entry.stat(follow_symlinks=False).st_mtime
+        return out
+
+    def delete_chunk(self, cid: str) -> None:
+        try:
+            os.unlink(self.chunk_dir / cid)
+        except FileNotFoundError:
+            pass
+
+    def clean_chunk_temps(self) -> list[str]:
+        """Remove half-written chunks of writers on this host that are gone."""
+        removed: list[str] = []
+        if not self.chunk_dir.is_dir():
+            return removed
+        here = _tag().split("_")[0]
+        for entry in os.scandir(self.chunk_dir):
+            m = _CHUNK_TMP.match(entry.name)
+            if m and m["host"] == here and not _pid_alive(int(m["pid"])):
+                os.unlink(entry.path)
+                removed.append(entry.name)
+        return removed
+
+    def quarantine_chunk(self, cid: str, reason: str) -> str | None:
+        qdir = self.root / QUARANTINE / CHUNKS
+        if (self.root / QUARANTINE).is_symlink() or qdir.is_symlink():
+            return None
+        try:
+            qdir.mkdir(parents=True, exist_ok=True)
+            os.replace(self.chunk_dir / cid, qdir / cid)
+            write_file_atomic(qdir / f"{cid}.reason.txt", (reason + "\n").encode())
+        except OSError:
+            return None
+        return str(qdir / cid)
+
+
+_MANAGED_FILES = {".lock", ".lock.json", "tags.json", "quarantine", "submit.slurm", CHUNKS}
 
 
 def linked_entries(root: Path) -> list[str]:

@@ -1,0 +1,227 @@
+"""Incremental checkpoints: tensor bytes stored once per run, as content-addressed chunks.
+
+``Checkpointer(..., incremental=True)``. Each tensor of a save becomes one *chunk*: its raw
+bytes, named by their SHA-256, stored in the run's ``chunks/`` folder (or prefix) and listed in
+the manifest with its size and xxh3-128 checksum; the checkpoint folder holds a small chunk
+map per tensor file instead of the tensor file (:mod:`unbroken.format.chunkmap`). A tensor
+whose bytes did not change since the checkpoint this run last committed or restored (a frozen
+base model, an embedding that is not trained, an unchanged buffer) is *referenced*, not
+written again.
+
+**Change detection.** Every tensor is hashed with xxh3-128 (about 15 GB/s here); a tensor whose
+(xxh3, size) matches a chunk of the base checkpoint reuses that chunk's id without the strong
+hash. Only new bytes get the SHA-256 (about 1.5 GB/s) and are written. Chunks are found only
+in the *base* (the newest committed or restored checkpoint) and in the save itself, never by
+listing the store, so no remote listing is needed per save.
+
+**Durability and commit.** A chunk is written whole or not at all (temp file, fsync, rename on a
+filesystem; one PUT on an object store) before the manifest that lists it is written; the
+manifest stays the only commit marker.
+
+**Garbage collection** (:func:`collect`) is mark-and-sweep: every chunk listed by a committed
+manifest (quarantined ones included) is kept; the others are deleted. It runs after retention
+deleted checkpoints and when a writer opens the run. Crash-safe by construction: a kill at any
+point leaves chunks that nobody references (deleted by a later collection), never a committed
+manifest whose chunk is gone. Chunks a save in flight may still commit are never swept: those
+this process is writing or reusing are pinned (a background save), and with several ranks only
+chunks older than the newest committed checkpoint's start (minus a margin for clocks) are
+collected, since another rank's save in flight wrote its chunks after that moment. Reused chunks
+come from the newest committed checkpoint, which retention never deletes. A manifest that cannot
+be read stops the sweep.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import xxhash
+
+from . import _faults, progress
+from .errors import CorruptCheckpointError
+from .format import chunkmap
+from .format.manifest import CHUNK_PREFIX, FileEntry, Manifest
+from .format.tensorfile import TensorEntry, raw_bytes
+from .store.base import Staging, Store
+
+log = logging.getLogger("unbroken")
+
+GRACE_S = float(os.environ.get("UNBROKEN_CHUNK_GRACE_S", "60"))
+"""While saves may be in flight, a chunk is collected only if it is this much older than the
+newest committed checkpoint's start (clock differences between hosts and an object store)."""
+
+
+def chunk_id(data: Any) -> str:
+    """The id of a chunk: the SHA-256 of its bytes (hex)."""
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass
+class SaveStats:
+    """What one incremental save wrote and what it reused (bytes and chunks)."""
+
+    written_bytes: int = 0
+    reused_bytes: int = 0
+    written: int = 0
+    reused: int = 0
+
+
+class ChunkWriter:
+    """The chunks side of one run for one process: the base checkpoint's chunks, the pins,
+    the statistics of the last save. Thread-safe (a background save uses it)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._lock = threading.Lock()
+        self._base: dict[tuple[str, int], str] = {}
+        self._pins: Counter[str] = Counter()
+        self.last = SaveStats()
+
+    def use_base(self, manifest: Manifest) -> None:
+        """Deduplicate the next saves against ``manifest``'s chunks (a committed checkpoint of
+        this run: the one just saved or restored)."""
+        with self._lock:
+            self._base = {(e.xxh3_128, e.size): cid for cid, e in manifest.chunks.items()}
+
+    def pinned(self) -> set[str]:
+        with self._lock:
+            return {c for c, n in self._pins.items() if n > 0}
+
+    def begin(self) -> "ChunkSave":
+        with self._lock:
+            base = dict(self._base)
+        return ChunkSave(self, base)
+
+    def _pin(self, cids: list[str], delta: int) -> None:
+        with self._lock:
+            for c in cids:
+                self._pins[c] += delta
+                if self._pins[c] <= 0:
+                    del self._pins[c]
+
+
+class ChunkSave:
+    """One save's chunks: :meth:`write_file` per tensor file, then :meth:`finish`."""
+
+    def __init__(self, writer: ChunkWriter, base: dict[tuple[str, int], str]) -> None:
+        self.writer, self.base = writer, base
+        self.seen: dict[tuple[str, int], str] = {}
+        self.pins: list[str] = []
+        self.stats = SaveStats()
+        self._lock = threading.Lock()
+
+    def write_file(self, staging: Staging, fname: str, entries: list[TensorEntry],
+                   on_half: Callable[[], None] | None = None) -> dict[str, FileEntry]:
+        """Store the tensors of ``fname`` as chunks (new bytes only) and write its chunk map
+        into ``staging``; the manifest entries (the map and every chunk it uses)."""
+        out: dict[str, FileEntry] = {}
+        table: dict[str, tuple[Any, tuple[int, ...], str]] = {}
+        total = sum(e.tensor.numel() * e.tensor.element_size() for e in entries)
+        done, half = 0, on_half
+        for e in entries:
+            data = raw_bytes(e.tensor)
+            size = data.nbytes
+            digest = xxhash.xxh3_128(data).hexdigest()
+            key = (digest, size)
+            with self._lock:
+                cid = self.seen.get(key) or self.base.get(key)
+                fresh = cid is None
+            if cid is None:
+                cid = chunk_id(data)
+            self.writer._pin([cid], 1)
+            self.pins.append(cid)
+            if fresh:
+                self.writer.store.put_chunk(cid, data)
+            with self._lock:
+                self.seen[key] = cid
+                if fresh:
+                    self.stats.written_bytes += size
+                    self.stats.written += 1
+                else:
+                    self.stats.reused_bytes += size
+                    self.stats.reused += 1
+            out[CHUNK_PREFIX + cid] = FileEntry(size, digest)
+            table[e.key] = (e.tensor.dtype, tuple(e.tensor.shape), cid)
+            progress.advance(size)
+            done += size
+            if half is not None and done * 2 >= total:
+                call, half = half, None
+                call()
+        raw = chunkmap.encode(table)
+        name = chunkmap.map_name(fname)
+        with staging.open(name) as f:
+            f.write(raw)
+        out[name] = FileEntry(len(raw), xxhash.xxh3_128(raw).hexdigest())
+        return out
+
+    def finish(self, manifest: Manifest | None) -> None:
+        """After the commit (``manifest``) or a failure (None): unpin; a committed checkpoint
+        becomes the base of the next save."""
+        self.writer._pin(self.pins, -1)
+        self.pins = []
+        self.writer.last = self.stats
+        if manifest is not None:
+            self.writer.use_base(manifest)
+
+
+# ------------------------------------------------------------------ garbage collection
+@dataclass
+class Collected:
+    """The outcome of one :func:`collect`."""
+
+    deleted: list[str]
+    kept: int
+    skipped: str = ""
+
+
+def collect(store: Store, *, pinned: Callable[[], set[str]] | None = None, elsewhere: bool = False,
+            grace_s: float | None = None) -> Collected:
+    """Delete the chunks no committed checkpoint of ``store`` uses (see the module docstring).
+
+    ``pinned``: the chunks this process's saves in flight use (asked after the listing, so a
+    chunk listed is either still pinned or its save has committed, before the manifests are
+    read). ``elsewhere``: other processes may be saving into this run (the other ranks): then
+    only chunks older than the newest committed checkpoint's start minus ``grace_s`` go."""
+    from .reader import read_manifest
+
+    chunks = store.list_chunks()
+    if not chunks:
+        return Collected([], 0)
+    busy = pinned() if pinned is not None else set()
+    marked: set[str] = set()
+    newest = 0.0
+    for name in store.list_committed():
+        try:
+            m = read_manifest(store, name)
+        except CorruptCheckpointError as e:
+            reason = f"checkpoint {name} has an unreadable manifest ({e}); nothing collected until it is quarantined"
+            log.info("chunk collection skipped: %s", reason)
+            return Collected([], len(chunks), skipped=reason)
+        marked.update(m.chunks)
+        newest = max(newest, m.created)
+    quarantined = store.quarantined()
+    if quarantined is not None:  # kept for inspection, with what they use
+        for name in quarantined.list_committed():
+            try:
+                marked.update(read_manifest(quarantined, name).chunks)
+            except CorruptCheckpointError:
+                pass
+    _faults.point("gc.after_mark")
+    cutoff = newest - (GRACE_S if grace_s is None else grace_s) if elsewhere else float("inf")
+    deleted: list[str] = []
+    for cid, mtime in sorted(chunks.items()):
+        if cid in marked or cid in busy or mtime >= cutoff:
+            continue
+        store.delete_chunk(cid)
+        deleted.append(cid)
+        if len(deleted) == 1:
+            _faults.point("gc.mid_sweep")
+    if deleted:
+        log.debug("collected %d unreferenced chunk(s) of %s", len(deleted), store.url)
+    return Collected(deleted, len(chunks) - len(deleted))
+
