@@ -19,7 +19,10 @@ import signal
 import time
 from collections import Counter
 
-POINTS = ("save.mid_file", "save.before_manifest", "save.before_commit", "save.after_commit")
+POINTS = ("save.mid_file", "save.before_manifest", "save.before_commit", "save.after_commit",
+          "gc.after_mark", "gc.mid_sweep")
+"""The last two are in the collection of unused chunks (:mod:`unbroken.chunks`): after the
+manifests are read, and after the first chunk is deleted."""
 
 
 def _parse(spec: str, rank: str) -> dict[str, int]:

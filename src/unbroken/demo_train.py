@@ -84,14 +84,17 @@ def train(args: argparse.Namespace) -> int:
     loader = unbroken.data.ResumableLoader(Augmented(args.seed), batch_size=MICRO_BATCH, seed=args.seed,
                                            num_workers=args.workers)
     model = make_model(args.hidden)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    if args.freeze_first:  # a frozen layer: its bytes never change (what incremental saves skip)
+        model[0].requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.steps, warmup=args.steps // 10))
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=20)
 
     # --- unbroken: four lines ---------------------------------------------------
     ckpt = unbroken.Checkpointer(args.run_dir, save_every=args.save_every, keep_last=3, rng="rng" not in args.omit,
                                  preemption=unbroken.Preemption(requeue=args.requeue, grace_period=args.grace),
-                                 async_save={None: False, "copy": True, "lazy": "lazy"}[args.async_save])
+                                 async_save={None: False, "copy": True, "lazy": "lazy"}[args.async_save],
+                                 incremental=args.incremental)
     state = {"model": model, "optimizer": opt, "scheduler": sched, "scaler": scaler, "data": loader}
     for part in args.omit:  # negative controls for the tests: forget part of the state
         state.pop(part, None)
@@ -180,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--async-save", nargs="?", const="copy", choices=["copy", "lazy"],
                    help="write checkpoints in the background; 'lazy' also copies the optimizer's tensors "
                         "in the background, until the next optimizer step")
+    p.add_argument("--incremental", action="store_true", help="incremental checkpoints (content-addressed chunks)")
+    p.add_argument("--freeze-first", action="store_true", help="freeze the first layer (not trained)")
     p.add_argument("--omit", action="append", default=[], choices=["rng", "scheduler", "scaler", "data"],
                    help="leave this out of the checkpoint (to show that the comparison catches it)")
     return train(p.parse_args(argv))

@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping
 
 from .errors import CorruptCheckpointError
 from .events import Event, Pruned, Uploaded, UploadFailed
-from .format.manifest import MANIFEST, Manifest, new_hasher
+from .format.manifest import MANIFEST, Manifest, is_chunk, new_hasher
 from .policies import Retention
 
 log = logging.getLogger("unbroken")
@@ -66,16 +66,26 @@ def copy_checkpoint(src: Any, name: str, dst: Any, *, lock: Any = None) -> tuple
     name it got in ``dst`` and its manifest. A damaged source raises CorruptCheckpointError."""
     raw = bytes(src.read(name, MANIFEST))
     manifest = Manifest.from_json(raw)
+    # chunks (incremental checkpoints) go to the destination's chunk store; one already there is
+    # not sent again to an object store (its uploader is the only writer there), while a local
+    # destination gets every chunk afresh (a collection may run beside a download)
+    present = set(dst.list_chunks()) if manifest.chunks and dst.remote else set()
     staging = dst.stage(name)
     try:
         for fname, entry in sorted(manifest.files.items()):
-            buf = src.read(name, fname, entry.size)
+            if is_chunk(fname) and fname[1:] in present:
+                continue
+            buf = src.read_chunk(fname[1:], entry.size) if is_chunk(fname) else src.read(name, fname, entry.size)
             h = new_hasher()
             h.update(buf)
             if h.hexdigest() != entry.xxh3_128:
-                raise CorruptCheckpointError(f"{src.describe(name)}: {fname}: checksum mismatch")
-            with staging.open(fname) as f:
-                f.write(memoryview(buf))
+                what = f"chunk {fname[1:]}" if is_chunk(fname) else fname
+                raise CorruptCheckpointError(f"{src.describe(name)}: {what}: checksum mismatch")
+            if is_chunk(fname):
+                dst.put_chunk(fname[1:], buf)
+            else:
+                with staging.open(fname) as f:
+                    f.write(memoryview(buf))
             del buf
         with staging.open(MANIFEST) as f:
             f.write(raw)

@@ -46,21 +46,26 @@ def import_(source: Path = typer.Argument(..., metavar="SRC", help="An HF Traine
 @app.command()
 def export(checkpoint: str = typer.Argument(..., metavar="CKPT", help="A checkpoint, or a run (its newest valid "
                                             "checkpoint); a folder or URL."),
-           to: Path = typer.Option(..., "--to", help="The safetensors file to write, or a folder with --format hf."),
-           fmt: str = typer.Option("safetensors", "--format", metavar="safetensors|hf",
-                                   help="One safetensors file, or an HF model folder (model.safetensors + "
-                                        "config.json) that from_pretrained reads."),
+           to: Path = typer.Option(..., "--to", help="The safetensors file to write, or a folder with --format "
+                                                     "hf or checkpoint."),
+           fmt: str = typer.Option("safetensors", "--format", metavar="safetensors|hf|checkpoint",
+                                   help="One safetensors file; an HF model folder (model.safetensors + "
+                                        "config.json) that from_pretrained reads; or the whole checkpoint as a "
+                                        "self-contained unbroken checkpoint folder (chunks of an incremental "
+                                        "run copied in)."),
            dtype: Optional[str] = typer.Option(None, "--dtype", metavar="bf16|fp16|fp32",
                                                help="Cast floating-point tensors (others stay as they are)."),
            key: str = typer.Option("model", "--key", help="The part of the state that holds the weights."),
            config: Optional[Path] = typer.Option(None, "--config", help="A config.json for --format hf, when "
                                                  "the checkpoint has no 'config' part."),
            json_: bool = JSON_OPTION) -> None:
-    """Write a checkpoint's model weights for inference or the HF Hub (verified on read)."""
+    """Write a checkpoint's model weights for inference or the HF Hub, or a self-contained copy of
+    the whole checkpoint (verified on read)."""
     files = export_weights(checkpoint, to, key=key, dtype=dtype, fmt=fmt, config=config,
                            storage_options=options_for(checkpoint))
     if json_:
         emit_json({"checkpoint": checkpoint, "format": fmt, "dtype": dtype, "files": [str(f) for f in files]})
         return
     for f in files:
-        out().print(escape(f"wrote {f} ({size(f.stat().st_size)})"))
+        n = sum(p.stat().st_size for p in f.rglob("*") if p.is_file()) if f.is_dir() else f.stat().st_size
+        out().print(escape(f"wrote {f} ({size(n)})"))

@@ -10,6 +10,11 @@ a flat mapping of names to tensors. They are verified on read like any load, opt
   ``config`` part, which an HF import or the HF integration records, or a file given with
   ``--config``), the layout ``from_pretrained(DIR)`` reads.
 
+* ``--to DIR --format checkpoint``: the whole checkpoint (every part, every rank, its manifest)
+  as a self-contained unbroken checkpoint folder: the chunks an incremental checkpoint shares
+  with the rest of its run are written into it as ordinary tensor files (format version 2), so
+  ``unbroken verify DIR`` and ``unbroken.load(DIR)`` need nothing else (:func:`export_checkpoint`).
+
 Tensors that share memory (tied weights) are written once each as separate copies, since
 safetensors cannot store aliases; ``from_pretrained`` ties them again.
 """
@@ -52,6 +57,55 @@ def _flat(value: Any, prefix: str = "") -> dict[str, torch.Tensor]:
     return out
 
 
+def export_checkpoint(checkpoint: str | os.PathLike[str], to: str | os.PathLike[str], *,
+                      storage_options: Mapping[str, Any] | None = None) -> Path:
+    """Copy ``checkpoint`` (or a run's newest valid one) to the new folder ``to`` as a
+    self-contained checkpoint: every file and chunk verified, chunk maps replaced by the tensor
+    files they stand for, the manifest rewritten (format 2, same step, seq, metrics,
+    environment), committed atomically. Returns ``to``."""
+    from dataclasses import replace
+
+    from ..api import is_run, read_run
+    from ..format import chunkmap
+    from ..format.manifest import FileEntry, Manifest, is_chunk
+    from ..format.tensorfile import TensorEntry
+    from ..persist import commit, write_blob, write_tensors
+    from ..reader import read_manifest, verify_all
+    from ..store import open_store, split_checkpoint
+
+    out = Path(to)
+    if os.path.lexists(out):
+        raise UnbrokenError(f"{out} exists: export writes a new folder")
+    if is_run(checkpoint, storage_options):
+        store, name = open_store(checkpoint, storage_options, readonly=True), read_run(checkpoint, storage_options).name
+    else:
+        store, name = split_checkpoint(checkpoint, storage_options)
+    manifest: Manifest = read_manifest(store, name)
+    loaded = verify_all(store, name)  # every file and chunk checked before anything is written
+    files = loaded.files
+    assert files is not None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = open_store(out.parent).stage(out.name)
+    try:
+        written: dict[str, FileEntry] = {}
+        for fname in sorted(manifest.files):
+            if is_chunk(fname):
+                continue
+            if fname.endswith(chunkmap.SUFFIX):
+                tfile = chunkmap.tensor_file_of(fname)
+                written[tfile] = write_tensors(staging, tfile, [TensorEntry(k, t) for k, t in files.tensors(tfile).items()])
+            else:
+                written[fname] = write_blob(staging, fname, bytes(files.read(fname)))
+        fields = {k: v for k, v in vars(replace(manifest, files=written, format_version=2)).items()}
+        final, _ = commit(staging, **fields)
+    except BaseException:
+        staging.abort()
+        raise
+    if final != out.name:  # another process created the folder meanwhile
+        raise UnbrokenError(f"{out} appeared while exporting; the export is at {out.parent / final}")
+    return out
+
+
 def export_weights(checkpoint: str | os.PathLike[str], to: str | os.PathLike[str], *, key: str = "model",
                    dtype: str | None = None, fmt: str = "safetensors", config: str | os.PathLike[str] | None = None,
                    storage_options: Mapping[str, Any] | None = None) -> list[Path]:
@@ -59,8 +113,12 @@ def export_weights(checkpoint: str | os.PathLike[str], to: str | os.PathLike[str
     ``to``; return the files written. See the module docstring for ``fmt`` and ``dtype``."""
     from safetensors.torch import save_file
 
+    if fmt == "checkpoint":
+        if dtype is not None:
+            raise UnbrokenError("--dtype does not apply to --format checkpoint (an exact copy)")
+        return [export_checkpoint(checkpoint, to, storage_options=storage_options)]
     if fmt not in ("safetensors", "hf"):
-        raise UnbrokenError(f"unknown export format {fmt!r}: use 'safetensors' or 'hf'")
+        raise UnbrokenError(f"unknown export format {fmt!r}: use 'safetensors', 'hf' or 'checkpoint'")
     if dtype is not None and dtype not in DTYPES:
         raise UnbrokenError(f"unknown dtype {dtype!r}: use one of {sorted(DTYPES)}")
     tree = load(checkpoint, storage_options=storage_options)
