@@ -280,3 +280,45 @@ def test_a_checkpointer_round_trip_on_every_backend(location) -> None:
     assert unbroken.verify(f"{url}/step-000000003", storage_options=opts).step == 3
     loaded = unbroken.load(f"{url}/step-000000002", storage_options=opts)
     assert loaded["step_data"] == {"epoch": 2}
+
+
+# ------------------------------------------------------------------ chunks (incremental checkpoints)
+def test_chunks_round_trip_list_delete_and_stay_out_of_checkpoint_listings(store, backend: str) -> None:
+    import hashlib
+
+    if backend != "local":
+        store.part_size = 5 * 1024 * 1024  # a multipart chunk: 3 parts and a short last one
+    big = os.urandom(13 * 1024 * 1024 + 5)
+    small = b"tiny chunk"
+    ids = {hashlib.sha256(d).hexdigest(): d for d in (big, small, b"")}
+    for cid, data in ids.items():
+        store.put_chunk(cid, memoryview(data))
+    store.put_chunk(hashlib.sha256(small).hexdigest(), small)  # again: harmless
+    listed = store.list_chunks()
+    assert set(listed) == set(ids) and all(t > 0 for t in listed.values())
+    for cid, data in ids.items():
+        assert bytes(store.read_chunk(cid, len(data))) == data
+    # the chunks folder is neither a checkpoint nor a leftover a writer would remove
+    assert store.list_committed() == [] and store.list_uncommitted() == []
+    assert store.clean_stale() == [] and set(store.list_chunks()) == set(ids)
+    with pytest.raises(CorruptCheckpointError, match="bytes, the manifest says|size"):
+        store.read_chunk(hashlib.sha256(small).hexdigest(), len(small) + 1)
+    gone = hashlib.sha256(big).hexdigest()
+    store.delete_chunk(gone)
+    store.delete_chunk(gone)  # already gone: fine
+    assert gone not in store.list_chunks()
+    with pytest.raises(CorruptCheckpointError, match="missing"):
+        store.read_chunk(gone, len(big))
+
+
+def test_a_quarantined_chunk_is_moved_aside_with_its_reason(store) -> None:
+    import hashlib
+
+    data = b"damaged or not, it goes"
+    cid = hashlib.sha256(data).hexdigest()
+    store.put_chunk(cid, data)
+    where = store.quarantine_chunk(cid, "checksum mismatch in a test")
+    assert where and cid in where
+    assert cid not in store.list_chunks()
+    with pytest.raises(CorruptCheckpointError, match="missing"):
+        store.read_chunk(cid, len(data))

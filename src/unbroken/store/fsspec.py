@@ -256,7 +256,7 @@ class FsspecStore:
 
     # ------------------------------------------------------------------ chunks
     def put_chunk(self, cid: str, data: Buffer) -> None:
-        self.put(f"{self.chunk_root}/{cid}", memoryview(data))  # one PUT: whole or absent
+        self.put(f"{self.chunk_root}/{cid}", bytes(data))  # one PUT: whole or absent
 
     def read_chunk(self, cid: str, size: int, hasher: Hasher | None = None) -> Buffer:
         try:

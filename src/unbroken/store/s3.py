@@ -69,6 +69,19 @@ class S3Store(FsspecStore):
         bucket, key = self.split(path)
         self.s3("upload", "put_object", Bucket=bucket, Key=key, Body=data)
 
+    def put_chunk(self, cid: str, data: Any) -> None:
+        """One PUT, or a multipart upload for a large chunk (invisible until completed)."""
+        holder = FsspecStaging(self, "chunks", joined=True)  # collects the part uploads
+        writer = self.open_writer(f"{self.chunk_root}/{cid}", holder)
+        holder.writers.append(writer)
+        try:
+            writer.write(data)
+            writer.close()
+            holder.flush()
+        except BaseException:
+            holder.abort()
+            raise
+
     def clean_stale(self) -> list[str]:
         removed = super().clean_stale()
         bucket, prefix = self.split(self.root + "/")
