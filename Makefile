@@ -35,6 +35,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_recovery.py
 	$(PY) benchmarks/bench_format.py
 	$(PY) benchmarks/bench_data_resume.py
+	$(PY) benchmarks/bench_incremental.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info src/*.egg-info

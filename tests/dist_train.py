@@ -89,6 +89,7 @@ def main() -> int:
     p.add_argument("--fail-save-on-rank", type=int, default=None, help="this rank's writes fail (ENOSPC)")
     p.add_argument("--dump-restored", default=None, help="rank 0 writes the full restored state here")
     p.add_argument("--async-save", choices=["copy", "lazy"], default=None)
+    p.add_argument("--incremental", action="store_true", help="incremental checkpoints (chunks)")
     p.add_argument("--touch-after", type=int, default=None,
                    help="rank 1 changes a parameter in place (by 1.0) right after this step's ckpt.step")
     p.add_argument("--requeue", action="store_true", help="requeue the SLURM job after a preemption save")
@@ -105,7 +106,8 @@ def main() -> int:
     loader = unbroken.data.ResumableLoader(Data(), batch_size=args.batch, seed=5)
     ckpt = unbroken.Checkpointer(args.run_dir, save_every=args.save_every, keep_last=3,
                                  preemption=unbroken.Preemption(requeue=args.requeue),
-                                 async_save={None: False, "copy": True, "lazy": "lazy"}[args.async_save])
+                                 async_save={None: False, "copy": True, "lazy": "lazy"}[args.async_save],
+                                 incremental=args.incremental)
     state = {"model": model, "optimizer": opt, "scheduler": sched, "data": loader}
     if args.fail_save_on_rank == rank:
         _make_writes_fail()

@@ -152,6 +152,8 @@ class ChunkSave:
             if half is not None and done * 2 >= total:
                 call, half = half, None
                 call()
+        if self.stats.written:
+            self.writer.store.sync_chunks()  # durable before the manifest that lists them commits
         raw = chunkmap.encode(table)
         name = chunkmap.map_name(fname)
         with staging.open(name) as f:

@@ -87,6 +87,8 @@ def copy_checkpoint(src: Any, name: str, dst: Any, *, lock: Any = None) -> tuple
                 with staging.open(fname) as f:
                     f.write(memoryview(buf))
             del buf
+        if manifest.chunks:
+            dst.sync_chunks()
         with staging.open(MANIFEST) as f:
             f.write(raw)
         if lock is not None:

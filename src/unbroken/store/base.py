@@ -184,8 +184,12 @@ class Store(Protocol):
     # Chunks: content-addressed tensor bytes shared by the checkpoints of an incremental run
     # (see unbroken.chunks), in the run's ``chunks/`` folder; ids are checked by the callers.
     def put_chunk(self, cid: str, data: Buffer) -> None:
-        """Store chunk ``cid`` durably and atomically (whole or absent; replacing an existing
-        copy, which has the same bytes, is harmless)."""
+        """Store chunk ``cid`` atomically (whole or absent; replacing an existing copy, which has
+        the same bytes, is harmless); durable once :meth:`sync_chunks` returns."""
+        ...
+
+    def sync_chunks(self) -> None:
+        """Make every chunk put so far durable (before a manifest that lists them commits)."""
         ...
 
     def read_chunk(self, cid: str, size: int, hasher: Any = None) -> Buffer:

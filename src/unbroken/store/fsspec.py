@@ -258,6 +258,9 @@ class FsspecStore:
     def put_chunk(self, cid: str, data: Buffer) -> None:
         self.put(f"{self.chunk_root}/{cid}", bytes(data))  # one PUT: whole or absent
 
+    def sync_chunks(self) -> None:
+        pass  # every PUT returned: durable
+
     def read_chunk(self, cid: str, size: int, hasher: Hasher | None = None) -> Buffer:
         try:
             return self._read_object(f"{self.chunk_root}/{cid}", f"chunk {cid}", size, hasher)
