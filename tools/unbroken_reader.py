@@ -9,10 +9,18 @@ Command line::
     python tools/unbroken_reader.py CKPT                 # manifest summary and the state tree(s)
     python tools/unbroken_reader.py CKPT --verify        # + manifest trailer, every file's size and checksum
     python tools/unbroken_reader.py CKPT --tensor NAME   # dtype, shape, a few values, min/max/mean
+    python tools/unbroken_reader.py CKPT --chunks DIR    # format 3: the run's chunks/ is elsewhere
 
 ``CKPT`` is a checkpoint folder (the one holding ``manifest.json``). ``NAME`` is a tensor's
 key in its safetensors file (``model/weight``), ``FILE:KEY`` when a key occurs in several
-files (``s00001.safetensors:0``), or a sharded tensor's fqn (assembled from its chunks).
+files (``s00001.safetensors:0``), or a sharded tensor's fqn (assembled from its pieces).
+
+Format 3 (incremental checkpoints): a tensor file ``tNN-<key>.safetensors`` is replaced by
+its chunk map ``tNN-<key>.chunks.json`` and the tensors' bytes are chunks in the run's
+``chunks/`` folder, by default ``CKPT/../chunks`` (``--chunks`` / ``chunks=`` to name
+another). Trees keep referring to the ``.safetensors`` name; the reader resolves it through
+the map. Every chunk is checked for its size when read; ``--verify`` also checks its
+xxh3-128 against the manifest and its SHA-256 against its name.
 Exit status: 0 fine; 1 the checkpoint is invalid (the message names the file); 2 usage
 error, unknown tensor, or ``--verify`` without the ``xxhash`` package.
 
@@ -20,7 +28,8 @@ Python API::
 
     read_checkpoint(path) -> dict            # the decoded state tree, like unbroken.load(path)
     open_checkpoint(path) -> Checkpoint      # .manifest, .state(), .rank_state(r), .tensor(file, key),
-                                             # .assemble(fqn), .verify(), .find_tensor(name)
+                                             # .assemble(fqn), .verify(), .find_tensor(name),
+                                             # .chunks (format 3: id -> size, xxh3_128)
 
 Values come back as plain Python and numpy: tensors and arrays as numpy arrays (always
 copies, C-contiguous, native byte order except an ``ndarray`` saved big-endian). numpy has
@@ -40,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import hashlib
 import json
 import math
 import mmap
@@ -62,11 +72,15 @@ try:
 except ImportError:  # --verify says it needs it
     xxhash = None
 
-KNOWN_FORMAT_VERSION = 2
+KNOWN_FORMAT_VERSION = 3
 FORMAT_NAME = "unbroken"
 MANIFEST = "manifest.json"
 STATE_FILE = "state.json"
 SHARDED_FILE = "sharded.json"
+CHUNKS_DIR = "chunks"  # format 3: the run's chunk folder, beside the checkpoint folders
+CHUNKMAP_FORMAT = "unbroken-chunkmap"
+CHUNKMAP_SUFFIX = ".chunks.json"
+TENSOR_SUFFIX = ".safetensors"
 RESERVED = "__unbroken__"
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 MAX_JSON_BYTES = 1 << 31  # state trees and sharded.json: a sanity bound only, they are checksummed
@@ -76,6 +90,7 @@ MAX_DEPTH = 500
 MAX_DIMS = 64
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 HEX128 = re.compile(r"^[0-9a-f]{32}$")
+CHUNK_ID = re.compile(r"^[0-9a-f]{64}$")  # the SHA-256 of the chunk's bytes
 TRAILER_KEY = b',\n "manifest_xxh3_128": "'
 TRAILER_END = b'"\n}\n'
 TRAILER_LEN = len(TRAILER_KEY) + 32 + len(TRAILER_END)
@@ -218,7 +233,7 @@ def _hash_buffer(buf: Any) -> str:
 
 def check_name(name: Any) -> str:
     """``name`` if it is one plain, safe path component (§3), else :class:`FormatError`."""
-    if not isinstance(name, str) or not SAFE_NAME.match(name) or name in (".", ".."):
+    if not isinstance(name, str) or not SAFE_NAME.fullmatch(name) or name in (".", ".."):
         raise FormatError(f"manifest.json lists an unsafe or invalid file name {name!r}")
     return name
 
@@ -318,8 +333,9 @@ class TensorInfo:
     key: str
     dtype: str
     shape: tuple[int, ...]
-    begin: int  # absolute offsets in the file
+    begin: int  # absolute offsets in the file (in the chunk: 0 and its size)
     end: int
+    chunk: str | None = None  # format 3: the chunk holding the bytes, for a tensor file resolved by its map
 
 
 def parse_safetensors_header(buf: Any, fname: str) -> dict[str, TensorInfo]:
@@ -359,12 +375,7 @@ def parse_safetensors_header(buf: Any, fname: str) -> dict[str, TensorInfo]:
         if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) for o in offs)):
             raise FormatError(f"{fname}: tensor {key!r}: bad data_offsets {str(offs)[:80]}")
         begin, end = offs
-        if 0 in shape:  # no data, but a 64-bit stride must exist for it: the product after dim 0
-            stride = 1
-            for d in shape[:0:-1]:
-                stride *= d or 1
-                if stride >= 2**63:
-                    raise FormatError(f"{fname}: tensor {key!r}: shape {str(shape)[:80]} overflows 64-bit strides")
+        _check_strides(shape, fname, key)
         nbytes = 0 if 0 in shape else _numel(shape, data_len) * DTYPES[dtype][1]
         if not (0 <= begin <= end <= data_len) or end - begin != nbytes:
             raise FormatError(f"{fname}: tensor {key!r}: shape {str(shape)[:80]} {dtype} does not fit bytes "
@@ -379,6 +390,62 @@ def parse_safetensors_header(buf: Any, fname: str) -> dict[str, TensorInfo]:
         pos = end
     if pos != data_len:
         raise FormatError(f"{fname}: {data_len - pos} trailing bytes after the last tensor")
+    return out
+
+
+def _check_strides(shape: list[int], fname: str, key: str) -> None:
+    """An empty tensor (a 0 in its shape) has no data, but its strides must fit 64 bits: the
+    product of the dimensions after the first, zeros counted as 1, is below 2**63."""
+    if 0 in shape:
+        stride = 1
+        for d in shape[:0:-1]:
+            stride *= d or 1
+            if stride >= 2**63:
+                raise FormatError(f"{fname}: tensor {key!r}: shape {str(shape)[:80]} overflows 64-bit strides")
+
+
+# ------------------------------------------------------------------- chunk maps
+def map_name(tensor_file: str) -> str:
+    """Format 3: the chunk map standing for a tensor file (``t00-model.safetensors`` ->
+    ``t00-model.chunks.json``)."""
+    return tensor_file[:-len(TENSOR_SUFFIX)] + CHUNKMAP_SUFFIX
+
+
+def parse_chunk_map(raw: Any, fname: str, tensor_file: str, chunks: dict[str, dict[str, Any]]
+                    ) -> dict[str, TensorInfo]:
+    """Validate a chunk map (§8.5) against the manifest's ``chunks`` and return the tensors of
+    ``tensor_file`` it describes (each with the chunk holding its bytes)."""
+    doc = parse_json(raw, fname)
+    if not isinstance(doc, dict) or doc.get("format") != CHUNKMAP_FORMAT:
+        raise FormatError(f"{fname} is not a chunk map (format must be {CHUNKMAP_FORMAT!r})")
+    tensors = doc.get("tensors")
+    if not isinstance(tensors, dict):
+        raise FormatError(f"{fname}: tensors is not an object")
+    if len(tensors) > MAX_TENSORS:
+        raise FormatError(f"{fname}: more than {MAX_TENSORS} tensors")
+    out: dict[str, TensorInfo] = {}
+    for key, entry in tensors.items():
+        if not _utf8(key):
+            raise FormatError(f"{fname}: tensor key {key[:80]!r} is not UTF-8")
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "chunk"}:
+            raise FormatError(f"{fname}: tensor {key!r}: malformed entry (needs exactly dtype, shape, chunk)")
+        dtype, shape, cid = entry["dtype"], entry["shape"], entry["chunk"]
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise FormatError(f"{fname}: tensor {key!r}: unknown dtype {str(dtype)[:40]!r}")
+        if not isinstance(shape, list) or len(shape) > MAX_DIMS or \
+                not all(_is_int(d) and 0 <= d < 1 << 62 for d in shape):
+            raise FormatError(f"{fname}: tensor {key!r}: bad shape {str(shape)[:80]}")
+        _check_strides(shape, fname, key)
+        if not isinstance(cid, str) or not CHUNK_ID.fullmatch(cid):
+            raise FormatError(f"{fname}: tensor {key!r}: invalid chunk id {str(cid)[:80]!r}")
+        if cid not in chunks:
+            raise FormatError(f"{fname}: tensor {key!r} uses chunk {cid}, which the manifest does not list")
+        size = chunks[cid]["size"]
+        nbytes = 0 if 0 in shape else _numel(shape, size) * DTYPES[dtype][1]  # stops early past size
+        if nbytes != size:
+            raise FormatError(f"{fname}: tensor {key!r}: shape {str(shape)[:80]} {dtype} does not fit chunk "
+                              f"{cid} ({size} bytes)")
+        out[key] = TensorInfo(tensor_file, key, dtype, tuple(shape), 0, size, cid)
     return out
 
 
@@ -427,7 +494,7 @@ def parse_manifest(raw: bytes, check_digest: bool | None = None) -> tuple[dict[s
         if name == MANIFEST:
             raise FormatError("manifest.json lists itself")
         if not isinstance(entry, dict) or not _is_int(entry.get("size")) or entry["size"] < 0 \
-                or not isinstance(entry.get("xxh3_128"), str) or not HEX128.match(entry["xxh3_128"]):
+                or not isinstance(entry.get("xxh3_128"), str) or not HEX128.fullmatch(entry["xxh3_128"]):
             raise bad(f"bad size or checksum for {name!r}")
     for k in ("step", "seq"):
         if not _is_int(doc.get(k)) or doc[k] < 0:
@@ -450,6 +517,17 @@ def parse_manifest(raw: bytes, check_digest: bool | None = None) -> tuple[dict[s
         raise bad("world_size must be a positive integer")
     if STATE_FILE not in files:
         raise FormatError(f"manifest.json does not list {STATE_FILE}")
+    chunks = doc.get("chunks", {}) if version >= 3 else {}  # before 3: an unknown field, ignored
+    if not isinstance(chunks, dict):
+        raise bad("chunks is not an object")
+    for cid, entry in chunks.items():
+        if not CHUNK_ID.fullmatch(cid):
+            raise bad(f"invalid chunk id {cid[:80]!r} (not 64 lowercase hex digits)")
+        if not isinstance(entry, dict) or not _is_int(entry.get("size")) or entry["size"] < 0 \
+                or not isinstance(entry.get("xxh3_128"), str) or not HEX128.fullmatch(entry["xxh3_128"]):
+            raise bad(f"bad size or checksum for chunk {cid[:16]}")
+    if sum(e["size"] for e in files.values()) + sum(e["size"] for e in chunks.values()) >= 2**63:
+        raise bad("the files and chunks add up to more than 2**63 bytes")
     return doc, trailer
 
 
@@ -670,9 +748,13 @@ def rank_file(rank: int) -> str:
 class Checkpoint:
     """One checkpoint folder, opened for reading: the manifest is read and validated at once
     (its trailer digest too, if xxhash is installed); files are read on demand, each checked
-    against its listed size, and parsed strictly. :meth:`verify` checks every checksum."""
+    against its listed size, and parsed strictly. :meth:`verify` checks every checksum.
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    Format 3: ``chunks`` is the run's chunk folder (default: ``chunks`` beside the checkpoint
+    folder, ``<path>/../chunks``); a tensor file the manifest does not list is resolved
+    through its chunk map (:attr:`chunk_maps`)."""
+
+    def __init__(self, path: str | os.PathLike[str], chunks: str | os.PathLike[str] | None = None) -> None:
         p = pathlib.Path(path)
         if p.name == MANIFEST and p.is_file():
             p = p.parent
@@ -685,7 +767,20 @@ class Checkpoint:
         self.format_version: int = self.manifest["format_version"]
         self.world_size: int = self.manifest.get("world_size", 1)
         self.files: dict[str, dict[str, Any]] = self.manifest["files"]
+        self.chunks: dict[str, dict[str, Any]] = self.manifest.get("chunks", {}) if self.format_version >= 3 else {}
+        self.chunks_path = pathlib.Path(chunks) if chunks is not None else \
+            pathlib.Path(os.path.abspath(p)).parent / CHUNKS_DIR
+        self.chunk_maps: dict[str, str] = {}  # format 3: tensor file -> the chunk map standing for it
+        if self.format_version >= 3:
+            for name in self.files:
+                if name.endswith(CHUNKMAP_SUFFIX):
+                    tensor_file = name[:-len(CHUNKMAP_SUFFIX)] + TENSOR_SUFFIX
+                    if tensor_file in self.files:
+                        raise FormatError(f"manifest.json lists both {tensor_file} and its chunk map {name}")
+                    self.chunk_maps[tensor_file] = name
         self._maps: dict[str, Any] = {}
+        self._chunk_data: dict[str, Any] = {}
+        self.verified_chunks: set[str] = set()
         self._headers: dict[str, dict[str, TensorInfo]] = {}
         self._trees: dict[str, Any] = {}
         self._arrays: dict[tuple[str, str, bool, bool], np.ndarray] = {}
@@ -694,31 +789,35 @@ class Checkpoint:
         self.verified: set[str] = set()
 
     # ---------------------------------------------------------------- raw files
-    def _read_bytes(self, name: str, size: int | None) -> Any:
-        """A file of the checkpoint, mapped read-only: never through a symbolic link, a regular
-        file only, with exactly ``size`` bytes (if given)."""
+    def _read_bytes(self, name: str, size: int | None, folder: pathlib.Path | None = None,
+                    label: str | None = None) -> Any:
+        """A file of the checkpoint (or of ``folder``: the chunk folder), mapped read-only: never
+        through a symbolic link, a regular file only, with exactly ``size`` bytes (if given)."""
+        folder = self.path if folder is None else folder
+        label = label or name
         flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
         try:
             if os.open in os.supports_dir_fd:
-                dfd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+                dfd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
                 try:
                     fd = os.open(name, flags, dir_fd=dfd)
                 finally:
                     os.close(dfd)
             else:
-                fd = os.open(self.path / name, flags)
+                fd = os.open(folder / name, flags)
         except FileNotFoundError:
-            raise FormatError(f"{name} is missing") from None
+            where = f" from {folder}" if folder != self.path else ""
+            raise FormatError(f"{label} is missing{where}") from None
         except OSError as e:
-            raise FormatError(f"{name} cannot be opened ({e.strerror or e}); a symbolic link?") from None
+            raise FormatError(f"{label} cannot be opened ({e.strerror or e}); a symbolic link?") from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise FormatError(f"{name} is not a regular file")
+                raise FormatError(f"{label} is not a regular file")
             if size is None and st.st_size > MAX_MANIFEST_BYTES:
-                raise FormatError(f"{name} is implausibly large ({st.st_size} bytes)")
+                raise FormatError(f"{label} is implausibly large ({st.st_size} bytes)")
             if size is not None and st.st_size != size:
-                raise FormatError(f"{name} has {st.st_size} bytes, the manifest says {size}")
+                raise FormatError(f"{label} has {st.st_size} bytes, the manifest says {size}")
             if st.st_size == 0:
                 return b""
             return mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ)
@@ -733,6 +832,37 @@ class Checkpoint:
             self._maps[name] = self._read_bytes(check_name(name), self.files[name]["size"])
         return self._maps[name]
 
+    def chunk_data(self, cid: str) -> Any:
+        """Format 3: the bytes of a chunk the manifest lists, from the chunk folder (mapped;
+        checked against the listed size)."""
+        if cid not in self.chunks:
+            raise FormatError(f"reference to unlisted chunk {str(cid)[:80]!r}")
+        if cid not in self._chunk_data:
+            if not CHUNK_ID.fullmatch(cid):  # parse_manifest checked it: never a path
+                raise FormatError(f"invalid chunk id {cid[:80]!r}")
+            self._chunk_data[cid] = self._read_bytes(cid, self.chunks[cid]["size"], self.chunks_path,
+                                                     f"chunk {cid}")
+        return self._chunk_data[cid]
+
+    def verify_chunk(self, cid: str) -> None:
+        """Size and XXH3-128 of one listed chunk against the manifest, and its SHA-256 against
+        its id (FormatError naming it)."""
+        if cid in self.verified_chunks:
+            return
+        buf = self.chunk_data(cid)
+        digest = _hash_buffer(buf)
+        if digest != self.chunks[cid]["xxh3_128"]:
+            raise FormatError(f"chunk {cid}: checksum mismatch (the chunk was altered or damaged; every "
+                              f"checkpoint that uses it is invalid): xxh3_128 {digest}, the manifest says "
+                              f"{self.chunks[cid]['xxh3_128']}")
+        sha = hashlib.sha256()
+        mv = memoryview(buf)
+        for i in range(0, len(mv), _CHUNK):
+            sha.update(mv[i:i + _CHUNK])
+        if sha.hexdigest() != cid:
+            raise FormatError(f"chunk {cid}: its SHA-256 is {sha.hexdigest()}, not its id")
+        self.verified_chunks.add(cid)
+
     def verify_file(self, name: str) -> None:
         """Size and XXH3-128 of one listed file against the manifest (FormatError naming it)."""
         if name in self.verified:
@@ -744,8 +874,9 @@ class Checkpoint:
         self.verified.add(name)
 
     def verify(self) -> list[str]:
-        """Check the manifest trailer (format 2) and every listed file's size and checksum.
-        Returns the problems found (empty: all fine); :class:`NeedsXxhash` without xxhash."""
+        """Check the manifest trailer (format 2) and every listed file's size and checksum (format
+        3: and every listed chunk's, and that its SHA-256 is its id). Returns the problems found
+        (empty: all fine); :class:`NeedsXxhash` without xxhash."""
         if xxhash is None:
             raise NeedsXxhash("--verify needs the xxhash package (pip install xxhash)")
         problems = []
@@ -758,15 +889,34 @@ class Checkpoint:
                 self.verify_file(name)
             except FormatError as e:
                 problems.append(str(e))
+        for cid in sorted(self.chunks):
+            try:
+                self.verify_chunk(cid)
+            except FormatError as e:
+                problems.append(str(e))
         return problems
 
     # ------------------------------------------------------------------ tensors
+    def is_tensor_file(self, fname: Any) -> bool:
+        """True for a name a tensor reference may use: a listed file, or (format 3) a tensor file
+        whose chunk map is listed."""
+        return isinstance(fname, str) and (fname in self.files or fname in self.chunk_maps)
+
+    def tensor_files(self) -> list[str]:
+        """Every tensor file of the checkpoint, written or standing as a chunk map, sorted."""
+        return sorted([f for f in self.files if f.endswith(TENSOR_SUFFIX)] + list(self.chunk_maps))
+
     def header(self, fname: str) -> dict[str, TensorInfo]:
-        """The validated tensor table of a listed safetensors file."""
-        if not fname.endswith(".safetensors"):
+        """The validated tensor table of a listed safetensors file, or (format 3) of the tensor
+        file a listed chunk map stands for."""
+        if not fname.endswith(TENSOR_SUFFIX):
             raise FormatError(f"tensor reference to non-tensor file {fname!r}")
         if fname not in self._headers:
-            self._headers[fname] = parse_safetensors_header(self.data(fname), fname)
+            if fname in self.chunk_maps:
+                mname = self.chunk_maps[fname]
+                self._headers[fname] = parse_chunk_map(self.data(mname), mname, fname, self.chunks)
+            else:
+                self._headers[fname] = parse_safetensors_header(self.data(fname), fname)
         return self._headers[fname]
 
     def tensor_info(self, fname: str, key: str) -> TensorInfo:
@@ -779,7 +929,7 @@ class Checkpoint:
         """A tensor's stored bits as a numpy array (a copy): BF16 as uint16, float8 as uint8."""
         info = self.tensor_info(fname, key)
         np_dt = np.dtype(DTYPES[info.dtype][0])
-        buf = self.data(fname)
+        buf = self.chunk_data(info.chunk) if info.chunk is not None else self.data(fname)
         count = (info.end - info.begin) // np_dt.itemsize
         arr = np.frombuffer(buf, dtype=np_dt, count=count, offset=info.begin) if count else np.empty(0, np_dt)
         return arr.reshape(info.shape).astype(np_dt.newbyteorder("="), copy=True)
@@ -807,7 +957,7 @@ class Checkpoint:
 
     def _reference(self, ref: dict[str, Any], where: str) -> TensorInfo:
         fname, key = ref.get("file"), ref.get("key")
-        if not isinstance(fname, str) or fname not in self.files:
+        if not self.is_tensor_file(fname):
             raise FormatError(f"{where}: tensor reference to unlisted file {fname!r}")
         if not isinstance(key, str):
             raise FormatError(f"{where}: tensor reference with a bad key {key!r}")
@@ -854,7 +1004,7 @@ class Checkpoint:
             if not isinstance(s, dict) or not isinstance(s.get("fqn"), str) or not isinstance(s.get("key"), str) \
                     or not isinstance(s.get("file"), str):
                 raise FormatError(f"{SHARDED_FILE}: malformed storage entry {str(s)[:80]}")
-            if s["file"] not in self.files:
+            if not self.is_tensor_file(s["file"]):
                 raise FormatError(f"{SHARDED_FILE} refers to unlisted file {s['file']!r}")
             off = None if s.get("offset") is None else tuple(ints(s["offset"], "offset"))
             storage[(s["fqn"], off)] = (s["file"], s["key"])
@@ -950,10 +1100,10 @@ class Checkpoint:
         KeyError (with candidates) if it is unknown or ambiguous."""
         if SHARDED_FILE in self.files and name in self.sharded_metadata()["tensors"]:
             return "sharded", None, name
-        hits = [(f, name) for f in sorted(self.files) if f.endswith(".safetensors") and name in self.header(f)]
+        hits = [(f, name) for f in self.tensor_files() if name in self.header(f)]
         if not hits and ":" in name:
             f, _, key = name.partition(":")
-            if f in self.files and f.endswith(".safetensors") and key in self.header(f):
+            if f in self.tensor_files() and key in self.header(f):
                 hits = [(f, key)]
         if len(hits) == 1:
             return "file", hits[0][0], hits[0][1]
@@ -963,9 +1113,10 @@ class Checkpoint:
         raise KeyError(f"no tensor {name!r} in {self.path}")
 
 
-def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
-    """Open a checkpoint folder (manifest read and validated)."""
-    return Checkpoint(path)
+def open_checkpoint(path: str | os.PathLike[str], chunks: str | os.PathLike[str] | None = None) -> Checkpoint:
+    """Open a checkpoint folder (manifest read and validated); ``chunks``: the run's chunk folder
+    if not ``<path>/../chunks`` (format 3)."""
+    return Checkpoint(path, chunks)
 
 
 def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -973,18 +1124,20 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     return Checkpoint(path).manifest
 
 
-def verify_checkpoint(path: str | os.PathLike[str]) -> list[str]:
+def verify_checkpoint(path: str | os.PathLike[str], chunks: str | os.PathLike[str] | None = None) -> list[str]:
     """Every problem ``--verify`` finds (empty: the checkpoint is intact)."""
-    return Checkpoint(path).verify()
+    return Checkpoint(path, chunks).verify()
 
 
 def read_checkpoint(path: str | os.PathLike[str], *, verify: bool = False, raw: bool = False,
-                    assemble: bool = True, keep_stateful: bool = False) -> dict[str, Any]:
+                    assemble: bool = True, keep_stateful: bool = False,
+                    chunks: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """The decoded shared state of a checkpoint, like ``unbroken.load(path)``: numpy arrays for
     tensors (BF16/F8 as exact float32, or their bits with ``raw=True``), sharded tensors
     assembled, ``Stateful`` objects as their state (``keep_stateful=True``: as :class:`Stateful`).
-    With ``verify``, every file's checksum is checked first (FormatError listing the problems)."""
-    ck = Checkpoint(path)
+    With ``verify``, every file's checksum is checked first (FormatError listing the problems).
+    ``chunks``: the run's chunk folder if not ``<path>/../chunks`` (format 3)."""
+    ck = Checkpoint(path, chunks)
     if verify:
         problems = ck.verify()
         if problems:
@@ -1054,7 +1207,8 @@ class Renderer:
                 extra = f" {node.get('device', '?')}" + (" requires_grad" if node.get("requires_grad") else "")
             else:
                 extra = f" numpy {node.get('dtype')}"
-            return f"{tag} {what}{extra}  @ {info.file}:{info.key}"
+            chunk = f" (chunk {info.chunk[:16]})" if info.chunk is not None else ""
+            return f"{tag} {what}{extra}  @ {info.file}:{info.key}{chunk}"
         if tag == "dtensor":
             md = self.ck.sharded_metadata()["tensors"].get(node.get("fqn"))
             if md is None:
@@ -1188,6 +1342,12 @@ def summary_lines(ck: Checkpoint) -> list[str]:
     for name in sorted(ck.files):
         f = ck.files[name]
         lines.append(f"  {f['size']:>12}  {f['xxh3_128']}  {name}")
+    if ck.format_version >= 3:
+        total = sum(c["size"] for c in ck.chunks.values())
+        lines.append(f"chunks: {len(ck.chunks)} ({_fmt_bytes(total)}) in {ck.chunks_path}")
+        for cid in sorted(ck.chunks):
+            c = ck.chunks[cid]
+            lines.append(f"  {c['size']:>12}  {c['xxh3_128']}  {cid}")
     return lines
 
 
@@ -1205,6 +1365,8 @@ def tensor_report(ck: Checkpoint, name: str, count: int = 8) -> list[str]:
         is_complex = (fname, key) in ck.complex_refs()
         arr = ck.tensor(fname, key, complex_=is_complex)
         lines = [f"name: {key}", f"source: {fname}"]
+        if info.chunk is not None:
+            lines.append(f"chunk: {info.chunk} (through {ck.chunk_maps[fname]})")
         if is_complex:
             lines.append(f"stored: {st} {list(info.shape)} (the real view of a complex tensor)")
     note = " (converted exactly to float32)" if DTYPES[st][2] is None else ""
@@ -1240,10 +1402,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tensor", metavar="NAME",
                    help="show one tensor: its key in a safetensors file, FILE:KEY, or a sharded tensor's fqn")
     p.add_argument("--values", type=int, default=8, metavar="N", help="how many values --tensor prints")
+    p.add_argument("--chunks", metavar="DIR",
+                   help="format 3: the run's chunk folder (default: 'chunks' beside the checkpoint folder)")
     args = p.parse_args(argv)
     out = sys.stdout
     try:
-        ck = Checkpoint(args.checkpoint)
+        ck = Checkpoint(args.checkpoint, args.chunks)
         if args.verify:
             problems = ck.verify()
             if problems:
@@ -1252,8 +1416,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"verification FAILED: {len(problems)} problem(s) in {ck.path}", file=sys.stderr)
                 return 1
             trailer = "self-checksum ok" if ck.trailer == "ok" else "format 1: no self-checksum"
-            print(f"verified: manifest.json ({trailer}) and {len(ck.files)} files (sizes and xxh3-128 checksums)",
-                  file=out)
+            if ck.format_version >= 3:
+                print(f"verified: manifest.json ({trailer}), {len(ck.files)} files and {len(ck.chunks)} chunks "
+                      "(sizes and xxh3-128 checksums; chunk ids = SHA-256)", file=out)
+            else:
+                print(f"verified: manifest.json ({trailer}) and {len(ck.files)} files (sizes and xxh3-128 "
+                      "checksums)", file=out)
         if args.tensor is not None:
             try:
                 lines = tensor_report(ck, args.tensor, args.values)

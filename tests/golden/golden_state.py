@@ -4,6 +4,10 @@
 current format version N: the checkpoint, and ``expected.json`` with the exact bytes of
 every tensor in it. A written version is never rewritten: the test suite loads every
 ``v*`` folder forever, so a reader change that breaks old checkpoints fails.
+``write <N>`` writes version N instead, for a version the current code still writes: 2 (a
+plain save) or 3 (an incremental save, ``Checkpointer(..., incremental=True)``: the run
+folder then holds its ``chunks/`` folder too, which is part of the fixture). Version 1 can
+no longer be written.
 
 Tensors are compared with the bytes stored in ``expected.json``, never with a
 recomputation: an AdamW step (and any float arithmetic) may round differently on
@@ -77,23 +81,34 @@ def expected_of(state: dict) -> dict:
             "generator": tensor_bytes(state["generator"].get_state())}
 
 
-def write() -> Path:
-    import unbroken
-    from unbroken.format.manifest import FORMAT_VERSION
+WRITABLE = {2: {"incremental": False}, 3: {"incremental": True}}
+"""The format versions the current code writes, and the Checkpointer options that write each."""
 
-    target = Path(__file__).parent / f"v{FORMAT_VERSION}" / "run" / "step-000000042"
+
+def write(version: int | None = None) -> Path:
+    import unbroken
+    from unbroken.format.manifest import FORMAT_VERSION, Manifest
+
+    version = FORMAT_VERSION if version is None else version
+    if version not in WRITABLE:
+        raise SystemExit(f"format version {version} cannot be written by this code (it writes {sorted(WRITABLE)})")
+    target = Path(__file__).parent / f"v{version}" / "run" / "step-000000042"
     if target.exists():
         raise SystemExit(f"{target} exists: golden checkpoints are never rewritten")
     target.parent.mkdir(parents=True)
-    ckpt = unbroken.Checkpointer(target.parent, preemption=None, rng=False)
+    ckpt = unbroken.Checkpointer(target.parent, preemption=None, rng=False, **WRITABLE[version])
     ckpt.progress.step = 42
     state = golden_state()
     ckpt.save(state, metrics={"loss": 0.5})
     ckpt.close()
+    written = Manifest.from_json((target / "manifest.json").read_bytes()).format_version
+    if written != version:
+        raise SystemExit(f"{target}: written as format version {written}, not {version}; delete it")
     (target.parent.parent / "expected.json").write_text(json.dumps(expected_of(state), indent=1) + "\n")
-    (target.parent / ".lock").unlink(missing_ok=True)
+    for derived in (".lock", "index.sqlite"):  # not part of the format
+        (target.parent / derived).unlink(missing_ok=True)
     return target
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["write"]:
-    print(write())
+if __name__ == "__main__" and sys.argv[1:2] == ["write"] and len(sys.argv) <= 3:
+    print(write(int(sys.argv[2]) if len(sys.argv) == 3 else None))
