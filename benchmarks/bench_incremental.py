@@ -101,10 +101,12 @@ class Net(nn.Module):
         return x
 
 
-def build(mb: float, dim: int, rank: int) -> tuple[Net, torch.optim.Optimizer]:
+def build(mb: float, dim: int, rank: int, full: bool = False) -> tuple[Net, torch.optim.Optimizer]:
     torch.manual_seed(0)
     layers = max(1, round(mb * 1e6 / (4 * (dim * dim + dim))))
     model = Net(dim, rank, layers)
+    if full:  # full fine-tuning: the base is trained too (the case incremental cannot help)
+        model.requires_grad_(True)
     optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.01)
     return model, optim
 
@@ -220,7 +222,7 @@ def render(head: list[str], rows: list[list[str]], md: bool) -> str:
 
 def run(args: argparse.Namespace, root: Path) -> dict:
     torch.set_num_threads(args.threads)
-    model, optim = build(args.mb, args.dim, args.rank)
+    model, optim = build(args.mb, args.dim, args.rank, args.full_finetune)
     state = {"model": model, "optim": optim}
     n_all = sum(p.numel() for p in model.parameters())
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -288,6 +290,8 @@ def main() -> None:
     ap.add_argument("--saves", type=int, default=10, help="saves per mode (default 10)")
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps between saves (default 3)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    ap.add_argument("--full-finetune", action="store_true",
+                    help="train the base too (every tensor changes): the cost of incremental=True where it cannot help")
     ap.add_argument("--quick", action="store_true", help="smoke run: --mb 8 --dim 512 --rank 3 (a few seconds)")
     ap.add_argument("--dir", help="where to write (default: the temp dir if on the repo's filesystem, else the repo)")
     ap.add_argument("--markdown", metavar="FILE", help="also write the report as markdown")
@@ -354,9 +358,10 @@ def main() -> None:
     goal = {"goal": "incremental bytes written per save <= 1.1 x changed bytes (median, saves 2..N)",
             "ratio": ratio, "met": ratio <= 1.1}
     h = res["hashing"]
-    title = (f"Model: {res['layers']} frozen Linear({args.dim}, {args.dim}) layers + rank-{args.rank} LoRA adapters: "
+    title = (f"Model: {res['layers']} {'trained' if args.full_finetune else 'frozen'} Linear({args.dim}, {args.dim}) layers + rank-{args.rank} LoRA adapters: "
              f"{res['params'] / 1e6:.1f} M parameters, {res['trainable'] / 1e6:.3f} M trainable "
-             f"({100 * res['trainable'] / res['params']:.2f} %), AdamW over the adapters; state "
+             f"({100 * res['trainable'] / res['params']:.2f} %), AdamW over "
+             f"{'everything' if args.full_finetune else 'the adapters'}; state "
              f"{human(res['state_bytes'])} in {res['tensors']} tensors (model + optimizer). {n} synchronous saves "
              f"per mode, {args.steps} optimizer steps before each; 1-min load average {loadavg[0]:.1f} / "
              f"{loadavg[1]:.1f} at start / end; whole run {wall:.0f} s.")

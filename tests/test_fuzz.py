@@ -52,7 +52,7 @@ from hypothesis import strategies as st
 
 import unbroken
 from unbroken.errors import CorruptCheckpointError, NewerFormatError, StateMismatchError
-from unbroken.format.manifest import MANIFEST, TRAILER_END, TRAILER_KEY, FileEntry, Manifest, new_hasher
+from unbroken.format.manifest import FORMAT_VERSION, MANIFEST, TRAILER_END, TRAILER_KEY, FileEntry, Manifest, new_hasher
 from unbroken.format.tensorfile import ST_TO_DTYPE, TensorEntry, load_tensor_file, parse_header, write_tensor_file
 from unbroken.reader import read_checkpoint
 from unbroken.state.apply import apply_state
@@ -217,7 +217,7 @@ def check_manifest(raw: bytes) -> None:
         except NewerFormatError:
             event("manifest: newer format")
             doc = json.loads(raw)
-            assert type(doc["format_version"]) is int and doc["format_version"] > 2
+            assert type(doc["format_version"]) is int and doc["format_version"] > FORMAT_VERSION
             return
         except CorruptCheckpointError as e:
             event(f"manifest: refused ({category(e)})")

@@ -36,6 +36,7 @@ import hashlib
 import logging
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -51,6 +52,10 @@ from .store.base import Staging, Store
 
 log = logging.getLogger("unbroken")
 
+WRITERS = int(os.environ.get("UNBROKEN_WRITERS", "2"))
+"""Threads that hash and write the chunks of one tensor file (as for whole files, persist.WRITERS)."""
+PARALLEL_MIN = 1024 * 1024
+"""Only tensors at least this large are handed to the threads."""
 GRACE_S = float(os.environ.get("UNBROKEN_CHUNK_GRACE_S", "60"))
 """While saves may be in flight, a chunk is collected only if it is this much older than the
 newest committed checkpoint's start (clock differences between hosts and an object store)."""
@@ -118,25 +123,28 @@ class ChunkSave:
     def write_file(self, staging: Staging, fname: str, entries: list[TensorEntry],
                    on_half: Callable[[], None] | None = None) -> dict[str, FileEntry]:
         """Store the tensors of ``fname`` as chunks (new bytes only) and write its chunk map
-        into ``staging``; the manifest entries (the map and every chunk it uses)."""
-        out: dict[str, FileEntry] = {}
-        table: dict[str, tuple[Any, tuple[int, ...], str]] = {}
+        into ``staging``; the manifest entries (the map and every chunk it uses). Tensors are
+        hashed and written by ``WRITERS`` threads (hashing and writing release the GIL)."""
         total = sum(e.tensor.numel() * e.tensor.element_size() for e in entries)
-        done, half = 0, on_half
-        for e in entries:
+        done = [0]
+        half = [on_half]
+
+        def one(e: TensorEntry) -> tuple[str, FileEntry]:
             data = raw_bytes(e.tensor)
             size = data.nbytes
             digest = xxhash.xxh3_128(data).hexdigest()
             key = (digest, size)
             with self._lock:
                 cid = self.seen.get(key) or self.base.get(key)
-                fresh = cid is None
+            fresh = cid is None
             if cid is None:
                 cid = chunk_id(data)
             self.writer._pin([cid], 1)
-            self.pins.append(cid)
+            with self._lock:
+                self.pins.append(cid)
             if fresh:
                 self.writer.store.put_chunk(cid, data)
+            call = None
             with self._lock:
                 self.seen[key] = cid
                 if fresh:
@@ -145,15 +153,27 @@ class ChunkSave:
                 else:
                     self.stats.reused_bytes += size
                     self.stats.reused += 1
-            out[CHUNK_PREFIX + cid] = FileEntry(size, digest)
-            table[e.key] = (e.tensor.dtype, tuple(e.tensor.shape), cid)
+                done[0] += size
+                if half[0] is not None and done[0] * 2 >= total:
+                    call, half[0] = half[0], None
             progress.advance(size)
-            done += size
-            if half is not None and done * 2 >= total:
-                call, half = half, None
+            if call is not None:
                 call()
+            return cid, FileEntry(size, digest)
+
+        big = [e for e in entries if e.tensor.numel() * e.tensor.element_size() >= PARALLEL_MIN]
+        results: dict[str, tuple[str, FileEntry]] = {}
+        if len(big) > 1 and WRITERS > 1:
+            with ThreadPoolExecutor(min(WRITERS, len(big)), thread_name_prefix="unbroken-chunk") as pool:
+                futures = {e.key: pool.submit(one, e) for e in big}
+                results.update({k: f.result() for k, f in futures.items()})
+        for e in entries:
+            if e.key not in results:
+                results[e.key] = one(e)
         if self.stats.written:
             self.writer.store.sync_chunks()  # durable before the manifest that lists them commits
+        out: dict[str, FileEntry] = {CHUNK_PREFIX + cid: fe for cid, fe in results.values()}
+        table = {e.key: (e.tensor.dtype, tuple(e.tensor.shape), results[e.key][0]) for e in entries}
         raw = chunkmap.encode(table)
         name = chunkmap.map_name(fname)
         with staging.open(name) as f:

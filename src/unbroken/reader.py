@@ -16,6 +16,7 @@ assembled into full tensors (:meth:`LoadedCheckpoint.materialize`).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -76,6 +77,9 @@ class CheckpointFiles:
         self._bytes: dict[str, Any] = {}
         self._tensors: dict[str, dict[str, torch.Tensor]] = {}
         self._chunks_used: set[str] = set()
+        self.check_ids = False
+        """Also check that each chunk's SHA-256 is its id (``unbroken verify``; a restore checks
+        the xxh3 checksum only)."""
 
     def read(self, fname: str) -> Any:
         """The bytes of ``fname``, verified against the manifest."""
@@ -85,7 +89,15 @@ class CheckpointFiles:
                 raise CorruptCheckpointError(f"reference to unlisted file {fname!r}")
             h = new_hasher()
             if is_chunk(fname):  # a chunk of an incremental checkpoint, in the run's chunks/
-                buf = self.storage.read_chunk(fname[1:], entry.size, _Counted(h))
+                try:
+                    buf = self.storage.read_chunk(fname[1:], entry.size, _Counted(h))
+                except CorruptCheckpointError as e:
+                    if "missing" in str(e):
+                        raise
+                    raise CorruptCheckpointError(f"chunk {fname[1:]}: damaged ({e})") from None
+                if self.check_ids and hashlib.sha256(buf).hexdigest() != fname[1:]:
+                    raise CorruptCheckpointError(f"chunk {fname[1:]}: damaged (its bytes do not have the "
+                                                 "SHA-256 it is named by)")
             else:
                 buf = self.storage.read(self.name, fname, entry.size, _Counted(h))  # hashed as it streams in
             if h.hexdigest() != entry.xxh3_128:
@@ -278,7 +290,7 @@ def _other_rank_tensor(fname: str, rank: int) -> bool:
 
 def verify_all(storage: Storage, name: str) -> LoadedCheckpoint:
     """Verify every file of every rank and decode every state tree (``unbroken verify``)."""
-    files = verify_share(storage, name, 0, 1)
+    files = verify_share(storage, name, 0, 1, check_ids=True)
     loaded = read_checkpoint(storage, name, 0, files)
     try:
         for r in range(1, loaded.manifest.world_size):
@@ -291,12 +303,14 @@ def verify_all(storage: Storage, name: str) -> LoadedCheckpoint:
     return loaded
 
 
-def verify_share(storage: Storage, name: str, rank: int, world: int) -> CheckpointFiles:
+def verify_share(storage: Storage, name: str, rank: int, world: int, check_ids: bool = False) -> CheckpointFiles:
     """Verify this rank's share of a checkpoint's files (every ``world``-th, all at world 1),
-    keeping them for the load that follows. Raises ``CorruptCheckpointError``."""
+    keeping them for the load that follows (``check_ids``: chunks' SHA-256 too). Raises
+    ``CorruptCheckpointError``."""
     try:
         manifest = read_manifest(storage, name)
         files = CheckpointFiles(storage, name, manifest)
+        files.check_ids = check_ids
         files.verify(f for i, f in enumerate(sorted(manifest.files)) if i % world == rank)
     except CorruptCheckpointError as e:
         raise CorruptCheckpointError(f"{storage.describe(name)}: {e}") from None

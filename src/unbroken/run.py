@@ -39,7 +39,7 @@ from .tags import TAGS_FILE, load_tags, save_tags, tags_by_checkpoint
 from .tiers import Remote, Uploader, copy_checkpoint
 
 log = logging.getLogger("unbroken")
-_DAMAGED_CHUNK = re.compile(r"chunk ([0-9a-f]{64}): checksum mismatch")
+_DAMAGED_CHUNK = re.compile(r"chunk ([0-9a-f]{64}): (?:checksum mismatch|damaged)")
 
 
 class Run:

@@ -71,8 +71,13 @@ def decode(raw: bytes, fname: str, files: dict[str, FileEntry]) -> dict[str, tup
             if dtype is None:
                 raise ValueError(f"unknown dtype {str(e['dtype'])[:40]!r} for {key!r}")
             if not isinstance(shape, list) or len(shape) > MAX_DIMS or \
-                    not all(type(d) is int and 0 <= d < 1 << 62 for d in shape):
+                    not all(type(d) is int and 0 <= d < 1 << 62 for d in shape) or \
+                    math.prod(d for d in shape if d) * dtype.itemsize >= 1 << 62:  # strides fit, empty or not
                 raise ValueError(f"bad shape for {key!r}")
+            try:
+                key.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("a tensor key that is not UTF-8") from None
             cid = check_chunk_id(e["chunk"])
             entry = files.get(CHUNK_PREFIX + cid)
             if entry is None:

@@ -58,14 +58,14 @@ def new_hasher() -> "xxhash.xxh3_128":
 
 def check_file_name(name: Any) -> str:
     """Return ``name`` if it is a safe file name inside a checkpoint, else raise."""
-    if not isinstance(name, str) or not _SAFE_NAME.match(name) or name in (".", "..") or name == MANIFEST:
+    if not isinstance(name, str) or not _SAFE_NAME.fullmatch(name) or name in (".", "..") or name == MANIFEST:
         raise CorruptCheckpointError(f"manifest lists an unsafe or invalid file name {name!r}")
     return name
 
 
 def check_chunk_id(cid: Any) -> str:
     """Return ``cid`` if it is a chunk id (64 lowercase hex digits: a SHA-256), else raise."""
-    if not isinstance(cid, str) or not _CHUNK_ID.match(cid):
+    if not isinstance(cid, str) or not _CHUNK_ID.fullmatch(cid):
         raise CorruptCheckpointError(f"invalid chunk id {str(cid)[:80]!r}")
     return cid
 
@@ -174,7 +174,7 @@ class Manifest:
                 if not isinstance(entry, dict):
                     raise TypeError(f"the entry of {name!r} is not an object")
                 size, digest = entry["size"], entry["xxh3_128"]
-                if not _count(size) or not isinstance(digest, str) or not _HEX128.match(digest):
+                if not _count(size) or not isinstance(digest, str) or not _HEX128.fullmatch(digest):
                     raise TypeError(f"bad size or checksum for {name!r}")
                 files[name] = FileEntry(size, digest)
             chunks_doc = doc.get("chunks", {}) if version >= 3 else {}
@@ -185,7 +185,7 @@ class Manifest:
                 if not isinstance(entry, dict):
                     raise TypeError(f"the entry of chunk {cid[:16]} is not an object")
                 size, digest = entry["size"], entry["xxh3_128"]
-                if not _count(size) or not isinstance(digest, str) or not _HEX128.match(digest):
+                if not _count(size) or not isinstance(digest, str) or not _HEX128.fullmatch(digest):
                     raise TypeError(f"bad size or checksum for chunk {cid[:16]}")
                 files[CHUNK_PREFIX + cid] = FileEntry(size, digest)
             if sum(f.size for f in files.values()) >= _INT64:
@@ -225,6 +225,10 @@ class Manifest:
             raise CorruptCheckpointError(f"manifest.json is malformed ({type(e).__name__}: {e})") from None
         if STATE_FILE not in files:
             raise CorruptCheckpointError(f"manifest.json does not list {STATE_FILE}")
+        both = [f for f in files if f.endswith(".chunks.json") and f.removesuffix(".chunks.json") + ".safetensors" in files]
+        if both:
+            raise CorruptCheckpointError(f"manifest.json lists {both[0]} and the tensor file it stands for: "
+                                         "which one holds the tensors is ambiguous")
         return cls(step=step, seq=seq, files=files, created=created, metrics=metrics,
                    progress=progress, environment=env, kind=kind, probe=probe, tags=tags,
                    world_size=world_size, format_version=version)

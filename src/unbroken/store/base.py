@@ -53,7 +53,7 @@ _SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 
 def check_name(name: Any, what: str = "file") -> str:
     """``name`` if it is one plain path component (no ``/``, ``..``, leading dot), else raise."""
-    if not isinstance(name, str) or not _SAFE.match(name) or name in (".", ".."):
+    if not isinstance(name, str) or not _SAFE.fullmatch(name) or name in (".", ".."):
         raise CorruptCheckpointError(f"unsafe or invalid {what} name {name!r}")
     return name
 

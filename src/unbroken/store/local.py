@@ -198,7 +198,10 @@ class LocalStore:
         self.root = Path(root)
         self.url = str(self.root)
         self.readonly = readonly
-        self.chunk_dir = Path(chunk_dir) if chunk_dir is not None else self.root / CHUNKS
+        if chunk_dir is None:  # a checkpoint opened inside quarantine/ uses the run's chunks
+            inside = self.root.name == QUARANTINE and (self.root.parent / CHUNKS).is_dir()
+            chunk_dir = self.root.parent / CHUNKS if inside else self.root / CHUNKS
+        self.chunk_dir = Path(chunk_dir)
 
     # ------------------------------------------------------------------ setup
     def check(self, deadline_s: float = 15.0) -> None:
@@ -376,7 +379,7 @@ class LocalStore:
         if not self.chunk_dir.is_dir():
             return out
         for entry in os.scandir(self.chunk_dir):
-            if _CHUNK_ID.match(entry.name) and entry.is_file(follow_symlinks=False):
+            if _CHUNK_ID.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
                 out[entry.name] = entry.stat(follow_symlinks=False).st_mtime
         return out
 
