@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--crash-at", type=int, default=0, help="raise in this step (once per --out)")
     p.add_argument("--workers", type=int, default=0, help="dataloader_num_workers")
     p.add_argument("--resume", default=None, help="resume_from_checkpoint: a path, 'true' or 'false'")
+    p.add_argument("--incremental", action="store_true", help="incremental checkpoints (chunks)")
     p.add_argument("--hf-kill-in-save", type=int, default=0,
                    help="hf mode: SIGKILL inside the Nth Trainer save, after the weights, before the optimizer")
     a = p.parse_args(argv)
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.mode == "unbroken":
         from unbroken.integrations.hf import enable
 
-        enable(trainer, out / "run", save_every=a.save_every, keep_last=3)
+        enable(trainer, out / "run", save_every=a.save_every, keep_last=3, incremental=a.incremental)
         resume = {None: None, "true": True, "false": False}.get(a.resume, a.resume)
         result = trainer.train(resume_from_checkpoint=resume)
     else:

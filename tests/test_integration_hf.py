@@ -182,6 +182,27 @@ def test_sigkill_inside_a_save(references, tmp_path: Path) -> None:
     assert_exact(references["unbroken"], tmp_path, [att, done])
 
 
+def test_incremental_checkpoints_killed_at_a_step_and_inside_a_save(references, tmp_path: Path) -> None:
+    """``enable(..., incremental=True)``: the same exactness with chunks (HF's counters, log and
+    loss accumulators included)."""
+    target = random.Random(4).randint(SAVE_EVERY + 2, STEPS - SAVE_EVERY)
+    first = attempt(tmp_path, "unbroken", "--incremental", kill=(signal.SIGKILL, target))
+    assert first.rc == -signal.SIGKILL, first.stderr[-3000:]
+    second = attempt(tmp_path, "unbroken", "--incremental", env={"UNBROKEN_FAULTS": "save.mid_file=2"})
+    assert second.rc == -signal.SIGKILL, second.stderr[-3000:]
+    last = attempt(tmp_path, "unbroken", "--incremental")
+    assert last.rc == 0 and last.resumed_at > 0, last.stderr[-3000:]
+    import unbroken
+    from unbroken.reader import read_manifest
+    from unbroken.store import open_store
+
+    store = open_store(tmp_path / "run")
+    assert {read_manifest(store, n).format_version for n in store.list_committed()} == {3}
+    for name in store.list_committed():
+        unbroken.verify(tmp_path / "run" / name)
+    assert_exact(references["unbroken"], tmp_path, [first, second, last])
+
+
 @pytest.mark.parametrize("target", [PER_EPOCH * 3])
 def test_sigterm_saves_at_the_step_boundary(references, tmp_path: Path, target: int) -> None:
     """SIGTERM after the last step of an epoch (whose boundary is the end of the Trainer's epoch loop)."""
