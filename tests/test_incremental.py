@@ -418,3 +418,23 @@ def test_verify_checks_that_a_chunk_is_what_its_name_says(tmp_path: Path) -> Non
     unbroken.load(run / name)  # a restore checks the checksum, which agrees
     with pytest.raises(CorruptCheckpointError, match="SHA-256"):
         unbroken.verify(run / name)
+
+
+def test_cli_inspect_lists_the_tensors_of_an_incremental_checkpoint(tmp_path: Path) -> None:
+    run, state = tmp_path / "run", make()
+    c = ckpt(run)
+    train(state)
+    c.step(state)
+    c.close()
+    path = str(run / "step-000000001")
+    result = run_cli("inspect", path)
+    assert result.exit_code == 0, result.output
+    assert "incremental:" in result.output and "model/base.weight" in result.output
+    doc = json.loads(run_cli("inspect", path, "--json").output)
+    by_name = {t["name"]: t for t in doc["tensors"]}
+    assert by_name["model/base.weight"]["shape"] == [256, 256]
+    assert by_name["model/base.weight"]["chunk"] == chunk_of(run, state["model"].base.weight).name
+    assert set(doc["chunks"]) == set(read_manifest(open_store(run), "step-000000001").chunks)
+    assert not any(f.startswith("@") for f in doc["files"])
+    result = run_cli("inspect", path, "--tensor", "model/a")
+    assert result.exit_code == 0 and "shape [4, 256]" in result.output, result.output

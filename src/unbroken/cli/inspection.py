@@ -11,8 +11,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..errors import UnbrokenError
-from ..format.manifest import Manifest
-from ..format.tensorfile import parse_header
+from ..format import chunkmap
+from ..format.manifest import Manifest, is_chunk
+from ..format.tensorfile import DTYPE_TO_ST, parse_header
 from ..reader import CheckpointFiles, read_manifest
 from .base import JSON_OPTION, app, emit_json, fail, metrics_text, number, open_checkpoint, out, size, when
 
@@ -21,9 +22,20 @@ ENV_SHOWN = ("python", "torch", "numpy", "cuda", "host", "world_size")
 
 def tensor_entries(storage: Any, name: str, manifest: Manifest) -> list[dict[str, Any]]:
     """Every tensor of every ``.safetensors`` file: ``{file, name, dtype, shape}`` from the headers
-    (data not verified), or ``{file, error}`` for a file whose header does not parse."""
+    (data not verified), or ``{file, error}`` for a file whose header does not parse. In an
+    incremental checkpoint, a tensor file's entries come from its chunk map (with ``chunk``)."""
     entries: list[dict[str, Any]] = []
     for fname, entry in sorted(manifest.files.items()):
+        if fname.endswith(chunkmap.SUFFIX):
+            tfile = chunkmap.tensor_file_of(fname)
+            try:
+                table = chunkmap.decode(storage.read(name, fname, entry.size), fname, manifest.files)
+            except (UnbrokenError, OSError) as e:
+                entries.append({"file": tfile, "error": str(e)})
+                continue
+            entries += [{"file": tfile, "name": key, "dtype": DTYPE_TO_ST[dtype], "shape": list(shape), "chunk": cid}
+                        for key, (dtype, shape, cid) in table.items()]
+            continue
         if not fname.endswith(".safetensors"):
             continue
         try:
@@ -51,7 +63,9 @@ def _summary(path: str, m: Manifest) -> dict[str, Any]:
     return {"path": path, "step": m.step, "seq": m.seq, "format_version": m.format_version, "kind": m.kind,
             "created": m.created, "size_bytes": m.total_bytes, "world_size": m.world_size, "tags": m.tags,
             "metrics": m.metrics, "progress": m.progress, "environment": m.environment,
-            "files": {f: {"size": e.size, "xxh3_128": e.xxh3_128} for f, e in sorted(m.files.items())}}
+            "files": {f: {"size": e.size, "xxh3_128": e.xxh3_128} for f, e in sorted(m.files.items())
+                      if not is_chunk(f)},
+            "chunks": {c: {"size": e.size, "xxh3_128": e.xxh3_128} for c, e in sorted(m.chunks.items())}}
 
 
 def _one_tensor(storage: Any, name: str, m: Manifest, path: str, wanted: str, json_: bool) -> None:
@@ -96,6 +110,9 @@ def inspect(path: str = typer.Argument(..., metavar="CHECKPOINT", help="A checkp
     con = out()
     con.print(f"[bold]{escape(path)}[/]: step {m.step}, seq {m.seq}, {m.kind}, format v{m.format_version}, "
               f"{size(m.total_bytes)}, saved {when(m.created)}, world size {m.world_size}")
+    if m.chunks:
+        con.print(f"incremental: {len(m.chunks)} chunks ({size(sum(e.size for e in m.chunks.values()))}) in the "
+                  "run's chunks/, shared with its other checkpoints")
     con.print(escape(f"metrics: {metrics_text(m.metrics) or '-'}   progress: {metrics_text(m.progress) or '-'}"
                      + (f"   tags: {', '.join(m.tags)}" if m.tags else "")))
     env = m.environment
