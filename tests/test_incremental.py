@@ -438,3 +438,40 @@ def test_cli_inspect_lists_the_tensors_of_an_incremental_checkpoint(tmp_path: Pa
     assert not any(f.startswith("@") for f in doc["files"])
     result = run_cli("inspect", path, "--tensor", "model/a")
     assert result.exit_code == 0 and "shape [4, 256]" in result.output, result.output
+
+
+def test_restore_by_tag_or_path_dedups_only_against_the_same_run(tmp_path: Path) -> None:
+    """A checkpoint of this run restored by tag or path is the base of the next save (its frozen
+    chunks are reused); one of another run is not (its chunks are not in this run's store)."""
+    run, other, state = tmp_path / "run", tmp_path / "other", make()
+    c = ckpt(run)
+    train(state)
+    c.step(state)
+    c.tag("first")
+    train(state)
+    c.step(state)
+    c.close()
+    o = ckpt(other)
+    o.step(make(seed=5))
+    o.close()
+    frozen = state["model"].base.weight.numel() * 4
+    for how in ("tag", "path"):
+        fresh = make(seed=6)
+        c = ckpt(run)
+        if how == "tag":
+            c.restore(fresh, tag="first")
+        else:
+            c.restore(fresh, run / "step-000000001")
+        train(fresh)
+        c.step(fresh)
+        assert c.run.chunks.last.reused_bytes >= frozen, how
+        c.close()
+    fresh = make(seed=5)
+    c = ckpt(run)
+    c.restore(fresh, other / "step-000000001")
+    c.step(fresh)
+    # (within the save, B and the zeros buffer still share one chunk)
+    assert c.run.chunks.last.reused_bytes < frozen < c.run.chunks.last.written_bytes
+    c.close()
+    for name in manifests(run):
+        unbroken.verify(run / name)

@@ -23,11 +23,11 @@ manifest (quarantined ones included) is kept; the others are deleted. It runs af
 deleted checkpoints and when a writer opens the run. Crash-safe by construction: a kill at any
 point leaves chunks that nobody references (deleted by a later collection), never a committed
 manifest whose chunk is gone. Chunks a save in flight may still commit are never swept: those
-this process is writing or reusing are pinned (a background save), and with several ranks only
-chunks older than the newest committed checkpoint's start (minus a margin for clocks) are
-collected, since another rank's save in flight wrote its chunks after that moment. Reused chunks
-come from the newest committed checkpoint, which retention never deletes. A manifest that cannot
-be read stops the sweep.
+this process is writing or reusing are pinned (a background save), and so are the base's, which
+the next save of every rank may reuse (all ranks share one base); with several ranks only chunks
+older than the newest committed checkpoint's start (minus a margin for clocks) are collected,
+since another rank's save in flight wrote its new chunks after that moment. A manifest that
+cannot be read stops the sweep.
 """
 
 from __future__ import annotations
@@ -89,13 +89,15 @@ class ChunkWriter:
 
     def use_base(self, manifest: Manifest) -> None:
         """Deduplicate the next saves against ``manifest``'s chunks (a committed checkpoint of
-        this run: the one just saved or restored)."""
+        this run: the one just saved or restored). They stay pinned until the next base: a
+        collection never deletes a chunk the next save of any rank may reuse."""
         with self._lock:
             self._base = {(e.xxh3_128, e.size): cid for cid, e in manifest.chunks.items()}
 
     def pinned(self) -> set[str]:
+        """The chunks a collection must keep: those of saves in flight and of the base."""
         with self._lock:
-            return {c for c, n in self._pins.items() if n > 0}
+            return {c for c, n in self._pins.items() if n > 0} | set(self._base.values())
 
     def begin(self) -> "ChunkSave":
         with self._lock:

@@ -280,7 +280,9 @@ class Checkpointer:
             path = found[0].path
         if path is not None:
             opts = self._storage_options if isinstance(path, str) and "://" in path else None
-            return self._apply(state, read_path(path, opts, self.comm.rank), os.fspath(path))
+            loaded = read_path(path, opts, self.comm.rank)
+            self.run.use_base(loaded, path)
+            return self._apply(state, loaded, os.fspath(path))
         loaded, where, seen = self.run.newest_valid()
         if loaded is not None:
             return self._apply(state, loaded, where)

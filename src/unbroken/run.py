@@ -18,6 +18,7 @@ thing in both places.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
 from typing import Any, Callable, Iterator, Mapping
@@ -237,9 +238,22 @@ class Run:
         if chosen is None:
             return None, "", seen_all
         name, loaded = chosen
-        if self.chunks is not None:
-            self.chunks.use_base(loaded.manifest)
+        self.use_base(loaded)
         return loaded, self.store.describe(name), seen_all
+
+    def use_base(self, loaded: LoadedCheckpoint, location: Any = None) -> None:
+        """Incremental saves deduplicate against ``loaded`` (just restored) if it is a checkpoint
+        of this run (``location``: where it was read, when not found by :meth:`newest_valid`):
+        another run's chunks are not in this run's store."""
+        if self.chunks is None:
+            return
+        if location is not None:
+            text = os.fspath(location) if not isinstance(location, str) else location
+            parent = text.rstrip("/").rpartition("/")[0] if "://" in text else os.path.dirname(os.path.abspath(text))
+            own = self.store.url if "://" in text else os.path.abspath(self.store.url)
+            if parent != own:
+                return
+        self.chunks.use_base(loaded.manifest)
 
     def _candidates(self, seen: list[int]) -> Iterator[str]:
         """Names to try, newest first, in the primary store: a checkpoint only the remote tier
