@@ -16,7 +16,6 @@ import os
 import signal
 import weakref
 import time
-import warnings
 from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Any, Literal
 
@@ -26,7 +25,7 @@ from . import console
 from .api import CheckpointInfo, read_path
 from .background import BackgroundSaves
 from .environment import EnvCheck, fingerprint
-from .errors import NoCheckpointError, UnbrokenError
+from .errors import NoCheckpointError
 from .events import EventBus, Saved, Started, StepEnded, Tagged
 from .faults import Preemption, slurm
 from .faults.guard import StepGuard
@@ -34,7 +33,7 @@ from .faults.handlers import preempt_and_exit, step_failed
 from .faults.signals import SignalWatcher
 from .format.manifest import Manifest
 from .policies import Retention, Trigger
-from .probe import ProbeFn, ProbeReport, run_probe
+from .probe import ProbeFn, run_probe
 from .recorder import Recorder
 from .lazy import StepGate, step_only_storages
 from .run import Run
@@ -42,11 +41,10 @@ from .scheduling import Schedule
 from .selftest import protocol as selftest
 from .snapshot import Snapshotter
 from .dist.comm import Comm
-from .restoring import RESERVED, apply_checkpoint, sync_data_position
-from .state.checks import UnbrokenWarning, clean_metrics, find_forgotten_state
-from .state.rng import GlobalRNG
-from .state.stateful import Gradients, PerRank, Progress
-from .state.validate import validate_state
+from .restoring import apply_checkpoint, sync_data_position
+from .saved_state import StateRules, split
+from .state.checks import UnbrokenWarning, clean_metrics  # noqa: F401 (UnbrokenWarning: re-exported)
+from .state.stateful import Progress
 from .tags import check_tag
 from .tiers import Remote
 
@@ -137,9 +135,8 @@ class Checkpointer:
         self.env = env if env is not None else EnvCheck()
         self.probe, self.probe_report = probe, None
         self.rng, self.strict = rng, strict
-        if isinstance(allow_unsaved, str):
-            raise TypeError("allow_unsaved takes a list of state keys, e.g. allow_unsaved=['data']")
-        self.allow_unsaved: frozenset[str] = frozenset(allow_unsaved)
+        self.rules = StateRules(allow_unsaved)
+        self.allow_unsaved: frozenset[str] = self.rules.allow_unsaved
         self.last_saved: CheckpointInfo | None = None
         if async_save not in (False, True, "lazy"):
             raise ValueError(f"async_save must be False, True or 'lazy', not {async_save!r}")
@@ -152,7 +149,6 @@ class Checkpointer:
         self._signals = SignalWatcher(self.preemption.signals)
         self._guard: StepGuard | None = None
         self._environment: dict[str, Any] | None = None
-        self._checked_state = self._validated = False
         self._recorder: Recorder | None = None
         self._plugins: list[Any] = []
         # `unbroken selftest` (UNBROKEN_SELFTEST set): per-step fingerprints and planned interruptions;
@@ -267,8 +263,8 @@ class Checkpointer:
         exactly that checkpoint (a folder or URL) and raise :class:`CorruptCheckpointError`
         if it is invalid; with ``tag``, the checkpoint of this run carrying that tag.
         """
-        self._check_reserved(state)
-        self._validate(state)
+        self.rules.check_reserved(state)
+        self.rules.validate(state)
         self._begin()
         if self._selftest is not None:
             self._selftest.watch(state)  # fingerprints the state once restored (on Restored / Started)
@@ -355,28 +351,20 @@ class Checkpointer:
         retention. ``progress`` and ``rng`` replace the live counters and RNG states with
         those of another instant (emergency checkpoints of the state at a step's start).
         """
-        self._check_reserved(state)
+        self.rules.check_reserved(state)
         self._begin()
         self.flush(raise_errors=kind == "regular")  # backpressure: at most one save in flight
         if metrics:
             self.metrics.update(metrics)
-        self._validate(state)
-        self._first_save_checks(state)
+        self.rules.validate(state)
+        self.rules.before_save(state, self.progress.micro_step)
         tags = [check_tag(tag)] if tag else []
         if progress is None:
             sync_data_position(self.progress, state)
         prog = dict(progress) if progress is not None else self.progress.state_dict()
         state = self.saved_part(state)
-        shared: dict[str, Any] = {k: v for k, v in state.items() if not isinstance(v, PerRank)}
-        shared[RESERVED] = {"progress": dict(prog)}
-        if self.schedule.trigger is not None:
-            shared[RESERVED]["trigger"] = self.schedule.state_dict()
-        per_rank = {k: v for k, v in state.items() if isinstance(v, PerRank)}
-        if per_rank:
-            shared[RESERVED]["per_rank"] = sorted(per_rank)
-        mine: dict[str, Any] = {"state": per_rank}
-        if self.rng:
-            mine["rng"] = dict(rng) if rng is not None else GlobalRNG()
+        shared, mine = split(state, prog, self.schedule.state_dict() if self.schedule.trigger is not None else None,
+                             self.rng, rng)
         if self._recorder is not None:  # the metric rows up to this checkpoint are durable before it commits
             self._recorder.durable(prog["step"])
         t0 = time.monotonic()
@@ -429,29 +417,7 @@ class Checkpointer:
 
     def saved_part(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """The part of ``state`` that is saved and restored: all but the ``allow_unsaved`` keys."""
-        return {k: v for k, v in state.items() if k not in self.allow_unsaved}
-
-    def _validate(self, state: Mapping[str, Any]) -> None:
-        """Check the whole state once, before training spends time on it (see ``allow_unsaved``)."""
-        if self._validated:
-            return
-        validate_state(state, self.allow_unsaved)
-        self._validated = True
-        left_out = sorted(self.allow_unsaved & set(state))
-        if left_out:
-            log.warning("not saved (allow_unsaved): %s; a resumed run will not continue %s exactly",
-                        ", ".join(f"state[{k!r}]" for k in left_out), "them" if len(left_out) > 1 else "it")
-
-    def _first_save_checks(self, state: Mapping[str, Any]) -> None:
-        if not self._checked_state:
-            self._checked_state = True
-            for message in find_forgotten_state(state):
-                warnings.warn(message, UnbrokenWarning, stacklevel=3)
-        if self.progress.micro_step and not any(isinstance(v, Gradients) for v in state.values()):
-            warnings.warn(
-                f"saving in the middle of gradient accumulation (micro_step={self.progress.micro_step}) "
-                "without the accumulated gradients; add unbroken.Gradients(model) to the state",
-                UnbrokenWarning, stacklevel=3)
+        return self.rules.saved_part(state)
 
     # ------------------------------------------------------------ retention, tags
     def prune(self, keep: str | None = None) -> list[str]:
@@ -473,8 +439,3 @@ class Checkpointer:
         self.comm.barrier()
         self.events.publish(Tagged(tag, name))
         return name
-
-    @staticmethod
-    def _check_reserved(state: Mapping[str, Any]) -> None:
-        if RESERVED in state:
-            raise UnbrokenError(f"the state key {RESERVED!r} is reserved for unbroken; rename it")
