@@ -57,7 +57,7 @@ def check_run(run: Path) -> None:
         unbroken.verify(run / name)
         used |= set(read_manifest(store, name).chunks)
     assert set(store.list_chunks()) == used
-    assert not [p for p in (run / "chunks").iterdir() if p.name.startswith(".tmp-")]
+    assert not [p for p in (run / "chunks").iterdir() if p.name.startswith(".")]  # no half-written chunk
 
 
 def test_frozen_layer_is_written_once(reference: Path, tmp_path: Path) -> None:

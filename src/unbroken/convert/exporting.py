@@ -70,7 +70,7 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], to: str | os.PathLike[
     from ..format.manifest import FileEntry, Manifest, is_chunk
     from ..format.tensorfile import TensorEntry
     from ..persist import commit, write_blob, write_tensors
-    from ..reader import read_manifest, verify_all
+    from ..reader import verify_all
     from ..store import open_store, split_checkpoint
 
     out = Path(to)
@@ -80,8 +80,8 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], to: str | os.PathLike[
         store, name = open_store(checkpoint, storage_options, readonly=True), read_run(checkpoint, storage_options).name
     else:
         store, name = split_checkpoint(checkpoint, storage_options)
-    manifest: Manifest = read_manifest(store, name)
     loaded = verify_all(store, name)  # every file and chunk checked before anything is written
+    manifest: Manifest = loaded.manifest
     files = loaded.files
     assert files is not None
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -96,8 +96,7 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], to: str | os.PathLike[
                 written[tfile] = write_tensors(staging, tfile, [TensorEntry(k, t) for k, t in files.tensors(tfile).items()])
             else:
                 written[fname] = write_blob(staging, fname, bytes(files.read(fname)))
-        fields = {k: v for k, v in vars(replace(manifest, files=written, format_version=2)).items()}
-        final, _ = commit(staging, **fields)
+        final, _ = commit(staging, **vars(replace(manifest, files=written, format_version=2)))
     except BaseException:
         staging.abort()
         raise

@@ -165,29 +165,10 @@ class Manifest:
                 f"({FORMAT_VERSION}); upgrade unbroken to load it"
             )
         try:
-            files_doc = doc["files"]
-            if not isinstance(files_doc, dict):
-                raise TypeError("files is not an object")
-            files = {}
-            for name, entry in files_doc.items():
-                check_file_name(name)
-                if not isinstance(entry, dict):
-                    raise TypeError(f"the entry of {name!r} is not an object")
-                size, digest = entry["size"], entry["xxh3_128"]
-                if not _count(size) or not isinstance(digest, str) or not _HEX128.fullmatch(digest):
-                    raise TypeError(f"bad size or checksum for {name!r}")
-                files[name] = FileEntry(size, digest)
-            chunks_doc = doc.get("chunks", {}) if version >= 3 else {}
-            if not isinstance(chunks_doc, dict):
-                raise TypeError("chunks is not an object")
-            for cid, entry in chunks_doc.items():
-                check_chunk_id(cid)
-                if not isinstance(entry, dict):
-                    raise TypeError(f"the entry of chunk {cid[:16]} is not an object")
-                size, digest = entry["size"], entry["xxh3_128"]
-                if not _count(size) or not isinstance(digest, str) or not _HEX128.fullmatch(digest):
-                    raise TypeError(f"bad size or checksum for chunk {cid[:16]}")
-                files[CHUNK_PREFIX + cid] = FileEntry(size, digest)
+            files = _entries(doc["files"], "files", check_file_name, lambda n: repr(n), "")
+            if version >= 3:
+                files.update(_entries(doc.get("chunks", {}), "chunks", check_chunk_id, lambda c: f"chunk {c[:16]}",
+                                      CHUNK_PREFIX))
             if sum(f.size for f in files.values()) >= _INT64:
                 raise TypeError("the files add up to more than 2**63 bytes")
             step, seq = doc["step"], doc["seq"]
@@ -232,6 +213,23 @@ class Manifest:
         return cls(step=step, seq=seq, files=files, created=created, metrics=metrics,
                    progress=progress, environment=env, kind=kind, probe=probe, tags=tags,
                    world_size=world_size, format_version=version)
+
+
+def _entries(section: Any, what: str, check: Any, label: Any, prefix: str) -> dict[str, FileEntry]:
+    """The ``{name: {size, xxh3_128}}`` object ``section`` of a manifest (``files`` or ``chunks``),
+    every name passed through ``check``, keyed by ``prefix + name``."""
+    if not isinstance(section, dict):
+        raise TypeError(f"{what} is not an object")
+    out = {}
+    for name, entry in section.items():
+        check(name)
+        if not isinstance(entry, dict):
+            raise TypeError(f"the entry of {label(name)} is not an object")
+        size, digest = entry["size"], entry["xxh3_128"]
+        if not _count(size) or not isinstance(digest, str) or not _HEX128.fullmatch(digest):
+            raise TypeError(f"bad size or checksum for {label(name)}")
+        out[prefix + name] = FileEntry(size, digest)
+    return out
 
 
 def _check_trailer(raw: bytes) -> bool:

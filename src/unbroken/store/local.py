@@ -38,7 +38,7 @@ from .readfile import Hasher, read_file
 _HIDDEN = re.compile(r"^\.(staging|trash)-(?P<host>[^_]+)_(?P<pid>\d+)_(?:[0-9a-f]{8})_(?P<name>.*)$")
 _CHECKPOINT_NAME = re.compile(r"^step-\d{9,}([-.]\d+)?$")
 _CHUNK_ID = re.compile(r"^[0-9a-f]{64}$")
-_CHUNK_TMP = re.compile(r"^\.tmp-(?P<host>[^_]+)_(?P<pid>\d+)_[0-9a-f]{8}-[0-9a-f]{16}$")
+_CHUNK_TMP = re.compile(r"^\.[0-9a-f]{64}\.(?P<host>[^_]+)_(?P<pid>\d+)_[0-9a-f]{8}$")  # write_file_atomic's
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
@@ -53,10 +53,11 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_file_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
-    """The one atomic small-file write: a fresh hidden temp file (``O_EXCL|O_NOFOLLOW``, so a
-    planted link is never written through), fsync, ``rename`` over ``path`` (which replaces a
-    link rather than following it), fsync the folder."""
+def write_file_atomic(path: Path, data: Buffer, mode: int = 0o644, sync_dir: bool = True) -> None:
+    """The one atomic file write: a fresh hidden temp file ``.<name>.<host>_<pid>_<random>``
+    (``O_EXCL|O_NOFOLLOW``, so a planted link is never written through), fsync, ``rename`` over
+    ``path`` (which replaces a link rather than following it), fsync the folder (unless the
+    caller does it once for many files: ``sync_dir=False``)."""
     tmp = path.with_name(f".{path.name}.{_tag()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, mode)
     try:
@@ -71,7 +72,8 @@ def write_file_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
         except OSError:
             pass
         raise
-    fsync_dir(path.parent)
+    if sync_dir:
+        fsync_dir(path.parent)
 
 
 def _tag() -> str:
@@ -347,20 +349,9 @@ class LocalStore:
 
     # ------------------------------------------------------------------ chunks
     def put_chunk(self, cid: str, data: Buffer) -> None:
-        """Write to a hidden temp file (``O_EXCL``), fsync, rename into place; the folder is fsynced
-        by :meth:`sync_chunks`."""
+        """:func:`write_file_atomic`; the folder is fsynced by :meth:`sync_chunks`."""
         self.chunk_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.chunk_dir / f".tmp-{_tag()}-{cid[:16]}"
-        try:
-            with _DurableFile(tmp) as f:
-                f.write(data)
-            os.replace(tmp, self.chunk_dir / cid)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        write_file_atomic(self.chunk_dir / cid, data, sync_dir=False)
 
     def sync_chunks(self) -> None:
         """Make the chunks written so far durable by name (one folder fsync for many chunks)."""
