@@ -552,7 +552,11 @@ def test_damaged_newest_checkpoint_is_refused_quarantined_and_skipped(
         assert p.read_bytes() == raw, f"{p} was modified"
 
 
-def test_all_checkpoints_damaged_gives_fresh_start(run: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_all_checkpoints_damaged_raises_instead_of_starting_at_step_0(run: Path, caplog: pytest.LogCaptureFixture,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every checkpoint damaged: restore refuses to train from step 0 (the silent loss measured in
+    Lightning), names each checkpoint and its damage, and keeps refusing after a relaunch (the
+    damaged ones are in quarantine/ by then) until the user starts fresh on purpose."""
     DAMAGES["flipped_byte_in_tensor_data"](run / "step-000000010", run.parent)
     DAMAGES["missing_manifest"](run / "step-000000020", run.parent)
     DAMAGES["truncated_tensor_file"](run / "step-000000030", run.parent)
@@ -561,7 +565,13 @@ def test_all_checkpoints_damaged_gives_fresh_start(run: Path, caplog: pytest.Log
     before = values(model, opt)
 
     ckpt = unbroken.Checkpointer(run, save_every=10, keep_last=None)
-    assert ckpt.restore(state) is None
+    with pytest.raises(unbroken.NoValidCheckpointError) as err:
+        ckpt.restore(state)
+    message = str(err.value)
+    assert "step-000000010: t00-model.safetensors: checksum mismatch" in message
+    assert "step-000000020: manifest.json is missing" in message
+    assert f"step-000000030: {MODEL_FILE} has" in message
+    assert 'if_unrestorable="start_fresh"' in message and "UNBROKEN_START_FRESH=1" in message
     assert ckpt.progress.step == 0
     assert_bitwise(values(model, opt), before)
     names = [f"step-{s:09d}" for s in STEPS]
@@ -572,8 +582,26 @@ def test_all_checkpoints_damaged_gives_fresh_start(run: Path, caplog: pytest.Log
     assert "manifest.json" in (q / "step-000000020.reason.txt").read_text()
     assert MODEL_FILE in (q / "step-000000030.reason.txt").read_text()
     assert len(unbroken_records(caplog, logging.WARNING)) >= 3
-    assert unbroken_records(caplog, logging.ERROR), "no error was logged"
     assert ckpt.checkpoints() == []
+    ckpt.close()
+
+    again = unbroken.Checkpointer(run, save_every=10, keep_last=None)  # the relaunch: still refused
+    with pytest.raises(unbroken.NoValidCheckpointError, match="(?s)step-000000010.*step-000000020.*step-000000030"):
+        again.restore(state)
+    assert again.restore(state, if_unrestorable="start_fresh") is None  # on purpose
+    assert again.progress.step == 0
+    assert_bitwise(values(model, opt), before)
+    again.close()
+    monkeypatch.setenv("UNBROKEN_START_FRESH", "1")  # the same for a script that cannot be edited
+    third = unbroken.Checkpointer(run, save_every=10, keep_last=None)
+    assert third.restore(state) is None
+    third.save(state)
+    third.close()
+    monkeypatch.delenv("UNBROKEN_START_FRESH")
+    last = unbroken.Checkpointer(run, save_every=10, keep_last=None)  # a valid checkpoint again: no error
+    assert last.restore(state) is not None
+    last.close()
+    assert sorted(p.name for p in q.iterdir() if p.is_dir()) == names  # the damaged ones are kept
 
 
 # ------------------------------------------------------- files that can block

@@ -289,9 +289,11 @@ def test_a_missing_chunk_is_corruption_not_a_crash(tmp_path: Path) -> None:
     os.unlink(chunk_of(run, state["model"].a))
     with pytest.raises(CorruptCheckpointError, match="missing"):
         unbroken.verify(run / "step-000000001")
-    fresh = make(seed=4)
+    fresh = make(seed=4)  # another adapter: the live state cannot give the chunk back
     c2 = ckpt(run)
-    assert c2.restore(fresh) is None  # fell back past it: nothing else to resume from
+    with pytest.raises(unbroken.NoValidCheckpointError, match="step-000000001.*chunk .* is missing"):
+        c2.restore(fresh)  # never a silent restart from step 0
+    assert c2.restore(fresh, if_unrestorable="start_fresh") is None  # on purpose
     c2.close()
 
 
@@ -381,7 +383,8 @@ def test_a_resized_chunk_is_quarantined_and_a_quarantined_checkpoint_still_loads
     target = chunk_of(run, state["model"].a)
     target.write_bytes(target.read_bytes() + b"x")
     c2 = ckpt(run)
-    assert c2.restore(make(seed=2)) is None  # the only checkpoint is damaged
+    with pytest.raises(unbroken.NoValidCheckpointError, match="4097 bytes"):  # the only checkpoint is damaged
+        c2.restore(make(seed=2))
     c2.close()
     assert (run / "quarantine" / "chunks" / target.name).is_file() and not target.exists()
     # the quarantined checkpoint keeps its other chunks in the run: it is inspectable, and loads

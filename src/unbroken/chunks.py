@@ -39,8 +39,9 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
+import torch
 import xxhash
 
 from . import _faults, progress
@@ -191,6 +192,72 @@ class ChunkSave:
         self.writer.last = self.stats
         if manifest is not None:
             self.writer.use_base(manifest)
+
+
+# ------------------------------------------------------------------ repair from the live state
+def live_tensors(tree: Any) -> Iterable[torch.Tensor]:
+    """Every tensor reachable in a training state: through ``state_dict()`` of its objects, dicts,
+    lists and tuples (a DTensor gives its local shard). Nothing is copied."""
+    stack, seen = [tree], set()
+    while stack:
+        x = stack.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, torch.Tensor):
+            yield x.to_local() if hasattr(x, "to_local") else x
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif callable(getattr(x, "state_dict", None)) and not isinstance(x, type):
+            try:
+                stack.append(x.state_dict())
+            except Exception:  # noqa: BLE001 - a repair source is best effort
+                continue
+
+
+class LiveChunks:
+    """Repairs a damaged or missing chunk from the live state, when the state still holds its exact
+    bytes (same SHA-256): a frozen layer loaded again from its pretrained weights, a buffer that
+    never changes. Lazy: nothing is hashed until a chunk fails, then only tensors of the chunk's
+    size. Thread-safe (checkpoint files are verified by several threads)."""
+
+    def __init__(self, store: Store, state: Any) -> None:
+        self.store, self.state = store, state
+        self._lock = threading.Lock()
+        self._by_size: dict[int, list[torch.Tensor]] | None = None
+        self.repaired: list[str] = []
+
+    def _candidates(self, size: int) -> list[torch.Tensor]:
+        if self._by_size is None:
+            self._by_size = {}
+            for t in live_tensors(self.state):
+                if t.device.type != "meta":
+                    self._by_size.setdefault(t.numel() * t.element_size(), []).append(t)
+        return self._by_size.get(size, [])
+
+    def repair(self, cid: str, entry: FileEntry, damage: str) -> bool:
+        """Rewrite chunk ``cid`` (listed with ``entry``) from live bytes with its SHA-256 and xxh3;
+        the damaged copy is quarantined first. True if it was rewritten (the caller reads it again)."""
+        with self._lock:
+            for t in self._candidates(entry.size):
+                data = raw_bytes(t.detach().to("cpu").contiguous())
+                if xxhash.xxh3_128(data).hexdigest() != entry.xxh3_128 or chunk_id(data) != cid:
+                    continue
+                try:
+                    self.store.quarantine_chunk(cid, f"{damage}; rewritten from the live state")
+                    self.store.put_chunk(cid, data)
+                    self.store.sync_chunks()
+                except Exception as e:  # noqa: BLE001 - a read-only run, a full disk: not repairable
+                    log.warning("chunk %s is damaged and the live state holds its bytes, but it could not be "
+                                "rewritten: %s", cid, e)
+                    return False
+                self.repaired.append(cid)
+                log.warning("chunk %s was damaged (%s); rewritten from the live state, which holds the same bytes "
+                            "(SHA-256 %s)", cid, damage, cid)
+                return True
+            return False
 
 
 # ------------------------------------------------------------------ garbage collection

@@ -20,6 +20,13 @@ class CorruptCheckpointError(UnbrokenError):
     or the manifest or a tensor header is malformed. Nothing from it was loaded."""
 
 
+class NoValidCheckpointError(CorruptCheckpointError):
+    """The run has checkpoints, but none of them can be restored (each is damaged, or a tier
+    that may hold newer ones cannot be read). ``restore`` raises this instead of silently
+    starting from step 0; the message names every checkpoint and its damage. Start from scratch
+    on purpose with ``restore(state, if_unrestorable="start_fresh")`` (or ``UNBROKEN_START_FRESH=1``)."""
+
+
 class StateMismatchError(UnbrokenError):
     """The checkpoint does not fit the live state passed to ``restore``/``load``
     (missing or unexpected keys, a Stateful object where a plain value was saved)."""

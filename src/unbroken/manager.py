@@ -25,7 +25,7 @@ from . import console
 from .api import CheckpointInfo, read_path
 from .background import BackgroundSaves
 from .environment import EnvCheck, fingerprint
-from .errors import NoCheckpointError
+from .errors import NoCheckpointError, NoValidCheckpointError
 from .events import EventBus, Saved, Started, StepEnded, Tagged
 from .faults import Preemption, slurm
 from .faults.guard import StepGuard
@@ -41,7 +41,8 @@ from .scheduling import Schedule
 from .selftest import protocol as selftest
 from .snapshot import Snapshotter
 from .dist.comm import Comm
-from .restoring import apply_checkpoint, sync_data_position
+from .chunks import LiveChunks
+from .restoring import apply_checkpoint, sync_data_position, unrestorable_message
 from .saved_state import StateRules, split
 from .state.checks import UnbrokenWarning, clean_metrics  # noqa: F401 (UnbrokenWarning: re-exported)
 from .state.stateful import Progress
@@ -252,17 +253,28 @@ class Checkpointer:
 
     # -------------------------------------------------------------------- restore
     def restore(self, state: MutableMapping[str, Any], path: str | os.PathLike[str] | None = None, *,
-                tag: str | None = None) -> CheckpointInfo | None:
+                tag: str | None = None,
+                if_unrestorable: Literal["raise", "start_fresh"] = "raise") -> CheckpointInfo | None:
         """Load the newest valid checkpoint into ``state`` in place; return what was loaded.
 
         Checkpoints that fail verification are moved to ``quarantine/`` with the reason
         logged, and the previous one is tried; in a tiered run, a checkpoint only the remote
-        has is downloaded (verified) first. A checkpoint written by a newer unbroken raises
-        :class:`NewerFormatError` (falling back past it would silently lose progress). Returns
-        ``None`` (a fresh start) when the run has no valid checkpoint. With ``path``, load
-        exactly that checkpoint (a folder or URL) and raise :class:`CorruptCheckpointError`
-        if it is invalid; with ``tag``, the checkpoint of this run carrying that tag.
+        has is downloaded (verified) first. With ``incremental=True``, a damaged or missing
+        chunk whose exact bytes the live ``state`` still holds (same SHA-256: a frozen layer
+        loaded again) is rewritten from them and the checkpoint restores. A checkpoint written
+        by a newer unbroken raises :class:`NewerFormatError` (falling back past it would
+        silently lose progress). Returns ``None`` (a fresh start) for a run that has no
+        checkpoint. A run that has checkpoints none of which can be restored (all damaged, or
+        quarantined earlier, or a remote tier that cannot be listed) raises
+        :class:`NoValidCheckpointError` naming each one and its damage, never a silent restart
+        from step 0; ``if_unrestorable="start_fresh"`` (or the environment variable
+        ``UNBROKEN_START_FRESH=1``) starts from scratch on purpose, the damaged checkpoints left
+        in ``quarantine/``. With ``path``, load exactly that checkpoint (a folder or URL) and
+        raise :class:`CorruptCheckpointError` if it is invalid; with ``tag``, the checkpoint of
+        this run carrying that tag. Nothing of ``state`` changes unless the restore succeeds.
         """
+        if if_unrestorable not in ("raise", "start_fresh"):
+            raise ValueError(f"if_unrestorable must be 'raise' or 'start_fresh', not {if_unrestorable!r}")
         self.rules.check_reserved(state)
         self.rules.validate(state)
         self._begin()
@@ -279,13 +291,17 @@ class Checkpointer:
             loaded = read_path(path, opts, self.comm.rank)
             self.run.use_base(loaded, path)
             return self._apply(state, loaded, os.fspath(path))
-        loaded, where, seen = self.run.newest_valid()
+        repair = LiveChunks(self.run.store, self.saved_part(state)) if self.run.chunks is not None else None
+        loaded, where, seen = self.run.newest_valid(repair)
         if loaded is not None:
             return self._apply(state, loaded, where)
+        lost = self.run.unrestorable()
+        if lost and if_unrestorable != "start_fresh" and os.environ.get("UNBROKEN_START_FRESH") != "1":
+            raise NoValidCheckpointError(unrestorable_message(self.location, lost))
         self.events.publish(Started(None, 0))
-        if seen:
-            log.error("none of the %d checkpoints in %s is valid (all quarantined); starting from scratch",
-                      seen, self.location)
+        if lost:
+            log.warning("starting %s from scratch on purpose; %d checkpoint(s) that could not be restored are "
+                        "kept in quarantine/", self.location, len(lost))
         else:
             log.info("no checkpoint in %s; starting from scratch", self.location)
         return None

@@ -80,6 +80,9 @@ class CheckpointFiles:
         self.check_ids = False
         """Also check that each chunk's SHA-256 is its id (``unbroken verify``; a restore checks
         the xxh3 checksum only)."""
+        self.repair: Any = None
+        """A :class:`unbroken.chunks.LiveChunks` (at restore): a damaged or missing chunk whose bytes
+        the live state still holds is rewritten from them, and read again."""
 
     def read(self, fname: str) -> Any:
         """The bytes of ``fname``, verified against the manifest."""
@@ -87,26 +90,36 @@ class CheckpointFiles:
             entry = self.manifest.files.get(fname)
             if entry is None:
                 raise CorruptCheckpointError(f"reference to unlisted file {fname!r}")
-            h = new_hasher()
             if is_chunk(fname):  # a chunk of an incremental checkpoint, in the run's chunks/
                 try:
-                    buf = self.storage.read_chunk(fname[1:], entry.size, _Counted(h))
+                    buf = self._chunk(fname[1:], entry)
                 except CorruptCheckpointError as e:
-                    if "missing" in str(e):
+                    if self.repair is None or not self.repair.repair(fname[1:], entry, str(e)):
                         raise
-                    raise CorruptCheckpointError(f"chunk {fname[1:]}: damaged ({e})") from None
-                if self.check_ids and hashlib.sha256(buf).hexdigest() != fname[1:]:
-                    raise CorruptCheckpointError(f"chunk {fname[1:]}: damaged (its bytes do not have the "
-                                                 "SHA-256 it is named by)")
+                    buf = self._chunk(fname[1:], entry)  # read back and verified like any chunk
             else:
+                h = new_hasher()
                 buf = self.storage.read(self.name, fname, entry.size, _Counted(h))  # hashed as it streams in
-            if h.hexdigest() != entry.xxh3_128:
-                if is_chunk(fname):
-                    raise CorruptCheckpointError(f"chunk {fname[1:]}: checksum mismatch (the chunk was "
-                                                 "altered or damaged; every checkpoint that uses it is invalid)")
-                raise CorruptCheckpointError(f"{fname}: checksum mismatch (the file was altered or damaged)")
+                if h.hexdigest() != entry.xxh3_128:
+                    raise CorruptCheckpointError(f"{fname}: checksum mismatch (the file was altered or damaged)")
             self._bytes[fname] = buf
         return self._bytes[fname]
+
+    def _chunk(self, cid: str, entry: Any) -> Any:
+        """The verified bytes of chunk ``cid`` from the run's chunk store."""
+        h = new_hasher()
+        try:
+            buf = self.storage.read_chunk(cid, entry.size, _Counted(h))
+        except CorruptCheckpointError as e:
+            if "missing" in str(e):
+                raise
+            raise CorruptCheckpointError(f"chunk {cid}: damaged ({e})") from None
+        if self.check_ids and hashlib.sha256(buf).hexdigest() != cid:
+            raise CorruptCheckpointError(f"chunk {cid}: damaged (its bytes do not have the SHA-256 it is named by)")
+        if h.hexdigest() != entry.xxh3_128:
+            raise CorruptCheckpointError(f"chunk {cid}: checksum mismatch (the chunk was altered or damaged; "
+                                         "every checkpoint that uses it is invalid)")
+        return buf
 
     def verify(self, fnames: Iterable[str]) -> None:
         todo = [f for f in fnames if f not in self._bytes]
@@ -303,14 +316,15 @@ def verify_all(storage: Storage, name: str) -> LoadedCheckpoint:
     return loaded
 
 
-def verify_share(storage: Storage, name: str, rank: int, world: int, check_ids: bool = False) -> CheckpointFiles:
+def verify_share(storage: Storage, name: str, rank: int, world: int, check_ids: bool = False,
+                 repair: Any = None) -> CheckpointFiles:
     """Verify this rank's share of a checkpoint's files (every ``world``-th, all at world 1),
-    keeping them for the load that follows (``check_ids``: chunks' SHA-256 too). Raises
-    ``CorruptCheckpointError``."""
+    keeping them for the load that follows (``check_ids``: chunks' SHA-256 too; ``repair``: see
+    :attr:`CheckpointFiles.repair`). Raises ``CorruptCheckpointError``."""
     try:
         manifest = read_manifest(storage, name)
         files = CheckpointFiles(storage, name, manifest)
-        files.check_ids = check_ids
+        files.check_ids, files.repair = check_ids, repair
         files.verify(f for i, f in enumerate(sorted(manifest.files)) if i % world == rank)
     except CorruptCheckpointError as e:
         raise CorruptCheckpointError(f"{storage.describe(name)}: {e}") from None

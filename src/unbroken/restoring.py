@@ -31,7 +31,7 @@ from .events import Restored
 from .probe import check_after_resume
 from .data.loader import ResumableLoader
 from .reader import LoadedCheckpoint, ShardedRef, contains_sharded, substitute
-from .state.apply import apply_state, check_keys
+from .state.apply import apply_parts as apply_all, check_keys, check_state
 from .state.codec import StatefulValue
 from .state.rng import GlobalRNG
 from .state.stateful import PerRank, Progress, is_stateful
@@ -81,21 +81,33 @@ def load_sharded_parts(live: MutableMapping[str, Any], saved: dict[str, Any], lo
                       else assemble(ref.fqn, metadata, loaded.files.tensors))  # type: ignore[union-attr]
 
 
-def apply_parts(state: MutableMapping[str, Any], saved: dict[str, Any], mine: dict[str, Any] | None,
-                per_rank: list[str], strict: bool, rank: int) -> None:
-    """Step 2: the shared state, then this rank's per-rank objects, into ``state`` in place."""
+def check_all(state: MutableMapping[str, Any], saved: dict[str, Any], mine: dict[str, Any] | None,
+              per_rank: list[str], strict: bool) -> None:
+    """Everything that can be checked before anything is loaded: the keys of the shared state
+    and of this rank's per-rank objects, and the fit of every part (:func:`check_state`)."""
     live_per_rank = [k for k, v in state.items() if isinstance(v, PerRank)]
     shared_live = {k: v for k, v in state.items() if not isinstance(v, PerRank)}
     check_keys(shared_live, saved, strict)
     check_keys({k: None for k in live_per_rank}, {k: None for k in per_rank}, strict)
-    apply_state(shared_live, saved, strict=strict)
-    state.update(shared_live)  # plain values are replaced, objects were loaded in place
+    check_state(shared_live, saved)
+    if mine is not None:
+        check_state({k: state[k] for k in live_per_rank}, {k: v for k, v in mine.items() if k in live_per_rank})
+
+
+def apply_parts(state: MutableMapping[str, Any], saved: dict[str, Any], mine: dict[str, Any] | None,
+                per_rank: list[str], rank: int, between: Any = None) -> None:
+    """Step 2: the shared state and this rank's per-rank objects into ``state`` in place, all or
+    nothing (:func:`unbroken.state.apply.apply_parts`); ``between`` loads the sharded tensors."""
+    live_per_rank = [k for k, v in state.items() if isinstance(v, PerRank)]
+    shared_live = {k: v for k, v in state.items() if not isinstance(v, PerRank)}
+    mine_live = {k: state[k] for k in live_per_rank if mine is not None and k in mine}
     for key in live_per_rank:
-        if mine is not None and key in mine:
-            apply_state({key: state[key]}, {key: mine[key]}, strict=True)
-        elif key in per_rank:
+        if key not in mine_live and key in per_rank:
             warnings.warn(f"rank {rank} has no saved state for PerRank state[{key!r}] (the checkpoint was "
                           "written by fewer ranks); it keeps its current state", stacklevel=4)
+    apply_all([(shared_live, saved), (mine_live, {k: mine[k] for k in mine_live} if mine else {})], between,
+              late=contains_sharded)
+    state.update(shared_live)  # plain values are replaced, objects were loaded in place
 
 
 def _rng_to_load(loaded: LoadedCheckpoint, shared_rng: Any, world: int) -> Any:
@@ -156,10 +168,15 @@ def apply_checkpoint(ckpt: Any, state: MutableMapping[str, Any], loaded: LoadedC
     extra = extra if isinstance(extra, dict) else {}
     check_parts(loaded, extra, comm.world, ckpt.rng)
     live = ckpt.saved_part(state)  # the allow_unsaved keys are neither saved nor restored
-    saved = load_sharded_parts(live, saved, loaded, comm.group)
     mine = (loaded.rank_state or {}).get("state")
-    apply_parts(live, saved, mine if isinstance(mine, dict) else None, list(extra.get("per_rank", [])),
-                ckpt.strict, comm.rank)
+    mine = mine if isinstance(mine, dict) else None
+    per_rank = list(extra.get("per_rank", []))
+    check_all(live, saved, mine, per_rank, ckpt.strict)  # nothing is loaded before every part is checked
+
+    def sharded() -> None:  # after the objects that may refuse: a refused restore changed nothing
+        saved.update(load_sharded_parts(live, saved, loaded, comm.group))
+
+    apply_parts(live, saved, mine, per_rank, comm.rank, sharded)
     state.update(live)
     if "progress" in extra:
         ckpt.progress.load_state_dict(getattr(extra["progress"], "value", extra["progress"]))
@@ -178,3 +195,17 @@ def apply_checkpoint(ckpt: Any, state: MutableMapping[str, Any], loaded: LoadedC
     ckpt.events.publish(Restored(loaded.name if in_run else where, where, ckpt.progress.step))
     log.info("resumed from %s (step %d)", where, loaded.manifest.step)
     return CheckpointInfo.of(where, loaded.name, loaded.manifest)
+
+
+def unrestorable_message(location: str, lost: list[tuple[str, str]]) -> str:
+    """The message of :class:`~unbroken.errors.NoValidCheckpointError`: every checkpoint that could
+    not be restored with its damage, and the ways forward."""
+    shown = [f"  - {where}: {reason if len(reason) <= 300 else reason[:297] + '...'}" for where, reason in lost[:20]]
+    if len(lost) > 20:
+        shown.append(f"  - ... and {len(lost) - 20} more")
+    return (f"{location} has checkpoints, but none of them can be restored; refusing to start again from step 0 "
+            "(that would silently lose the run's progress):\n" + "\n".join(shown) + "\n"
+            "What to do: restore a copy from elsewhere (another tier, a backup) or a specific checkpoint with "
+            "restore(state, path=...); `unbroken verify RUN` shows the damage. To start from scratch on purpose, "
+            "call restore(state, if_unrestorable=\"start_fresh\") or set UNBROKEN_START_FRESH=1 (the damaged "
+            "checkpoints stay in quarantine/).")

@@ -24,7 +24,7 @@ import threading
 from typing import Any, Callable, Iterator, Mapping
 
 from .api import CheckpointInfo
-from .chunks import ChunkWriter, collect
+from .chunks import ChunkWriter, LiveChunks, collect
 from .discovery import discover, manifests
 from .errors import CorruptCheckpointError, RunLockedError, StorageError, UnbrokenError
 from .events import CorruptionFound, Event, Pruned, Quarantined
@@ -66,6 +66,8 @@ class Run:
         self._remote_ok = True
         self._prune_lock = threading.Lock()
         self._writing = False
+        self._unmoved: list[tuple[str, str]] = []  # found invalid, left in place: (checkpoint, reason)
+        self._remote_unlisted = False  # the remote tier could not be listed by the last restore
         self._schedule: Schedule | None = None  # the local retention, for prunes after uploads
 
     @property
@@ -221,15 +223,16 @@ class Run:
         return self.store.describe(name)
 
     # ---------------------------------------------------------------------- read
-    def newest_valid(self) -> tuple[LoadedCheckpoint | None, str, int]:
+    def newest_valid(self, repair: LiveChunks | None = None) -> tuple[LoadedCheckpoint | None, str, int]:
         """The newest checkpoint that verifies in any tier (downloaded if only the remote has it),
         where it was read, and how many committed checkpoints were seen. Invalid ones are
-        reported, quarantined and skipped. A collective: every rank gets its part."""
+        reported, quarantined and skipped; a damaged chunk the live state still holds is
+        rewritten by ``repair`` first. A collective: every rank gets its part."""
         seen = [0]
         rank, world = self.comm.rank, self.comm.world
 
         def attempt(name: str) -> LoadedCheckpoint:
-            files = verify_share(self.store, name, rank, world)
+            files = verify_share(self.store, name, rank, world, repair=repair)
             return read_checkpoint(self.store, name, rank, files, all_shards=world == 1)
 
         chosen = collective.choose(self.comm, self._candidates(seen) if self.comm.coordinator else None, attempt,
@@ -286,6 +289,7 @@ class Run:
             if store is self.store or not is_transient(e):
                 raise
             log.warning("remote tier %s unreachable (%s); resuming from the local tier only", store.url, e)
+            self._remote_unlisted = True
             return {}
         for name in names:
             try:
@@ -303,6 +307,34 @@ class Run:
             self.uploader.uploaded[final] = name
         return final
 
+    def unrestorable(self) -> list[tuple[str, str]]:
+        """Why the run may hold progress that :meth:`newest_valid` could not restore, as
+        ``(where, reason)``: checkpoints found invalid that could not be moved away, every
+        quarantined checkpoint (with its recorded reason), a remote tier that could not be
+        listed. Empty for a new run. A collective (the coordinator looks; every rank gets it)."""
+        found: list[tuple[str, str]] = []
+        if self.comm.coordinator:
+            found = list(self._unmoved)
+            if self.remote_store is not None and (not self._remote_ok or self._remote_unlisted):
+                found.append((self.remote_store.url, "the remote tier could not be listed, so its checkpoints "
+                              "are unknown"))
+            for store in [s for s in (self.store, self.remote_store) if s is not None]:
+                try:
+                    q = store.quarantined()
+                    names = q.list_committed() if q is not None else []
+                except Exception as e:  # noqa: BLE001 - cannot look: say so rather than guess "nothing"
+                    found.append((f"{store.url} quarantine", f"cannot be listed: {e}"))
+                    continue
+                for name in names:
+                    try:
+                        raw = q.read_meta(f"{name}.reason.txt")
+                    except Exception:  # noqa: BLE001 - an odd reason file: the checkpoint still counts
+                        raw = None
+                    reason = raw.decode("utf-8", "replace").strip() if raw else "quarantined (no reason recorded)"
+                    head, sep, rest = reason.partition(": ")
+                    found.append((q.describe(name), rest if sep and "/" in head else reason))  # not the old path
+        return [(str(a), str(b)) for a, b in self.comm.broadcast(found)]
+
     def invalid(self, store: Any, name: str, reason: str, tier: str = "primary") -> None:
         self.publish(CorruptionFound(name, reason, tier))
         for cid in sorted(set(_DAMAGED_CHUNK.findall(reason))):  # the next save writes it again
@@ -314,6 +346,7 @@ class Run:
             self.publish(Quarantined(name, reason, moved, tier))
             log.warning("checkpoint %s is invalid and was quarantined to %s: %s", store.describe(name), moved, reason)
         else:
+            self._unmoved.append((store.describe(name), reason))
             log.warning("checkpoint %s is invalid (and could not be moved to quarantine/): %s",
                         store.describe(name), reason)
 

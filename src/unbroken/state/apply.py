@@ -8,13 +8,19 @@ Before anything is touched, the top-level keys are compared, the saved state of
 every :class:`~unbroken.Progress` and global-RNG object is validated, every module's
 tensors are compared with the saved ones (keys, shapes, dtypes) and every torch optimizer
 and LR scheduler with the saved one's class (:func:`check_state`), so a mismatch or a
-malformed counter or RNG state fails without half-restoring the state. (A user's ``load_state_dict`` can still fail part way: it is
-only called after these checks.)
+malformed counter or RNG state fails without half-restoring the state.
+
+What cannot be checked beforehand is a user object's own ``load_state_dict`` (a scheduler, a
+scaler, a data loader, any ``Stateful``): those are loaded *first*, each with a copy of its
+current state to put back, so when one refuses, the ones already loaded are rolled back and
+the modules and optimizers (checked, then loaded last) were never touched
+(:func:`apply_parts`): a refused restore leaves the state as it was.
 """
 
 from __future__ import annotations
 
-from typing import Any, MutableMapping
+import warnings
+from typing import Any, Callable, MutableMapping
 
 import numpy as np
 import torch
@@ -68,12 +74,46 @@ def check_state(live: Any, saved: Any, path: PathT = ()) -> None:
 
 
 def apply_state(live: MutableMapping[str, Any], saved: dict[str, Any], strict: bool = True) -> None:
-    """Load ``saved`` into ``live`` in place (see the module docstring)."""
+    """Load ``saved`` into ``live`` in place, all or nothing (see the module docstring)."""
     check_keys(live, saved, strict)
     check_state(live, saved)
-    for key, value in saved.items():
-        if key in live:
-            live[key] = _apply(live[key], value, (key,))
+    apply_parts([(live, saved)])
+
+
+def _unchecked(obj: Any) -> bool:
+    """A Stateful whose ``load_state_dict`` may refuse after :func:`check_state` passed."""
+    return is_stateful(obj) and not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer))
+
+
+def apply_parts(parts: list[tuple[MutableMapping[str, Any], dict[str, Any]]],
+                between: Callable[[], None] | None = None, late: Callable[[Any], bool] | None = None) -> None:
+    """Load each ``(live, saved)`` pair (already checked) in place, all or nothing: first every
+    top-level object whose own ``load_state_dict`` may refuse, each with a copy of its state to
+    roll back to; if one raises, those loaded are put back and the error is raised with nothing
+    else touched. Then ``between()`` (sharded tensors are loaded there) and the rest: modules,
+    optimizers, tensors and plain values, whose fit :func:`check_state` proved, and the saved
+    values ``late`` picks (those ``between`` completes)."""
+    undo: list[tuple[Any, Any]] = []
+    try:
+        for live, saved in parts:
+            for key, value in saved.items():
+                if key in live and _unchecked(live[key]) and not (late and late(value)):
+                    undo.append((live[key], _own(live[key].state_dict(), {})))
+                    live[key] = _apply(live[key], value, (key,))
+    except BaseException:
+        for obj, before in reversed(undo):
+            try:
+                obj.load_state_dict(before)
+            except Exception as e:  # noqa: BLE001 - the original error is the one to raise
+                warnings.warn(f"could not put back the state of a {type(obj).__name__} after a refused restore: "
+                              f"{type(e).__name__}: {e}", stacklevel=2)
+        raise
+    if between is not None:
+        between()
+    for live, saved in parts:
+        for key, value in saved.items():
+            if key in live and (not _unchecked(live[key]) or (late and late(value))):
+                live[key] = _apply(live[key], value, (key,))
 
 
 def _check_stateful(live: Any, saved: StatefulValue, path: PathT) -> None:
@@ -89,6 +129,8 @@ def _check_stateful(live: Any, saved: StatefulValue, path: PathT) -> None:
             f"{where} was saved from a {saved.cls}, but the state holds a {cls}: its state would not "
             "fit. To continue with a new optimizer or scheduler on purpose, leave it out of the state "
             "you restore (restore the rest with strict=False) and create it fresh.")
+    if isinstance(live, torch.optim.Optimizer) and isinstance(saved.value, dict):
+        _check_optimizer(live, saved.value, where)
     if not isinstance(live, torch.nn.Module) or not isinstance(saved.value, dict):
         return
     want = {k: v for k, v in live.state_dict().items() if isinstance(v, torch.Tensor)}
@@ -107,6 +149,21 @@ def _check_stateful(live: Any, saved: StatefulValue, path: PathT) -> None:
         raise StateMismatchError(
             f"{where} does not match the checkpoint ({'; '.join(problems)}). Nothing was loaded: "
             "build the model as it was when saved (sizes, dtype; convert after loading).")
+
+
+def _check_optimizer(live: torch.optim.Optimizer, saved: dict[str, Any], where: str) -> None:
+    """What ``Optimizer.load_state_dict`` refuses: another number of parameter groups or of
+    parameters in a group (checked here, so it is refused before the model is loaded)."""
+    groups = saved.get("param_groups")
+    if not isinstance(groups, list):
+        return
+    have = [len(g.get("params", [])) if isinstance(g, dict) else -1 for g in groups]
+    want = [len(g["params"]) for g in live.param_groups]
+    if have != want:
+        raise StateMismatchError(
+            f"{where} does not match the checkpoint: it was saved with parameter groups of {have} parameters, "
+            f"the optimizer has {want}. Nothing was loaded: build the optimizer over the same parameters "
+            "(and groups) as when saved.")
 
 
 def _own(x: Any, memo: dict[int, torch.Tensor]) -> Any:
