@@ -1,0 +1,266 @@
+"""Never restart from step 0 when the run has progress, and never leave a half-restored state.
+
+- incremental runs: a damaged or missing chunk that every checkpoint shares (a frozen layer) is
+  rewritten from the live state when it holds the same bytes, and the newest checkpoint restores;
+  a chunk nothing can repair makes only the checkpoints that use it invalid, and when that is all
+  of them the restore raises instead of training from step 0;
+- a remote tier that cannot be listed while the local tier has nothing: refused, not a fresh start;
+- a real training process whose every checkpoint is damaged exits with the error, not at step 0;
+- a restore refused by one part (an optimizer over other parameters, a user object whose
+  ``load_state_dict`` raises) leaves every part of the state as it was.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import unbroken
+from unbroken.chunks import chunk_id
+from unbroken.reader import read_manifest
+from unbroken.store import open_store
+
+from test_incremental import ckpt, flat, make, same, train
+
+
+def chunk_path(run: Path, tensor: torch.Tensor) -> Path:
+    return run / "chunks" / chunk_id(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def saved_run(run: Path, steps: int = 3) -> dict:
+    """An incremental run of ``steps`` saves whose frozen base is shared by every checkpoint."""
+    state = make()
+    c = ckpt(run)
+    c.restore(state)
+    for _ in range(steps):
+        train(state)
+        c.step(state)
+    c.close()
+    return state
+
+
+def users_of(run: Path, chunk: Path) -> list[str]:
+    store = open_store(run)
+    return sorted(n for n in store.list_committed() if chunk.name in read_manifest(store, n).chunks)
+
+
+@pytest.mark.parametrize("damage", ["flipped", "deleted", "truncated"])
+def test_a_damaged_shared_chunk_is_rewritten_from_the_live_state(tmp_path: Path, damage: str) -> None:
+    run = tmp_path / "run"
+    state = saved_run(run)
+    shared = chunk_path(run, state["model"].base.weight)
+    assert users_of(run, shared) == ["step-000000001", "step-000000002", "step-000000003"]
+    good = shared.read_bytes()
+    if damage == "flipped":
+        raw = bytearray(good)
+        raw[100] ^= 0x10
+        shared.write_bytes(bytes(raw))
+    elif damage == "deleted":
+        shared.unlink()
+    else:
+        shared.write_bytes(good[:-7])
+
+    fresh = make(seed=0)  # the frozen base loaded again: the same bytes as the damaged chunk
+    fresh["model"].a.data.zero_()  # the adapter is not (it comes from the checkpoint)
+    c = ckpt(run)
+    info = c.restore(fresh)
+    assert info is not None and info.step == 3  # the newest, not a fallback, not a fresh start
+    assert same(flat(fresh), flat(state))
+    assert c.run.store.list_committed() == ["step-000000001", "step-000000002", "step-000000003"]
+    c.close()
+    assert shared.read_bytes() == good  # rewritten, verified
+    if damage != "deleted":  # the damaged bytes are kept for inspection
+        assert (run / "quarantine" / "chunks" / shared.name).is_file()
+    assert not any((run / "quarantine").glob("step-*"))
+    for name in users_of(run, shared):
+        unbroken.verify(run / name)
+
+
+def test_an_unrepairable_chunk_invalidates_only_its_users_then_raises(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    state = saved_run(run, steps=2)
+    adapter = chunk_path(run, state["model"].a)  # changes every step: only the newest uses it
+    assert users_of(run, adapter) == ["step-000000002"]
+    adapter.unlink()
+    fresh = make(seed=5)
+    c = ckpt(run)
+    info = c.restore(fresh)  # the live adapter differs: not repairable, so the older one is used
+    assert info is not None and info.step == 1
+    c.close()
+    assert (run / "quarantine" / "step-000000002").is_dir()
+
+    base = chunk_path(run, state["model"].base.weight)  # used by every checkpoint left
+    raw = bytearray(base.read_bytes())
+    raw[0] ^= 0xFF
+    base.write_bytes(bytes(raw))
+    other = make(seed=9)  # another base: nothing holds the bytes
+    before = flat(other)
+    c = ckpt(run)
+    with pytest.raises(unbroken.NoValidCheckpointError, match="(?s)step-000000001.*step-000000002"):
+        c.restore(other)
+    assert same(flat(other), before) and c.progress.step == 0
+    c.close()
+
+
+def test_an_unreachable_remote_with_an_empty_local_tier_is_not_a_fresh_start(tmp_path: Path, s3, s3_url) -> None:
+    remote = lambda: unbroken.Remote(s3_url, storage_options=s3.storage_options, retry_wait_s=0.5,  # noqa: E731
+                                     retry_max_wait_s=1.0, close_timeout_s=60)
+    state = make()
+    c = unbroken.Checkpointer(tmp_path / "node1", save_every=1, remote=remote(), preemption=None)
+    c.restore(state)
+    train(state)
+    c.step(state)
+    assert c.wait(timeout=60)
+    c.close()
+    s3.kill()  # a new node (empty local folder) while the remote tier is down
+    try:
+        fresh = make(seed=3)
+        before = flat(fresh)
+        c = unbroken.Checkpointer(tmp_path / "node2", save_every=1, remote=remote(), preemption=None)
+        with pytest.raises(unbroken.NoValidCheckpointError, match="remote tier could not be listed"):
+            c.restore(fresh)
+        assert same(flat(fresh), before)
+        c.close()
+    finally:
+        s3.start()
+    c = unbroken.Checkpointer(tmp_path / "node2", save_every=1, remote=remote(), preemption=None)
+    assert c.restore(fresh).step == 1  # back: downloaded from the remote tier
+    assert same(flat(fresh), flat(state))
+    c.close()
+
+
+SCRIPT = """
+import sys, torch, unbroken
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 4)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+state = {"model": model, "optimizer": opt}
+ckpt = unbroken.Checkpointer(sys.argv[1], save_every=2, keep_last=None)
+ckpt.restore(state)
+print("start", ckpt.progress.step, flush=True)
+while ckpt.progress.step < 6:
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    ckpt.step(state)
+ckpt.close()
+"""
+
+
+def test_a_training_process_whose_checkpoints_are_all_damaged_exits_instead_of_restarting(tmp_path: Path) -> None:
+    run, script = tmp_path / "run", tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "UNBROKEN_START_FRESH"}
+    first = subprocess.run([sys.executable, str(script), str(run)], capture_output=True, text=True, env=env,
+                           timeout=300)
+    assert first.returncode == 0 and "start 0" in first.stdout
+    for folder in sorted(run.glob("step-*")):
+        tensors = sorted(folder.glob("*.safetensors"))
+        raw = bytearray(tensors[0].read_bytes())
+        raw[-1] ^= 0x01
+        tensors[0].write_bytes(bytes(raw))
+    for _ in range(2):  # the relaunch too: the damaged checkpoints are in quarantine/ by then
+        again = subprocess.run([sys.executable, str(script), str(run)], capture_output=True, text=True, env=env,
+                               timeout=300)
+        assert again.returncode == 1 and "start" not in again.stdout
+        assert "NoValidCheckpointError" in again.stderr and "step-000000006" in again.stderr
+    on_purpose = subprocess.run([sys.executable, str(script), str(run)], capture_output=True, text=True,
+                                env={**env, "UNBROKEN_START_FRESH": "1"}, timeout=300)
+    assert on_purpose.returncode == 0 and "start 0" in on_purpose.stdout
+    assert sorted(p.name for p in (run / "quarantine").iterdir() if p.is_dir()) == \
+        ["step-000000002", "step-000000004", "step-000000006"]
+
+
+class Refuses:
+    """A user object whose load_state_dict refuses what was saved."""
+
+    def __init__(self) -> None:
+        self.value = 1
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.value = sd["value"]  # changed before it refuses: must be put back
+        if self.value != 1:
+            raise ValueError("no")
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.n = sd["n"]
+
+
+def small_state(lr: float = 0.1, groups: int = 1) -> dict:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    params = [{"params": list(model[0].parameters())}, {"params": list(model[1].parameters())}] \
+        if groups == 2 else [{"params": list(model.parameters())}]
+    opt = torch.optim.SGD(params, lr=lr, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2)
+    return {"counter": Counter(), "model": model, "optimizer": opt, "scheduler": sched}
+
+
+def snapshot(state: dict) -> dict:
+    return {"model": {k: v.clone() for k, v in state["model"].state_dict().items()},
+            "opt": repr(state["optimizer"].state_dict()), "sched": repr(state["scheduler"].state_dict()),
+            "counter": state["counter"].n}
+
+
+def saved(tmp_path: Path, **kw) -> Path:
+    state = small_state(**kw)
+    state["model"](torch.randn(2, 3)).sum().backward()
+    state["optimizer"].step()
+    state["scheduler"].step()
+    state["counter"].n = 7
+    c = unbroken.Checkpointer(tmp_path / "run", preemption=None)
+    c.save(state)
+    c.close()
+    return tmp_path / "run"
+
+
+@pytest.mark.parametrize("how", ["checkpointer", "load"])
+def test_an_optimizer_over_other_parameters_is_refused_before_anything_is_loaded(tmp_path: Path, how: str) -> None:
+    run = saved(tmp_path, groups=2)
+    live = small_state(lr=0.5, groups=1)  # one group where two were saved: torch would refuse half-way
+    before = snapshot(live)
+    with pytest.raises(unbroken.StateMismatchError, match="parameter groups"):
+        if how == "checkpointer":
+            c = unbroken.Checkpointer(run, preemption=None)
+            try:
+                c.restore(live)
+            finally:
+                c.close()
+        else:
+            unbroken.load(run, live)
+    after = snapshot(live)
+    assert after["counter"] == before["counter"] and after["opt"] == before["opt"] and after["sched"] == before["sched"]
+    assert all(torch.equal(after["model"][k], before["model"][k]) for k in before["model"])
+
+
+def test_a_user_object_that_refuses_leaves_every_part_as_it_was(tmp_path: Path) -> None:
+    run = saved(tmp_path)
+    live = small_state(lr=0.5)
+    before = snapshot(live)
+    c = unbroken.Checkpointer(run, preemption=None, strict=False)
+    newer = {**small_state(), "refuses": Refuses()}
+    newer["refuses"].value = 5
+    c.save(newer)  # a newer checkpoint, with a value the object refuses
+    live["refuses"] = Refuses()
+    with pytest.raises(unbroken.StateMismatchError, match="refuses.*load_state_dict"):
+        c.restore(live)
+    c.close()
+    after = snapshot(live)
+    assert live["refuses"].value == 1  # put back
+    assert after["counter"] == before["counter"] and after["opt"] == before["opt"] and after["sched"] == before["sched"]
+    assert all(torch.equal(after["model"][k], before["model"][k]) for k in before["model"])
