@@ -174,7 +174,8 @@ def test_an_unreachable_remote_at_start_only_warns(tmp_path: Path, s3, s3_url, c
         ckpt = unbroken.Checkpointer(tmp_path / "run", save_every=1, remote=remote, preemption=None)
         ckpt.run.remote_store.retry = Retry(deadline_s=1.0)
         state = make_state()
-        ckpt.restore(state)
+        # a new run: with the remote unknown, starting at step 0 must be asked for (test_never_fresh.py)
+        ckpt.restore(state, if_unrestorable="start_fresh")
         train_step(state)
         ckpt.step(state)
         assert "uploaded when it is back" in caplog.text
