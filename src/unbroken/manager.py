@@ -22,11 +22,11 @@ from typing import Any, Literal
 import torch
 
 from . import console
-from .api import CheckpointInfo, read_path
+from .api import CheckpointInfo
 from .background import BackgroundSaves
 from .environment import EnvCheck, fingerprint
-from .errors import NoCheckpointError, NoValidCheckpointError
-from .events import EventBus, Saved, Started, StepEnded, Tagged
+from .errors import NoCheckpointError
+from .events import EventBus, Saved, StepEnded, Tagged
 from .faults import Preemption, slurm
 from .faults.guard import StepGuard
 from .faults.handlers import preempt_and_exit, step_failed
@@ -41,8 +41,7 @@ from .scheduling import Schedule
 from .selftest import protocol as selftest
 from .snapshot import Snapshotter
 from .dist.comm import Comm
-from .chunks import LiveChunks
-from .restoring import apply_checkpoint, sync_data_position, unrestorable_message
+from .restoring import apply_checkpoint, restore_into, sync_data_position
 from .saved_state import StateRules, split
 from .state.checks import UnbrokenWarning, clean_metrics  # noqa: F401 (UnbrokenWarning: re-exported)
 from .state.stateful import Progress
@@ -127,7 +126,7 @@ class Checkpointer:
         self.comm = Comm()
         self.run = Run(location, storage_options=storage_options, remote=remote, publish=self.events.publish,
                        comm=self.comm, incremental=incremental)
-        self._storage_options = storage_options
+        self.storage_options = storage_options  # for restore(path=URL)
         self.run.check()
         self.location: str = self.run.url
         self.progress = Progress()
@@ -281,30 +280,7 @@ class Checkpointer:
         if self._selftest is not None:
             self._selftest.watch(state)  # fingerprints the state once restored (on Restored / Started)
         self.flush()  # a save in flight commits (and stops reading the live state) first
-        if tag is not None:
-            found = [c for c in self.checkpoints() if tag in c.tags]
-            if not found:
-                raise NoCheckpointError(f"no checkpoint of {self.location} is tagged {tag!r}")
-            path = found[0].path
-        if path is not None:
-            opts = self._storage_options if isinstance(path, str) and "://" in path else None
-            loaded = read_path(path, opts, self.comm.rank)
-            self.run.use_base(loaded, path)
-            return self._apply(state, loaded, os.fspath(path))
-        repair = LiveChunks(self.run.store, self.saved_part(state)) if self.run.chunks is not None else None
-        loaded, where, seen = self.run.newest_valid(repair)
-        if loaded is not None:
-            return self._apply(state, loaded, where)
-        lost = self.run.unrestorable()
-        if lost and if_unrestorable != "start_fresh" and os.environ.get("UNBROKEN_START_FRESH") != "1":
-            raise NoValidCheckpointError(unrestorable_message(self.location, lost))
-        self.events.publish(Started(None, 0))
-        if lost:
-            log.warning("starting %s from scratch on purpose; %d checkpoint(s) that could not be restored are "
-                        "kept in quarantine/", self.location, len(lost))
-        else:
-            log.info("no checkpoint in %s; starting from scratch", self.location)
-        return None
+        return restore_into(self, state, path, tag, if_unrestorable)
 
     def _apply(self, state: MutableMapping[str, Any], loaded: Any, where: str) -> CheckpointInfo:
         """Load ``loaded`` into ``state`` (see :func:`unbroken.restoring.apply_checkpoint`)."""

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
 import warnings
 from collections.abc import Mapping, MutableMapping
@@ -25,9 +26,11 @@ import numpy as np
 import torch
 import xxhash
 
-from .api import RESERVED, CheckpointInfo
+from .api import RESERVED, CheckpointInfo, read_path
+from .chunks import LiveChunks
+from .errors import NoCheckpointError, NoValidCheckpointError
 from .environment import check as check_environment
-from .events import Restored
+from .events import Restored, Started
 from .probe import check_after_resume
 from .data.loader import ResumableLoader
 from .reader import LoadedCheckpoint, ShardedRef, contains_sharded, substitute
@@ -195,6 +198,35 @@ def apply_checkpoint(ckpt: Any, state: MutableMapping[str, Any], loaded: LoadedC
     ckpt.events.publish(Restored(loaded.name if in_run else where, where, ckpt.progress.step))
     log.info("resumed from %s (step %d)", where, loaded.manifest.step)
     return CheckpointInfo.of(where, loaded.name, loaded.manifest)
+
+
+def restore_into(ckpt: Any, state: MutableMapping[str, Any], path: Any, tag: str | None,
+                 if_unrestorable: str) -> CheckpointInfo | None:
+    """The body of :meth:`unbroken.Checkpointer.restore` once the run is open (see there)."""
+    if tag is not None:
+        found = [c for c in ckpt.checkpoints() if tag in c.tags]
+        if not found:
+            raise NoCheckpointError(f"no checkpoint of {ckpt.location} is tagged {tag!r}")
+        path = found[0].path
+    if path is not None:
+        opts = ckpt.storage_options if isinstance(path, str) and "://" in path else None
+        loaded = read_path(path, opts, ckpt.comm.rank)
+        ckpt.run.use_base(loaded, path)
+        return apply_checkpoint(ckpt, state, loaded, os.fspath(path))
+    repair = LiveChunks(ckpt.run.store, ckpt.saved_part(state)) if ckpt.run.chunks is not None else None
+    loaded, where, _ = ckpt.run.newest_valid(repair)
+    if loaded is not None:
+        return apply_checkpoint(ckpt, state, loaded, where)
+    lost = ckpt.run.unrestorable()
+    if lost and if_unrestorable != "start_fresh" and os.environ.get("UNBROKEN_START_FRESH") != "1":
+        raise NoValidCheckpointError(unrestorable_message(ckpt.location, lost))
+    ckpt.events.publish(Started(None, 0))
+    if lost:
+        log.warning("starting %s from scratch on purpose; %d checkpoint(s) that could not be restored are kept in "
+                    "quarantine/", ckpt.location, len(lost))
+    else:
+        log.info("no checkpoint in %s; starting from scratch", ckpt.location)
+    return None
 
 
 def unrestorable_message(location: str, lost: list[tuple[str, str]]) -> str:
