@@ -264,3 +264,24 @@ def test_a_user_object_that_refuses_leaves_every_part_as_it_was(tmp_path: Path) 
     assert live["refuses"].value == 1  # put back
     assert after["counter"] == before["counter"] and after["opt"] == before["opt"] and after["sched"] == before["sched"]
     assert all(torch.equal(after["model"][k], before["model"][k]) for k in before["model"])
+
+
+def test_every_rank_refuses_when_every_checkpoint_is_damaged(tmp_path: Path) -> None:
+    """torchrun, 2 ranks (DDP): every checkpoint damaged → every rank raises the same error (the
+    choice of a checkpoint is collective), no rank starts at step 0, the relaunch too."""
+    from test_distributed import job, run, torchrun
+
+    code, out = run(torchrun(2, *job(tmp_path, "--stop-at", "8")))
+    assert code == 0, out
+    folders = sorted((tmp_path / "run").glob("step-*"))
+    assert len(folders) == 2
+    for folder in folders:
+        raw = bytearray((folder / "state.json").read_bytes())
+        raw[len(raw) // 2] ^= 0x01
+        (folder / "state.json").write_bytes(bytes(raw))
+    for _ in range(2):
+        code, out = run(torchrun(2, *job(tmp_path)))
+        assert code != 0
+        assert "fresh start" not in out and "resumed from" not in out
+        assert out.count("NoValidCheckpointError") >= 2, out  # both ranks
+        assert "step-000000004" in out and "step-000000008" in out
