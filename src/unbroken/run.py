@@ -55,7 +55,7 @@ class Run:
         self._has_chunks = incremental
         self.remote: Remote | None = remote
         self.remote_store = open_store(remote.location, remote.storage_options) if remote else None
-        if self.remote_store is not None and self.remote_store.url == self.store.url:
+        if self.remote_store is not None and self.remote_store.identity == self.store.identity:
             raise StorageError("the remote tier must be another location than the run itself")
         self.remote_schedule = Schedule(None, None, remote.keep_last, remote.retention) if remote else None
         self.publish = publish or (lambda e: None)
