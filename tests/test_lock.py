@@ -253,6 +253,25 @@ def test_a_writer_whose_lock_file_was_removed_refuses_to_commit(tmp_path: Path, 
                                                                                            saved[1]])
 
 
+def test_a_writer_whose_lock_file_was_removed_deletes_and_tags_nothing(tmp_path: Path) -> None:
+    from unbroken.scheduling import Schedule
+
+    run = tmp_path / "run"
+    ckpt = unbroken.Checkpointer(run, preemption=None, keep_last=None)
+    try:
+        for step in range(3):
+            ckpt.progress.step = step
+            ckpt.save({"w": torch.zeros(2)})
+        (run / ".lock").unlink()
+        with pytest.raises(RunLockedError, match="was deleted"):
+            ckpt.run.prune(Schedule(None, None, 1, None), None)
+        with pytest.raises(RunLockedError, match="was deleted"):
+            ckpt.tag("best", "step-000000000")
+        assert len(ckpt.checkpoints()) == 3 and not (run / "tags.json").exists()
+    finally:
+        ckpt.close()
+
+
 def test_a_writer_whose_lease_was_deleted_refuses_to_commit(s3, s3_url) -> None:
     ckpt = unbroken.Checkpointer(s3_url, storage_options=s3.storage_options, preemption=None, keep_last=None)
     try:

@@ -298,7 +298,7 @@ class Run:
         """Copy a checkpoint from the remote tier into the local one, verified; its local name."""
         assert self.remote_store is not None
         log.info("downloading %s", self.remote_store.describe(name))
-        final, _ = copy_checkpoint(self.remote_store, name, self.store)
+        final, _ = copy_checkpoint(self.remote_store, name, self.store, lock=self.lock)
         if self.uploader is not None:
             self.uploader.uploaded[final] = name
         return final
@@ -332,6 +332,8 @@ class Run:
                 pending = [n for n in self.uploader.pending() if n in {c.name for c in infos}]
                 protect += pending[-1:] if self.uploader.failing else pending
             doomed = schedule.doomed(infos, {c.name: set(c.tags) for c in infos}, None, protect=protect)
+            if doomed:
+                self.lock.verify()  # a writer whose lock was lost deletes nothing either
             for name in doomed:
                 self.store.delete(name)
                 self.publish(Pruned(name))
@@ -348,6 +350,8 @@ class Run:
             self.prune(self._schedule, None)
         infos = discover(self.remote_store)
         doomed = self.remote_schedule.doomed(infos, {c.name: set(c.tags) for c in infos}, None)
+        if doomed and self.remote_lock is not None:
+            self.remote_lock.verify()
         for name in doomed:
             self.remote_store.delete(name)
             log.debug("remote retention: deleted %s", self.remote_store.describe(name))
@@ -360,6 +364,7 @@ class Run:
         return load_tags(self.store)
 
     def set_tags(self, tags: dict[str, str]) -> None:
+        self.lock.verify()
         save_tags(self.store, tags)
         if self.remote_store is not None and self.uploader is not None:
             self._sync_tags()

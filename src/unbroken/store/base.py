@@ -100,8 +100,9 @@ class RunLock(Protocol):
         ...
 
     def verify(self) -> None:
-        """Raise :class:`~unbroken.errors.RunLockedError` if the lock was lost (a lease that
-        expired and was taken over); called before every commit."""
+        """Raise :class:`~unbroken.errors.RunLockedError` if the lock was lost (its file deleted or
+        replaced; a lease deleted, or expired and taken over); called before every commit, and
+        before retention deletes or tags are written."""
         ...
 
     def release(self) -> None: ...
