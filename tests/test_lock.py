@@ -14,9 +14,11 @@ import json
 import threading
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -47,9 +49,9 @@ WRITER = textwrap.dedent("""
 """)
 
 
-def start_writer(location: str) -> subprocess.Popen:
+def start_writer(location: str, **env: str) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-c", WRITER, location], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, **env})
     assert proc.stdout is not None and proc.stdout.readline().strip() == "locked"
     return proc
 
@@ -251,6 +253,39 @@ def test_a_writer_whose_lock_file_was_removed_refuses_to_commit(tmp_path: Path, 
         stop(first)
     assert sorted(p.name for p in run.iterdir() if p.name.startswith("step-")) == sorted(["step-000000000",
                                                                                            saved[1]])
+
+
+def _wait_until_stopped(proc: subprocess.Popen) -> None:
+    """Until ``proc`` has stopped itself (SIGSTOP at a fault point: state T in /proc)."""
+    while Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+        assert proc.poll() is None
+        time.sleep(0.05)
+
+
+def test_a_lock_removed_while_a_save_is_being_written_stops_its_commit(tmp_path: Path) -> None:
+    """The lock is checked again right before the commit: a save takes time, and the lock can be
+    deleted and taken by a second writer while its files are written."""
+    run = tmp_path / "run"
+    first = start_writer(str(run), UNBROKEN_FAULTS="save.mid_file=1", UNBROKEN_FAULT_ACTION="stop")
+    try:
+        assert first.stdin is not None
+        first.stdin.write("save\n")
+        first.stdin.flush()
+        _wait_until_stopped(first)  # half-way through a tensor file, its lock checked already
+        (run / ".lock").unlink()
+        second = start_writer(str(run))
+        try:
+            first.send_signal(signal.SIGCONT)
+            assert first.stdout is not None
+            answer = first.stdout.readline().strip()
+            assert answer.startswith("refused") and "was replaced" in answer and "another writer" in answer
+            assert ask_to_save(second).startswith("saved")
+        finally:
+            stop(second)
+    finally:
+        stop(first)
+    assert len([p for p in run.iterdir() if p.name.startswith("step-")]) == 1  # the second writer's
+    assert not [p for p in run.iterdir() if p.name.startswith(".staging")]
 
 
 def test_a_writer_whose_lock_file_was_removed_deletes_and_tags_nothing(tmp_path: Path) -> None:
