@@ -5,16 +5,17 @@ every rank: a DDP model and its optimizer, progress, the data position) and ``mi
 (its RNG and per-rank objects); sharded tensors (DTensors) sit in ``shared.sharded``.
 
 1. The ranks exchange the size of their parts; the coordinator (rank 0) checks the free
-   space, takes the next ``seq``, checks its lock, opens the staging area and broadcasts
-   its token. Nobody writes if that failed.
+   space, takes the next ``seq``, checks its lock (:meth:`~unbroken.store.RunLock.verify`),
+   opens the staging area and broadcasts its token. Nobody writes if that failed.
 2. Every rank writes its share into it: the shared tensor files round-robin (so the
    replicated state is written once, by all ranks together), ``state.json`` (rank 0),
    ``rank-<r>.json`` with its ``r<r>-*.safetensors``, and, if any rank has sharded
    tensors, its pieces through DCP (``s<r>.safetensors``; rank 0 adds ``sharded.json``).
 3. The ranks send the coordinator their file list (size, checksum) or their error. If any
    rank failed, the coordinator aborts the staging area and every rank raises an error that
-   names each failing rank and its exception; otherwise it writes the one manifest covering
-   every file, commits, and broadcasts the result.
+   names each failing rank and its exception; otherwise it checks its lock again (a save can
+   take minutes; a writer whose lock was lost meanwhile commits nothing), writes the one
+   manifest covering every file, commits, and broadcasts the result.
 
 **Choose.** The coordinator lists the candidates newest first; for each, every rank
 verifies its share of the files (every ``world``-th; all at world size 1, kept in memory
@@ -123,6 +124,7 @@ def _write(comm: Comm, store: Any, lock: Any, name: str, shared: Snapshot, mine:
         else:
             try:
                 every = {f: FileEntry(s, d) for res in results for f, (s, d) in res["files"].items()}
+                lock.verify()  # again: the lock may have been lost while the files were written
                 final, manifest = commit(staging, every, seq=seq, created=started, world_size=comm.world, **fields)
                 decision = {"ok": True, "name": final, "manifest": manifest.to_json().decode()}
             except BaseException as e:  # noqa: BLE001

@@ -55,7 +55,7 @@ class Run:
         self._has_chunks = incremental
         self.remote: Remote | None = remote
         self.remote_store = open_store(remote.location, remote.storage_options) if remote else None
-        if self.remote_store is not None and self.remote_store.url == self.store.url:
+        if self.remote_store is not None and self.remote_store.identity == self.store.identity:
             raise StorageError("the remote tier must be another location than the run itself")
         self.remote_schedule = Schedule(None, None, remote.keep_last, remote.retention) if remote else None
         self.publish = publish or (lambda e: None)
@@ -302,7 +302,7 @@ class Run:
         """Copy a checkpoint from the remote tier into the local one, verified; its local name."""
         assert self.remote_store is not None
         log.info("downloading %s", self.remote_store.describe(name))
-        final, _ = copy_checkpoint(self.remote_store, name, self.store)
+        final, _ = copy_checkpoint(self.remote_store, name, self.store, lock=self.lock)
         if self.uploader is not None:
             self.uploader.uploaded[final] = name
         return final
@@ -365,6 +365,8 @@ class Run:
                 pending = [n for n in self.uploader.pending() if n in {c.name for c in infos}]
                 protect += pending[-1:] if self.uploader.failing else pending
             doomed = schedule.doomed(infos, {c.name: set(c.tags) for c in infos}, None, protect=protect)
+            if doomed:
+                self.lock.verify()  # a writer whose lock was lost deletes nothing either
             for name in doomed:
                 self.store.delete(name)
                 self.publish(Pruned(name))
@@ -381,6 +383,8 @@ class Run:
             self.prune(self._schedule, None)
         infos = discover(self.remote_store)
         doomed = self.remote_schedule.doomed(infos, {c.name: set(c.tags) for c in infos}, None)
+        if doomed and self.remote_lock is not None:
+            self.remote_lock.verify()
         for name in doomed:
             self.remote_store.delete(name)
             log.debug("remote retention: deleted %s", self.remote_store.describe(name))
@@ -393,6 +397,7 @@ class Run:
         return load_tags(self.store)
 
     def set_tags(self, tags: dict[str, str]) -> None:
+        self.lock.verify()
         save_tags(self.store, tags)
         if self.remote_store is not None and self.uploader is not None:
             self._sync_tags()

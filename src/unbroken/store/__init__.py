@@ -6,6 +6,7 @@ and the commit strategies; :mod:`.local` (rename), :mod:`.fsspec` and :mod:`.s3`
 :mod:`.retry` retries transient remote errors.
 """
 
+from . import lease as _lease  # noqa: F401 - its exit hook must be registered before the Checkpointer's
 from .base import COMMIT_FILE, QUARANTINE, RunLock, Staging, Store
 from .open import is_url, open_store, redact, split_checkpoint
 

@@ -100,8 +100,9 @@ class RunLock(Protocol):
         ...
 
     def verify(self) -> None:
-        """Raise :class:`~unbroken.errors.RunLockedError` if the lock was lost (a lease that
-        expired and was taken over); called before every commit."""
+        """Raise :class:`~unbroken.errors.RunLockedError` if the lock was lost (its file deleted or
+        replaced; a lease deleted, or expired and taken over); called before every commit, and
+        before retention deletes or tags are written."""
         ...
 
     def release(self) -> None: ...
@@ -111,7 +112,11 @@ class Store(Protocol):
     """Checkpoints of one run. See the module docstring for the call order."""
 
     url: str
-    """Where the run lives (a path or a URL), never with credentials."""
+    """Where the run lives (an absolute path or a URL), never with credentials."""
+    identity: str
+    """Which run this is, the same for every spelling of its location (a folder's real path;
+    the backend's own protocol and path for a URL): what its lock, its lease and its index
+    cache are keyed by, and what two tiers must not share."""
     remote: bool
     """True for object stores and other non-local filesystems."""
 

@@ -53,6 +53,8 @@ class FsspecStore:
                  part_size: int = PART_SIZE, workers: int = 8, readonly: bool = False,
                  chunk_root: str | None = None) -> None:
         self.fs, self.root, self.url = fs, root.rstrip("/"), url.rstrip("/")
+        protocol = type(fs).protocol  # s3a:// and s3:// are one run: (its lease, its index cache)
+        self.identity = f"{protocol if isinstance(protocol, str) else protocol[0]}://{self.root}"
         self.chunk_root = chunk_root or self.path(CHUNKS)
         self.retry = retry or Retry()
         self.part_size, self.workers, self.readonly = part_size, workers, readonly
@@ -117,7 +119,7 @@ class FsspecStore:
         return LeaseLock(self)
 
     def local_dir(self) -> Path:
-        path = cache_root() / "runs" / hashlib.sha256(self.url.encode()).hexdigest()[:16]
+        path = cache_root() / "runs" / hashlib.sha256(self.identity.encode()).hexdigest()[:16]
         path.mkdir(parents=True, exist_ok=True)
         (path / "location.txt").write_text(self.url + "\n")
         return path

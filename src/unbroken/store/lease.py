@@ -15,9 +15,22 @@ Taking over a dead writer's lease:
   The takeover is again a conditional PUT on the ETag it saw, so of two writers racing
   for a dead lease exactly one wins.
 
-If a renewal finds the lease taken by someone else (this process was paused past its
-expiry), the lease is *lost*: :meth:`LeaseLock.verify`, called before every commit,
-raises, so a stale writer never commits over the new one.
+Nothing leaks, nothing is lost silently:
+
+- A PUT whose answer was lost (the connection dropped after the server wrote it) is
+  retried; the retry then finds a lease with this process's owner id and takes it as its
+  own, instead of refusing "another process" that is itself. If taking the lease fails
+  after it was written, it is deleted again before the error is raised.
+- :meth:`LeaseLock.verify`, called before every commit, reads the lease: if it is gone
+  (deleted) or names another owner (this process was paused past its expiry and someone
+  took it over, which the renewal also notices), the lease is *lost* and ``verify`` raises,
+  so a stale writer never commits over the new one. One small GET per commit.
+- Within a process every holder of the same run (``s3://`` and ``s3a://`` alike: keyed by
+  the store's ``identity``) shares one lease, reference-counted. A holder that is dropped
+  without :meth:`~LeaseLock.release` gives its share back when it is garbage-collected, and
+  every lease still held when the interpreter exits normally is released then, after the
+  ``Checkpointer``'s own close-at-exit (this hook is registered when :mod:`unbroken.store`
+  is imported, before that one, and ``atexit`` runs the last registered first).
 
 Limits, documented: expiry compares the holder's clock with the reader's (keep clocks
 within a few seconds; ``ttl`` is 120 s by default). On stores without conditional
@@ -28,6 +41,7 @@ lives, but two writers starting within the same second could both proceed.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -35,13 +49,14 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from typing import Any
 
 from ..errors import RunLockedError
 
 log = logging.getLogger("unbroken")
 LEASE_FILE = ".lock.json"
-_held: dict[str, tuple["LeaseLock", int]] = {}  # url -> (the process's lease, refcount)
+_held: dict[str, "_Lease"] = {}  # store identity -> the process's lease on that run
 _mutex = threading.Lock()
 
 
@@ -55,28 +70,28 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-class LeaseLock:
-    """The writer lease of one remote run; :meth:`acquire` is idempotent within a process."""
+def _who(doc: dict[str, Any]) -> str:
+    return f"host {doc.get('host')} pid {doc.get('pid')}"
 
-    def __init__(self, store: Any, ttl_s: float = 120.0) -> None:
-        self.store = store
-        self.ttl_s = ttl_s
+
+class _Lease:
+    """This process's lease on one run: the object in the store and its renewal thread."""
+
+    def __init__(self, store: Any, ttl_s: float) -> None:
+        self.store, self.ttl_s = store, ttl_s
         self.path = store.path(LEASE_FILE)
-        self._shared: LeaseLock | None = None  # the process-wide holder we piggyback on
-        self._etag: str | None = None
-        self._owner = uuid.uuid4().hex
+        self.owner = uuid.uuid4().hex
+        self.etag: str | None = None
+        self.count = 1
+        self.lost: str | None = None
+        self._written = False  # a PUT of ours may have reached the store
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.lost: str | None = None
-
-    @property
-    def held(self) -> bool:
-        return self._shared is not None
 
     # ------------------------------------------------------------------ storage
     def _doc(self) -> bytes:
         now = time.time()
-        return json.dumps({"owner": self._owner, "host": socket.gethostname(), "pid": os.getpid(),
+        return json.dumps({"owner": self.owner, "host": socket.gethostname(), "pid": os.getpid(),
                            "acquired": now, "expires": now + self.ttl_s}).encode()
 
     def _read(self) -> tuple[dict[str, Any], str] | None:
@@ -99,6 +114,7 @@ class LeaseLock:
     def _put(self, if_match: str | None) -> str | None:
         """Write our lease if the object is absent (None) or unchanged (``if_match``)."""
         data = self._doc()
+        self._written = True
         if hasattr(self.store, "put_conditional") and self.store.conditional is not False:
             return self.store.put_conditional(self.path, data, if_match=if_match)
         current = self._read()  # fallback: compare, write, read back
@@ -107,57 +123,56 @@ class LeaseLock:
         self.store.write_meta(LEASE_FILE, data)
         time.sleep(0.2)
         back = self._read()
-        return back[1] if back and back[0].get("owner") == self._owner else None
+        return back[1] if back and back[0].get("owner") == self.owner else None
 
-    # ------------------------------------------------------------------ protocol
-    def acquire(self) -> None:
-        if self.held:
-            return
-        with _mutex:
-            if self.store.url in _held:
-                lease, n = _held[self.store.url]
-                _held[self.store.url] = (lease, n + 1)
-                self._shared = lease
-                return
+    # ------------------------------------------------------------------ taking it
+    def take(self) -> None:
+        """Create or take over the lease (see the module docstring); if that fails after a PUT
+        of ours may have landed, the lease is deleted again before the error is raised."""
+        try:
             self._take()
-            _held[self.store.url] = (self, 1)
-            self._shared = self
-            self._stop.clear()
+            self._check_conditional()
+        except BaseException:
+            if self._written:
+                self._delete_if_ours()
+            raise
         self._thread = threading.Thread(target=self._renew_loop, name="unbroken-lease", daemon=True)
         self._thread.start()
 
     def _take(self) -> None:
         waited_for: str | None = None
         deadline = time.monotonic() + self.ttl_s + 5
+        url = self.store.url
         while True:
             current = self._read()
             if current is None:
                 etag = self._put(None)
             else:
                 doc, etag_seen = current
-                holder = f"host {doc.get('host')} pid {doc.get('pid')}"
+                if doc.get("owner") == self.owner:  # our own PUT, whose answer was lost
+                    self.etag = etag_seen
+                    return
                 here = doc.get("host") == socket.gethostname()
                 dead = here and not _pid_alive(int(doc.get("pid", -1)))
                 expired = float(doc.get("expires", 0)) < time.time()
                 if not (dead or expired):
                     if here or waited_for is not None and waited_for != etag_seen or time.monotonic() > deadline:
                         raise RunLockedError(
-                            f"{self.store.url} is being written by another process ({holder}, lease renewed "
+                            f"{url} is being written by another process ({_who(doc)}, lease renewed "
                             f"until {time.ctime(float(doc.get('expires', 0)))}). Two writers would corrupt "
                             "each other's retention and resume; stop the other run, or use another location.")
                     if waited_for is None:
                         log.warning("%s: the writer lease is held by %s on another host; waiting up to %.0f s "
                                     "for it to expire (a dead writer's lease is taken over then)",
-                                    self.store.url, holder, self.ttl_s)
+                                    url, _who(doc), self.ttl_s)
                     waited_for = etag_seen
                     time.sleep(min(5.0, max(0.5, float(doc.get("expires", 0)) - time.time() + 0.5)))
                     continue
-                log.info("%s: taking over the writer lease of %s (%s)", self.store.url, holder,
+                log.info("%s: taking over the writer lease of %s (%s)", url, _who(doc),
                          "process gone" if dead else "expired")
                 etag = self._put(etag_seen)
             if etag is not None:
-                self._etag = etag
-                self._check_conditional()
+                self.etag = etag
                 return
             time.sleep(0.2)  # lost a race: look again
 
@@ -170,53 +185,140 @@ class LeaseLock:
                 log.warning("%s ignores conditional writes: the writer lease falls back to "
                             "write-and-read-back (see unbroken.store.lease)", self.store.url)
                 back = self._read()
-                self._etag = back[1] if back else None
+                self.etag = back[1] if back else None
 
+    # ------------------------------------------------------------------ holding it
     def _renew_loop(self) -> None:
-        while not self._stop.wait(self.ttl_s / 3):
+        while not self._stop.wait(self.ttl_s / 3) and not self.lost:
             try:
-                etag = self._put(self._etag)
+                etag = self._put(self.etag)
+            except FileNotFoundError:
+                etag = None
             except Exception as e:  # a blip: try again next time, the lease has 2/3 of its ttl left
                 log.warning("could not renew the writer lease of %s: %s", self.store.url, e)
                 continue
             if etag is None:
-                current = self._read()
-                who = f"host {current[0].get('host')} pid {current[0].get('pid')}" if current else "nobody"
-                self.lost = f"the writer lease of {self.store.url} was taken over by {who}"
+                try:
+                    current = self._read()
+                except Exception:
+                    current = None
+                self._lose(current)
                 log.error("%s; this process will not commit any more checkpoints", self.lost)
                 return
-            self._etag = etag
+            self.etag = etag
 
-    def verify(self) -> None:
-        owner = self._shared
-        if owner is not None and owner.lost:
-            raise RunLockedError(owner.lost + "; this writer stops (restart it to resume safely)")
+    def _lose(self, current: tuple[dict[str, Any], str] | None) -> None:
+        if current is None:
+            self.lost = f"the writer lease of {self.store.url} is gone ({LEASE_FILE} was deleted)"
+        else:
+            self.lost = f"the writer lease of {self.store.url} was taken over by {_who(current[0])}"
 
-    def release(self) -> None:
-        if self._shared is None:
-            return
-        with _mutex:
-            lease, n = _held[self.store.url]
-            self._shared = None
-            if n > 1:
-                _held[self.store.url] = (lease, n - 1)
-                return
-            del _held[self.store.url]
-        lease._shutdown()
+    def check(self) -> None:
+        """Raise :class:`RunLockedError` unless the lease in the store is still ours."""
+        if not self.lost:
+            current = self._read()
+            if current is None or current[0].get("owner") != self.owner:
+                self._lose(current)
+        if self.lost:
+            raise RunLockedError(f"{self.lost}: another writer may be writing this run now, so this one "
+                                 "commits no more checkpoints (nothing was written). Stop the other writer if "
+                                 "there is one, then restart this one: it resumes from the newest checkpoint.")
 
-    def _shutdown(self) -> None:
+    # ------------------------------------------------------------------ giving it back
+    def shutdown(self) -> None:
         self._stop.set()
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=30)
-        if self.lost or self._etag is None:
-            return
+        if not self.lost:
+            self._delete_if_ours()
+
+    def _delete_if_ours(self) -> None:
         try:
-            if hasattr(self.store, "delete_conditional"):
-                self.store.delete_conditional(self.path, self._etag)
+            if self.etag is not None and hasattr(self.store, "delete_conditional"):
+                self.store.delete_conditional(self.path, self.etag)
             else:
                 current = self._read()
-                if current and current[0].get("owner") == self._owner:
+                if current and current[0].get("owner") == self.owner:
                     self.store.remove([self.path])
         except Exception as e:  # it expires by itself
             log.warning("could not release the writer lease of %s (it expires in %.0f s): %s",
                         self.store.url, self.ttl_s, e)
+
+
+def _release(key: str, lease: _Lease, dropped: bool = False) -> None:
+    """Give back one share of ``lease``; the last one deletes the lease. For a holder that was
+    ``dropped`` (garbage-collected), that happens in a thread of its own, not inside the
+    collector (which may run on any thread, the store's event loop included); the interpreter
+    waits for that thread before it exits."""
+    with _mutex:
+        if _held.get(key) is not lease:
+            return
+        lease.count -= 1
+        if lease.count > 0:
+            return
+        del _held[key]
+    if dropped:
+        threading.Thread(target=lease.shutdown, name="unbroken-lease-release").start()
+    else:
+        lease.shutdown()
+
+
+@atexit.register
+def _release_all_at_exit() -> None:
+    """Leases still held when the interpreter exits (a holder never released, or dropped)."""
+    with _mutex:
+        leases = list(_held.values())
+        _held.clear()
+    for lease in leases:
+        lease.shutdown()
+
+
+class LeaseLock:
+    """The writer lease of one remote run; :meth:`acquire` is idempotent, and holders of the
+    same run in one process share one lease."""
+
+    def __init__(self, store: Any, ttl_s: float = 120.0) -> None:
+        self.store = store
+        self.ttl_s = ttl_s
+        self.path = store.path(LEASE_FILE)
+        self._key = ""
+        self._lease: _Lease | None = None
+        self._release: weakref.finalize | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._lease is not None
+
+    @property
+    def lost(self) -> str | None:
+        """Why the lease was lost (taken over, deleted), or None."""
+        return self._lease.lost if self._lease is not None else None
+
+    def acquire(self) -> None:
+        """Take the lease, or raise :class:`RunLockedError` naming the holder."""
+        if self._lease is not None:
+            return
+        key = self.store.identity
+        with _mutex:
+            lease = _held.get(key)
+            if lease is not None:
+                lease.check()  # a lost lease is not shared with a new holder
+                lease.count += 1
+            else:
+                lease = _Lease(self.store, self.ttl_s)
+                lease.take()
+                _held[key] = lease
+            self._lease = lease
+            self._key = key
+            self._release = weakref.finalize(self, _release, key, lease, True)  # also if dropped unreleased
+            self._release.atexit = False  # exit: _release_all_at_exit, after the Checkpointers closed
+
+    def verify(self) -> None:
+        """Raise :class:`RunLockedError` if the lease is no longer ours (see the module docstring)."""
+        if self._lease is not None:
+            self._lease.check()
+
+    def release(self) -> None:
+        if self._release is not None and self._release.detach() is not None and self._lease is not None:
+            _release(self._key, self._lease)
+        self._lease, self._release = None, None

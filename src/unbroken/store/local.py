@@ -221,6 +221,11 @@ class LocalStore:
                                "it never follows links out of a run folder: remove them (or copy their "
                                "targets in) and run again")
 
+    @property
+    def identity(self) -> str:
+        """The real path of the run folder (links and ``..`` resolved): one per folder, however spelled."""
+        return os.path.realpath(self.root)
+
     def ensure(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
 
