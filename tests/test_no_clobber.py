@@ -1,0 +1,128 @@
+"""Never delete or overwrite what unbroken did not create.
+
+Every place the library removes, empties or overwrites a path a user named: ``selftest --workdir``,
+``demo --workdir`` (``run_demo``), ``export --to`` (a file, an HF folder, a checkpoint folder),
+``import`` into a folder, and the Lightning ``UnbrokenCheckpointIO`` (overwrite and remove). Each
+takes only what it made (marked), refuses anything else with a message that says what to do, and
+leaves the user's files byte for byte as they were.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import unbroken
+from unbroken.cli import app
+from unbroken.selftest import protocol
+
+SCRIPTS = Path(__file__).parent / "selftest_scripts"
+
+
+@pytest.fixture(autouse=True)
+def _no_selftest_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    for name in (protocol.DIR, protocol.RUN, protocol.KILL, protocol.STOP, "UNBROKEN_FAULTS"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def marker(tool: str) -> str:
+    return f".unbroken-{tool}"
+
+
+def cli(*args: str) -> tuple[int, str, str]:
+    res = CliRunner().invoke(app, list(args))
+    if res.exception is not None and not isinstance(res.exception, SystemExit):
+        raise res.exception
+    return res.exit_code, res.stdout, res.stderr
+
+
+def project(root: Path) -> dict[str, bytes]:
+    """A user's project folder: a few files and a sub-folder; returns what they hold."""
+    (root / "src").mkdir(parents=True)
+    files = {"train.py": b"print('my training')\n", "README.md": b"# mine\n", "src/model.py": b"W = 1\n"}
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    return files
+
+
+def unchanged(root: Path, files: dict[str, bytes]) -> bool:
+    return all((root / n).read_bytes() == d for n, d in files.items())
+
+
+# ------------------------------------------------------------------------------------- selftest
+def test_selftest_refuses_a_workdir_it_did_not_make(tmp_path: Path) -> None:
+    """``--workdir .`` used to empty the user's project before the first run."""
+    files = project(tmp_path / "proj")
+    code, out, err = cli("selftest", "--steps", "3", "--kills", "0", "--timeout", "60", "--json",
+                         "--workdir", str(tmp_path / "proj"), "--", sys.executable, str(SCRIPTS / "no_checkpointer.py"))
+    doc = json.loads(out)
+    assert code == 2 and doc["verdict"] == "error", (doc, err)
+    assert "not empty" in doc["error"] and marker("selftest") in doc["error"] and "nothing was changed" in doc["error"]
+    assert doc["workdir"] is None and doc["reference"] is None  # the script never ran
+    assert unchanged(tmp_path / "proj", files) and sorted(os.listdir(tmp_path / "proj")) == ["README.md", "src",
+                                                                                             "train.py"]
+
+
+def test_selftest_reuses_its_own_workdir_and_removes_only_its_entries(tmp_path: Path) -> None:
+    work = tmp_path / "w"
+    args = ("selftest", "--steps", "3", "--kills", "0", "--timeout", "60", "--json", "--workdir", str(work), "--",
+            sys.executable, str(SCRIPTS / "no_checkpointer.py"))
+    assert cli(*args)[0] == 2  # no Checkpointer: could not run, but the folder is made and marked
+    assert (work / marker("selftest")).is_file() and (work / "uninterrupted").is_dir()
+    (work / "uninterrupted" / "stale").write_text("from the last selftest")
+    (work / "notes.txt").write_text("the user's note beside the runs")
+    code, out, _ = cli(*args)
+    assert code == 2 and "no Checkpointer" in json.loads(out)["error"]
+    assert not (work / "uninterrupted" / "stale").exists()  # its own run folder was replaced
+    assert (work / "notes.txt").read_text() == "the user's note beside the runs"
+
+
+def test_claim_workdir_refuses_a_file_a_foreign_tool_folder_and_a_link_to_a_project(tmp_path: Path) -> None:
+    from unbroken.errors import TargetExistsError
+    from unbroken.selftest.workdir import claim_workdir
+
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(TargetExistsError, match="not a folder"):
+        claim_workdir(tmp_path / "file", "selftest", ["interrupted"])
+    demo_dir = claim_workdir(tmp_path / "d", "demo", ["interrupted"])
+    (demo_dir / "interrupted").mkdir()
+    with pytest.raises(TargetExistsError, match="not a folder that unbroken selftest made"):
+        claim_workdir(demo_dir, "selftest", ["interrupted"])
+    assert (demo_dir / "interrupted").is_dir()
+    files = project(tmp_path / "proj")
+    (tmp_path / "link").symlink_to(tmp_path / "proj")
+    with pytest.raises(TargetExistsError):
+        claim_workdir(tmp_path / "link", "selftest", ["src"])
+    assert unchanged(tmp_path / "proj", files)
+    # a link planted among a marked folder's entries is unlinked, its target untouched
+    work = claim_workdir(tmp_path / "w", "selftest", ["interrupted"])
+    (work / "interrupted").symlink_to(tmp_path / "proj")
+    claim_workdir(work, "selftest", ["interrupted"])
+    assert not os.path.lexists(work / "interrupted") and unchanged(tmp_path / "proj", files)
+    # new and empty folders are taken
+    (tmp_path / "empty").mkdir()
+    assert (claim_workdir(tmp_path / "empty", "demo", []) / marker("demo")).is_file()
+    assert (claim_workdir(tmp_path / "new" / "deeper", "demo", []) / marker("demo")).is_file()
+
+
+# ----------------------------------------------------------------------------------------- demo
+def test_demo_refuses_a_workdir_it_did_not_make(tmp_path: Path) -> None:
+    files = project(tmp_path / "proj")
+    code, out, err = cli("demo", "--workdir", str(tmp_path / "proj"), "--steps", "20", "--kills", "1", "--seed", "1")
+    assert code == 2, (out, err)
+    assert "TargetExistsError" in err and "not empty" in err and "unbroken demo" in err
+    assert unchanged(tmp_path / "proj", files) and sorted(os.listdir(tmp_path / "proj")) == ["README.md", "src",
+                                                                                             "train.py"]
+    from unbroken.demo import run_demo
+    from unbroken.errors import TargetExistsError
+
+    with pytest.raises(TargetExistsError):
+        run_demo(str(tmp_path / "proj"), steps=20, kills=1, seed=1)
+    assert unchanged(tmp_path / "proj", files)
