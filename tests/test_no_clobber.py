@@ -126,3 +126,105 @@ def test_demo_refuses_a_workdir_it_did_not_make(tmp_path: Path) -> None:
     with pytest.raises(TargetExistsError):
         run_demo(str(tmp_path / "proj"), steps=20, kills=1, seed=1)
     assert unchanged(tmp_path / "proj", files)
+
+
+# --------------------------------------------------------------------------------------- export
+def a_run(root: Path) -> Path:
+    """A run with one checkpoint of a small model."""
+    ckpt = unbroken.Checkpointer(root, keep_last=None, preemption=None)
+    torch.manual_seed(0)
+    ckpt.save({"model": torch.nn.Linear(3, 2).state_dict()})
+    ckpt.close()
+    return root
+
+
+def export(*args: str) -> tuple[int, str, str]:
+    return cli("export", *args)
+
+
+def test_export_refuses_an_existing_file_unless_force(tmp_path: Path) -> None:
+    run = a_run(tmp_path / "run")
+    mine = tmp_path / "weights.safetensors"
+    mine.write_bytes(b"the user's own file")
+    code, _, err = export(str(run), "--to", str(mine))
+    assert code == 1 and "TargetExistsError" in err and "--force" in err, err
+    assert mine.read_bytes() == b"the user's own file"
+    code, out, err = export(str(run), "--to", str(mine), "--force")
+    assert code == 0, err
+    from safetensors.torch import load_file
+
+    assert set(load_file(mine)) == {"weight", "bias"}
+
+
+def test_export_never_writes_inside_a_checkpoint_even_with_force(tmp_path: Path) -> None:
+    """``--to`` a file of the checkpoint being exported used to overwrite it: the checkpoint was broken."""
+    run = a_run(tmp_path / "run")
+    [name] = [p.name for p in run.iterdir() if p.name.startswith("step-")]
+    ckpt = run / name
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    tensor_file = next(n for n in before if n.endswith(".safetensors") and "model" in n)
+    for target, extra in ((ckpt / "new.safetensors", []), (ckpt / "sub" / "w.safetensors", []),
+                          (ckpt / tensor_file, ["--force"])):
+        code, _, err = export(str(run), "--to", str(target), *extra)
+        assert code == 1 and "TargetExistsError" in err and "inside the checkpoint" in err, (target, err)
+    code, _, err = export(str(run), "--to", str(ckpt), "--format", "hf", "--config", str(tmp_path / "none.json"))
+    assert code == 1 and "TargetExistsError" in err, err
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+    unbroken.verify(ckpt)
+    # nor into a run: a checkpoint folder exported into a run would become its newest checkpoint
+    code, _, err = export(str(run), "--to", str(run / "copy"), "--format", "checkpoint")
+    assert code == 1 and "in the run" in err, err
+    code, _, err = export(str(run), "--to", str(run / "index.sqlite"), "--force")
+    assert code == 1 and "a file of the run" in err, err
+    assert sorted(p.name for p in run.iterdir()) == sorted([name, ".lock", "index.sqlite"])
+
+
+def test_export_does_not_follow_a_link_at_the_target(tmp_path: Path) -> None:
+    run = a_run(tmp_path / "run")
+    mine = tmp_path / "precious.bin"
+    mine.write_bytes(b"precious")
+    link = tmp_path / "out.safetensors"
+    link.symlink_to(mine)
+    code, _, err = export(str(run), "--to", str(link))
+    assert code == 1 and "symbolic link" in err, err
+    code, _, err = export(str(run), "--to", str(link), "--force")  # replaces the link, not what it points to
+    assert code == 0, err
+    assert mine.read_bytes() == b"precious" and not link.is_symlink() and link.stat().st_size > 100
+    # an HF folder given as a link is refused, with or without --force
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "hf").symlink_to(tmp_path / "proj")
+    cfg = tmp_path / "config.json"
+    cfg.write_text("{}")
+    for extra in ([], ["--force"]):
+        code, _, err = export(str(run), "--to", str(tmp_path / "hf"), "--format", "hf", "--config", str(cfg), *extra)
+        assert code == 1 and "symbolic link" in err, err
+    assert os.listdir(tmp_path / "proj") == []
+
+
+def test_export_hf_keeps_the_files_of_an_existing_folder(tmp_path: Path) -> None:
+    run = a_run(tmp_path / "run")
+    release = tmp_path / "release"
+    release.mkdir()
+    (release / "config.json").write_text('{"mine": true}')
+    (release / "tokenizer.json").write_text("{}")
+    cfg = tmp_path / "config.json"
+    cfg.write_text('{"model_type": "x"}')
+    code, _, err = export(str(run), "--to", str(release), "--format", "hf", "--config", str(cfg))
+    assert code == 1 and "config.json exists" in err, err
+    assert (release / "config.json").read_text() == '{"mine": true}' and not (release / "model.safetensors").exists()
+    code, _, err = export(str(run), "--to", str(release), "--format", "hf", "--config", str(cfg), "--force")
+    assert code == 0, err
+    assert json.loads((release / "config.json").read_text()) == {"model_type": "x"}
+    assert (release / "tokenizer.json").read_text() == "{}"  # what export does not write stays
+    # a file where the folder goes, a folder where the file goes: never replaced, --force or not
+    code, _, err = export(str(run), "--to", str(release / "tokenizer.json"), "--format", "hf", "--config", str(cfg),
+                          "--force")
+    assert code == 1 and "is a file" in err, err
+    code, _, err = export(str(run), "--to", str(release), "--force")
+    assert code == 1 and "is a folder" in err, err
+    # --format checkpoint never replaces a folder
+    (tmp_path / "copy").mkdir()
+    (tmp_path / "copy" / "keep").write_text("x")
+    code, _, err = export(str(run), "--to", str(tmp_path / "copy"), "--format", "checkpoint")
+    assert code == 1 and "never replaces" in err, err
+    assert os.listdir(tmp_path / "copy") == ["keep"]
