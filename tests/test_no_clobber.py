@@ -228,3 +228,68 @@ def test_export_hf_keeps_the_files_of_an_existing_folder(tmp_path: Path) -> None
     code, _, err = export(str(run), "--to", str(tmp_path / "copy"), "--format", "checkpoint")
     assert code == 1 and "never replaces" in err, err
     assert os.listdir(tmp_path / "copy") == ["keep"]
+
+
+# ---------------------------------------------------------------------- Lightning checkpoint_io
+def lightning_checkpoint(step: int) -> dict:
+    return {"state_dict": {"w": torch.full((3,), float(step))}, "global_step": step, "epoch": 0}
+
+
+def test_lightning_checkpoint_io_overwrites_and_removes_only_its_own(tmp_path: Path, caplog) -> None:
+    from unbroken.integrations.lightning import UnbrokenCheckpointIO
+
+    io = UnbrokenCheckpointIO()
+    torch_ckpt = tmp_path / "last.ckpt"  # a TorchCheckpointIO file of an earlier run
+    torch.save(lightning_checkpoint(7), torch_ckpt)
+    before = torch_ckpt.read_bytes()
+    with pytest.raises(unbroken.UnbrokenError, match="not an unbroken checkpoint"):
+        io.save_checkpoint(lightning_checkpoint(8), torch_ckpt)
+    assert torch_ckpt.read_bytes() == before and not list(tmp_path.glob("*.unbroken-*"))
+    # remove_checkpoint leaves what it did not write (a file, a folder of the user's), with a warning
+    user_dir = tmp_path / "mine.ckpt"
+    user_dir.mkdir()
+    (user_dir / "notes.txt").write_text("keep")
+    with caplog.at_level("WARNING", logger="unbroken"):
+        io.remove_checkpoint(torch_ckpt)
+        io.remove_checkpoint(user_dir)
+    assert torch_ckpt.read_bytes() == before and (user_dir / "notes.txt").read_text() == "keep"
+    assert caplog.text.count("not removing") == 2
+    with pytest.raises(unbroken.UnbrokenError, match="not an unbroken checkpoint"):
+        io.save_checkpoint(lightning_checkpoint(8), user_dir)
+    assert os.listdir(user_dir) == ["notes.txt"]
+    # its own checkpoints: replaced and removed as before; a link is unlinked, its target untouched
+    ours = tmp_path / "epoch_0-step_1.ckpt"
+    io.save_checkpoint(lightning_checkpoint(1), ours)
+    io.save_checkpoint(lightning_checkpoint(2), ours)
+    assert io.load_checkpoint(ours)["global_step"] == 2
+    link = tmp_path / "best.ckpt"
+    link.symlink_to(user_dir)
+    io.remove_checkpoint(link)
+    assert not os.path.lexists(link) and (user_dir / "notes.txt").read_text() == "keep"
+    link.symlink_to(user_dir)
+    io.save_checkpoint(lightning_checkpoint(3), link)  # Lightning's save_last="link" leaves such links
+    assert not link.is_symlink() and io.load_checkpoint(link)["global_step"] == 3
+    assert (user_dir / "notes.txt").read_text() == "keep"
+    io.remove_checkpoint(ours)
+    assert not ours.exists()
+
+
+def test_lightning_checkpoint_io_on_s3_removes_only_its_own(s3, s3_url: str) -> None:
+    from unbroken.integrations.lightning import UnbrokenCheckpointIO
+
+    io = UnbrokenCheckpointIO(storage_options=s3.storage_options)
+    fs = s3.fs()
+    foreign = f"{s3_url}/last.ckpt"
+    fs.pipe(foreign.removeprefix("s3://") + "/data.bin", b"someone else's")
+    with pytest.raises(unbroken.UnbrokenError, match="not an unbroken checkpoint"):
+        io.save_checkpoint(lightning_checkpoint(1), foreign)
+    io.remove_checkpoint(foreign)
+    assert fs.cat(foreign.removeprefix("s3://") + "/data.bin") == b"someone else's"
+    ours = f"{s3_url}/epoch_0-step_1.ckpt"
+    io.save_checkpoint(lightning_checkpoint(1), ours)
+    io.save_checkpoint(lightning_checkpoint(2), ours)
+    assert unbroken.load(ours, storage_options=s3.storage_options)["global_step"] == 2
+    io.remove_checkpoint(ours)
+    fs.invalidate_cache()
+    key = ours.removeprefix("s3://")
+    assert [f for f in fs.find(key) if f != key] == []  # (SeaweedFS may keep an empty folder entry)
