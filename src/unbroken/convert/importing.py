@@ -18,7 +18,9 @@ The imported state has the keys a plain loop uses: ``model``, ``optimizer``, ``s
 config) and ``hyper_parameters``. The step and epoch become the checkpoint's progress; an HF
 RNG state becomes the checkpoint's RNG state (other sources: the RNGs are reseeded from the
 checkpoint on resume). Restore it into a state with the parts you have and ``strict=False``.
-Every pickle is loaded safely (:mod:`unbroken.convert.pickles`).
+Every pickle is loaded safely (:mod:`unbroken.convert.pickles`), and what it may expand to is
+bounded before anything walks it (:mod:`unbroken.convert.bounds`). ``run`` must be a run, or a
+new or empty folder (:func:`check_run_folder`).
 """
 
 from __future__ import annotations
