@@ -24,7 +24,7 @@ def _repository_unchanged(tmp_path_factory: pytest.TempPathFactory) -> None:
     basetemp = tmp_path_factory.getbasetemp()
     before = snapshot(REPO, skip=basetemp)
     yield
-    found = changes(before, snapshot(REPO, skip=basetemp), tracked(REPO))
+    found = changes(before, snapshot(REPO, skip=basetemp), tracked(REPO), REPO)
     if found:
         pytest.fail("tests changed the repository (a test must write only inside its tmp_path):\n  "
                     + "\n  ".join(found[:50]) + (f"\n  ... {len(found) - 50} more" if len(found) > 50 else ""),

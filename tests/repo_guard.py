@@ -4,8 +4,12 @@
 modification time), walking into ignored folders too (``runs/``, ``checkpoints/``: a write inside an
 already ignored folder is still seen), and skipping only the caches that tools and Python themselves
 keep (:data:`CACHES`) and pytest's own base temporary folder if it lies inside the repository.
-:func:`changes` lists what a session created, removed, or modified (modifications of files git tracks
-are left out: an engineer may edit the sources while the tests run, and ``git diff`` shows those).
+:func:`changes` lists what a session created, removed or modified, except an engineer's own work,
+which goes on beside a long session: a file git tracks that is modified (``git diff`` shows it), and
+a source file being written: untracked, not ignored, in a folder that holds tracked files (``src/``,
+``tests/``, ``docs/``), other than the repository's root. Everything else is reported: any change at
+the root (where a tool run from the repository writes: ``checkpoints/``, ``lightning_logs/``), any new
+folder, anything git ignores, anything in a folder without tracked files, a tracked file removed.
 ``tests/conftest.py`` fails the session, naming the paths, if the list is not empty.
 """
 
@@ -51,17 +55,34 @@ def snapshot(root: Path, skip: Path | None = None) -> dict[str, Entry]:
 
 def tracked(root: Path) -> set[str]:
     """The files git tracks under ``root`` (none if it is not a git checkout)."""
+    res = _git(root, "ls-files", "-z")
+    return set(res.split("\0")) - {""} if res is not None else set()
+
+
+def _git(root: Path, *args: str, stdin: str | None = None) -> str | None:
     try:
-        res = subprocess.run(["git", "-C", str(root), "ls-files", "-z"], capture_output=True, timeout=60)
+        res = subprocess.run(["git", "-C", str(root), *args], input=stdin, capture_output=True, text=True,
+                             timeout=60)
     except (OSError, subprocess.TimeoutExpired):
-        return set()
-    return set(res.stdout.decode(errors="replace").split("\0")) - {""} if res.returncode == 0 else set()
+        return None
+    return res.stdout if res.returncode in (0, 1) else None  # check-ignore: 1 = none ignored
 
 
-def changes(before: dict[str, Entry], after: dict[str, Entry], tracked_files: set[str]) -> list[str]:
-    """What changed between two snapshots, one line per path: created, removed, modified (untracked)."""
-    lines = [f"created: {p}" for p in sorted(after.keys() - before.keys())]
-    lines += [f"removed: {p}" for p in sorted(before.keys() - after.keys())]
-    lines += [f"modified: {p}" for p in sorted(before.keys() & after.keys())
+def changes(before: dict[str, Entry], after: dict[str, Entry], tracked_files: set[str],
+            root: Path | None = None) -> list[str]:
+    """What changed between two snapshots, one line per path (see the module docstring for what is an
+    engineer's work and left out; ``root``: the git checkout asked which of those paths it ignores)."""
+    source_dirs = {p.rpartition("/")[0] for p in tracked_files} - {""}
+
+    def engineers(path: str, entry: Entry) -> bool:
+        return entry[0] != "d" and path not in tracked_files and path.rpartition("/")[0] in source_dirs
+
+    found = [("created", p) for p in sorted(after.keys() - before.keys())]
+    found += [("removed", p) for p in sorted(before.keys() - after.keys())]
+    found += [("modified", p) for p in sorted(before.keys() & after.keys())
               if before[p] != after[p] and p not in tracked_files]
-    return lines
+    maybe = sorted({p for _, p in found if engineers(p, after.get(p) or before[p])})
+    ignored = set()
+    if maybe and root is not None:
+        ignored = set((_git(root, "check-ignore", "--no-index", "--stdin", stdin="\n".join(maybe)) or "").split("\n"))
+    return [f"{what}: {p}" for what, p in found if p not in maybe or p in ignored]

@@ -33,8 +33,15 @@ def test_snapshot_sees_writes_anywhere_but_tool_caches(tmp_path: Path) -> None:
     (repo / "src" / "mod.py").write_text("x = 2  # edited by an engineer meanwhile\n")  # tracked: not a finding
     (repo / "notes.txt").write_text("overwritten by a test\n")  # untracked: a finding
     (repo / "gone.txt").unlink()
-    found = changes(before, snapshot(repo), tracked_files={"src/mod.py"})
-    assert found == ["created: runs/old/step-1", "removed: gone.txt", "modified: notes.txt"]
+    (repo / "src" / "new_module.py").write_text("# an engineer's new file, written meanwhile\n")
+    (repo / "src" / "out.ckpt").write_bytes(b"a test's leak, ignored by git")
+    (repo / "src" / "lightning_logs").mkdir()  # a new folder, even among the sources
+    subprocess.run(["git", "init", "-q", str(repo)], check=True, timeout=60)
+    (repo / ".gitignore").write_text("*.ckpt\nruns/\n")
+    before[".gitignore"] = snapshot(repo)[".gitignore"]
+    found = changes(before, snapshot(repo), {"src/mod.py", ".gitignore"}, repo)
+    assert found == ["created: runs/old/step-1", "created: src/lightning_logs", "created: src/out.ckpt",
+                     "removed: gone.txt", "modified: notes.txt"]
 
 
 def _harness(repo: Path, test_body: str) -> subprocess.CompletedProcess[str]:
