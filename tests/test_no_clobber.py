@@ -211,6 +211,12 @@ def test_export_hf_keeps_the_files_of_an_existing_folder(tmp_path: Path) -> None
     cfg.write_text('{"model_type": "x"}')
     code, _, err = export(str(run), "--to", str(release), "--format", "hf", "--config", str(cfg))
     assert code == 1 and "config.json exists" in err, err
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "model.safetensors").write_bytes(b"the user's weights")
+    code, _, err = export(str(run), "--to", str(tmp_path / "other"), "--format", "hf", "--config", str(cfg))
+    assert code == 1 and "model.safetensors exists" in err, err
+    assert (tmp_path / "other" / "model.safetensors").read_bytes() == b"the user's weights"
+    assert os.listdir(tmp_path / "other") == ["model.safetensors"]
     assert (release / "config.json").read_text() == '{"mine": true}' and not (release / "model.safetensors").exists()
     code, _, err = export(str(run), "--to", str(release), "--format", "hf", "--config", str(cfg), "--force")
     assert code == 0, err

@@ -132,7 +132,7 @@ def export_weights(checkpoint: str | os.PathLike[str], to: str | os.PathLike[str
     out = Path(to)
     targets = [out] if fmt == "safetensors" else [out / "model.safetensors", out / "config.json"]
     check_target(out, force=force, folder=fmt == "hf")  # before the (slow) read: nothing is read in vain
-    for target in targets[len(targets) > 1:]:
+    for target in targets if fmt == "hf" else []:
         check_target(target, force=force, folder=False)
     tree = load(checkpoint, storage_options=storage_options)
     weights = weights_of(tree, key)
