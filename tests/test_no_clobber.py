@@ -294,7 +294,7 @@ def test_lightning_checkpoint_io_on_s3_removes_only_its_own(s3, s3_url: str) -> 
     ours = f"{s3_url}/epoch_0-step_1.ckpt"
     io.save_checkpoint(lightning_checkpoint(1), ours)
     io.save_checkpoint(lightning_checkpoint(2), ours)
-    assert unbroken.load(ours, storage_options=s3.storage_options)["global_step"] == 2
+    assert io.load_checkpoint(ours)["global_step"] == 2  # a ".ckpt" URL it saved is read back as its own
     io.remove_checkpoint(ours)
     fs.invalidate_cache()
     key = ours.removeprefix("s3://")

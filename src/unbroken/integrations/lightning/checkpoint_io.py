@@ -54,10 +54,13 @@ def stored_as(path: str) -> str:
     return head + sep + safe
 
 
-def _is_unbroken(path: str) -> bool:
+def _is_unbroken(path: str, options: Mapping[str, Any] | None = None) -> bool:
     """A checkpoint folder (``manifest.json``) or a run (checkpoint folders inside) of unbroken."""
     if "://" in path:
-        return not path.endswith((".ckpt", ".pt", ".pth"))
+        if not path.endswith((".ckpt", ".pt", ".pth")):
+            return True
+        fs, p = _remote(path, options)  # a ".ckpt" name this plugin saved is a checkpoint folder
+        return bool(fs.exists(f"{p.rstrip('/')}/{COMMIT_FILE}"))
     if not os.path.isdir(path):
         return False
     if os.path.isfile(os.path.join(path, "manifest.json")):
@@ -139,7 +142,7 @@ class UnbrokenCheckpointIO:
         path = os.fspath(path)
         if not os.path.isfile(path) and "://" not in path:
             path = stored_as(path)
-        if not _is_unbroken(path):
+        if not _is_unbroken(path, self.storage_options):
             torch_io = fabric_io(pick()).plugins.TorchCheckpointIO()
             return torch_io.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         tree = load(path, storage_options=self.storage_options)
