@@ -1,4 +1,5 @@
-"""Shared fixtures: a real S3 server (SeaweedFS) started once per session, and a private cache."""
+"""Shared fixtures: a real S3 server (SeaweedFS) started once per session, a private cache, and the guard
+that fails the session if any test wrote into the repository (:mod:`repo_guard`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,25 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+from repo_guard import changes, snapshot, tracked  # noqa: E402
 from s3_server import S3Server  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _repository_unchanged(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Tests write only inside their tmp_path: the repository (ignored folders included, tool caches
+    excluded) must look the same after the session as before it; otherwise the session fails, naming
+    each path (the last test gets the error; run the suspects alone to find the writer)."""
+    basetemp = tmp_path_factory.getbasetemp()
+    before = snapshot(REPO, skip=basetemp)
+    yield
+    found = changes(before, snapshot(REPO, skip=basetemp), tracked(REPO), REPO)
+    if found:
+        pytest.fail("tests changed the repository (a test must write only inside its tmp_path):\n  "
+                    + "\n  ".join(found[:50]) + (f"\n  ... {len(found) - 50} more" if len(found) > 50 else ""),
+                    pytrace=False)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -234,3 +234,101 @@ def test_import_command_refuses_a_malicious_pickle(tmp_path: Path) -> None:
     assert res.returncode == 1 and "UntrustedPickleError" in res.stderr and "--trust-pickle" in res.stderr
     assert "Traceback" not in res.stderr
     assert not marker.exists() and not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------ bounded import (issue 23 §7)
+def _shared_pickle(path: Path, levels: int) -> None:
+    """A tiny pickle whose list holds the same list twice, ``levels`` deep: 2**(levels+1) - 1 values
+    once written out as a tree."""
+    shared: list = []
+    for _ in range(levels):
+        shared = [shared, shared]
+    torch.save({"model": {"w": torch.zeros(2)}, "optimizer": shared}, path)
+
+
+@pytest.mark.parametrize("levels", [20, 30])
+def test_shared_references_are_walked_once_and_bounded(tmp_path: Path, levels: int) -> None:
+    """A 2 KB pickle of shared references: 2**31 values written out. Refused at once, not after minutes."""
+    _shared_pickle(tmp_path / "shared.pt", levels)
+    assert (tmp_path / "shared.pt").stat().st_size < 4096
+    with pytest.raises(unbroken.errors.UnbrokenError, match="more than 2,000,000 values"):
+        read_source(tmp_path / "shared.pt")
+    with pytest.raises(unbroken.errors.UnbrokenError, match="more than 2,000,000 values"):
+        import_checkpoint(tmp_path / "shared.pt", tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_cycles_and_deep_nesting_in_a_pickle_are_refused_clearly(tmp_path: Path) -> None:
+    cycle: list = [1]
+    cycle.append(cycle)
+    torch.save({"model": {"w": torch.zeros(2)}, "extra": cycle}, tmp_path / "cycle.pt")
+    with pytest.raises(unbroken.errors.UnbrokenError, match="contains itself"):
+        read_source(tmp_path / "cycle.pt")
+    deep: list = []
+    for _ in range(150):
+        deep = [deep]
+    torch.save({"model": {"w": torch.zeros(2)}, "extra": deep}, tmp_path / "deep.pt")
+    with pytest.raises(unbroken.errors.UnbrokenError, match="more than 100 levels"):
+        read_source(tmp_path / "deep.pt")
+    # sharing that stays small (tied weights, a list used twice) imports as before, as copies
+    small = [1, 2]
+    torch.save({"model": {"a": torch.ones(2)}, "extra": {"x": small, "y": small}}, tmp_path / "ok.pt")
+    assert read_source(tmp_path / "ok.pt").state["extra"] == {"x": [1, 2], "y": [1, 2]}
+
+
+def _hostile_hf(hf_folder: Path, tmp_path: Path, name: str, text: str) -> Path:
+    import shutil
+
+    folder = tmp_path / "checkpoint-3"
+    shutil.copytree(hf_folder, folder)
+    (folder / name).write_text(text)
+    return folder
+
+
+def _gpt2_config(hf_folder: Path, **changes: object) -> str:
+    import json
+
+    config = json.loads((hf_folder / "config.json").read_text())
+    config.update(changes)
+    return json.dumps(config)
+
+
+@pytest.mark.parametrize("name,text,message", [
+    ("config.json", "n_layer=2000", "declares n_layer = 2000"),
+    ("config.json", "n_layer=200000", "declares n_layer = 200000"),
+    ("config.json", "[1, 2]", "holds a JSON list, not an object"),
+    ("config.json", "[" * 100_000 + "]" * 100_000, "is not valid JSON"),
+    ("config.json", "n_layer='two'", "transformers cannot build GPT2LMHeadModel"),
+    ("trainer_state.json", '"step 3"', "holds a JSON str, not an object"),
+    ("model.safetensors.index.json", '{"weight_map": 5}', "'weight_map' is not an object of file names"),
+], ids=["2000-layers", "200000-layers", "config-list", "config-deep", "config-bad-value", "state-string",
+        "index-bad-map"])
+def test_hostile_hf_metadata_gives_a_clear_error(hf_folder: Path, tmp_path: Path, name: str, text: str,
+                                                 message: str) -> None:
+    """An HF config claiming 200,000 layers used to build them all on the meta device (minutes); other
+    hostile metadata raised TypeError, AttributeError or RecursionError from deep inside."""
+    if "=" in text and not text.startswith(("[", "{", '"')):
+        key, value = text.split("=")
+        text = _gpt2_config(hf_folder, **{key: eval(value)})  # noqa: S307 - the test's own literals
+    folder = _hostile_hf(hf_folder, tmp_path, name, text)
+    with pytest.raises(unbroken.errors.UnbrokenError, match=message) as e:
+        import_checkpoint(folder, tmp_path / "run")
+    assert name in str(e.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_import_refuses_a_folder_that_is_not_a_run(tmp_path: Path) -> None:
+    """``unbroken import SRC .`` used to turn the user's project into a run (lock, index, checkpoint)."""
+    torch.save({"w": torch.ones(2)}, tmp_path / "w.pt")
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "train.py").write_text("print('mine')\n")
+    with pytest.raises(unbroken.errors.UnbrokenError, match="not a run"):
+        import_checkpoint(tmp_path / "w.pt", project)
+    assert os.listdir(project) == ["train.py"]
+    info, _ = import_checkpoint(tmp_path / "w.pt", tmp_path / "run")  # a new folder becomes a run
+    with pytest.raises(unbroken.errors.UnbrokenError, match="is a checkpoint"):
+        import_checkpoint(tmp_path / "w.pt", info.path)  # never into a checkpoint
+    again, _ = import_checkpoint(tmp_path / "w.pt", tmp_path / "run")  # a run takes another one
+    assert again.path != info.path
+    unbroken.verify(info.path)

@@ -28,6 +28,10 @@ import torch
 from safetensors.torch import load_file
 
 from .faults import EXIT_PREEMPTED
+from .selftest.workdir import claim_workdir
+
+WORK_ENTRIES = ("reference", "interrupted", "losses.png")
+"""What the demo creates in its work folder (a ``--workdir`` it made is emptied of these alone)."""
 
 
 @dataclass
@@ -184,17 +188,20 @@ def plot_losses(base: Path, attempts: list[Attempt], out: Path) -> Path:
 
 def run_demo(workdir: str | None = None, steps: int = 150, kills: int = 3, seed: int | None = None,
              keep: bool = False) -> bool:
-    """Run the whole demo, print the report, return whether the runs are bitwise identical."""
+    """Run the whole demo, print the report, return whether the runs are bitwise identical.
+
+    ``workdir``: keep every file there. It must be new, empty, or a folder a previous demo made (marked
+    ``.unbroken-demo``: only the demo's own entries in it are replaced); anything else raises
+    :class:`~unbroken.errors.TargetExistsError` before anything is written (see
+    :func:`unbroken.selftest.workdir.claim_workdir`). Without it, a temporary folder."""
     from rich.console import Console
     from rich.table import Table
 
     console = Console(width=max(Console().width, 110))
     seed = random.SystemRandom().randrange(10_000) if seed is None else seed
     rng = random.Random(seed)
-    base = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="unbroken-demo-"))
-    if base.exists():
-        shutil.rmtree(base)
-    base.mkdir(parents=True)
+    base = claim_workdir(workdir, "demo", WORK_ENTRIES) if workdir else \
+        Path(tempfile.mkdtemp(prefix="unbroken-demo-"))
     env = dict(os.environ, PYTHONUNBUFFERED="1")
 
     def cmd(name: str, workers: int = 0) -> list[str]:

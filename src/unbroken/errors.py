@@ -63,3 +63,9 @@ class StorageError(UnbrokenError, OSError):
     installed, a bucket that does not exist, credentials that are refused, a server that
     stays unreachable, or a local path that is not a folder. The message says which, and
     what to do."""
+
+
+class TargetExistsError(UnbrokenError, FileExistsError):
+    """A path unbroken was asked to write, empty or replace holds something unbroken did not
+    create (a user's file or folder, a link, a checkpoint of a run). Nothing was touched; the
+    message says why and what to do (another path, an empty folder, or ``--force`` where offered)."""

@@ -58,11 +58,14 @@ def export(checkpoint: str = typer.Argument(..., metavar="CKPT", help="A checkpo
            key: str = typer.Option("model", "--key", help="The part of the state that holds the weights."),
            config: Optional[Path] = typer.Option(None, "--config", help="A config.json for --format hf, when "
                                                  "the checkpoint has no 'config' part."),
+           force: bool = typer.Option(False, "--force", help="Replace an existing target file (for --format hf: "
+                                      "model.safetensors and config.json in the folder). Never a folder, and "
+                                      "never anything inside a checkpoint or a run."),
            json_: bool = JSON_OPTION) -> None:
     """Write a checkpoint's model weights for inference or the HF Hub, or a self-contained copy of
-    the whole checkpoint (verified on read)."""
+    the whole checkpoint (verified on read). An existing target is refused unless --force."""
     files = export_weights(checkpoint, to, key=key, dtype=dtype, fmt=fmt, config=config,
-                           storage_options=options_for(checkpoint))
+                           storage_options=options_for(checkpoint), force=force)
     if json_:
         emit_json({"checkpoint": checkpoint, "format": fmt, "dtype": dtype, "files": [str(f) for f in files]})
         return

@@ -34,7 +34,9 @@ def selftest(
                        "--max-restarts 0 train.py ...` (the leading python replaced); rank 0 is interrupted, the "
                        "ranks are compared one by one."),
     workdir: str | None = typer.Option(None, "--workdir", metavar="DIR", help="Keep run folders, records and logs "
-                                       "here (emptied first). By default a temporary folder, removed when identical."),
+                                       "here: a new or empty folder, or one a previous selftest made (marked "
+                                       ".unbroken-selftest; its run folders are replaced). Anything else is "
+                                       "refused (exit 2). By default a temporary folder, removed when identical."),
     json_: bool = JSON_OPTION,
 ) -> None:
     """Run a training script uninterrupted and interrupted (SIGKILL, SIGTERM, exceptions, kills inside saves),

@@ -2,7 +2,9 @@
 
 - :func:`import_checkpoint` — an HF Trainer ``checkpoint-N/`` folder, a Lightning ``.ckpt`` or a
   ``torch.save`` file into a run, pickles loaded safely (:mod:`.pickles`).
-- :func:`export_weights` — a checkpoint's model weights as safetensors or an HF model folder.
+- :func:`export_weights` — a checkpoint's model weights as safetensors or an HF model folder
+  (never over a file it did not write without ``force``, never into a checkpoint or run).
+- :mod:`.bounds` — how far an untrusted source may expand (shared references, declared sizes).
 """
 
 from .exporting import export_weights

@@ -17,20 +17,26 @@ a flat mapping of names to tensors. They are verified on read like any load, opt
 
 Tensors that share memory (tied weights) are written once each as separate copies, since
 safetensors cannot store aliases; ``from_pretrained`` ties them again.
+
+Export never destroys what it did not write (:func:`check_target`): an existing target file (or,
+for ``hf``, an existing ``model.safetensors``/``config.json`` in the folder) is refused unless
+``force=True`` (``--force``), which replaces it by an atomic rename; a link at the target is
+replaced, never written through; a folder is never replaced (``--format checkpoint`` needs a new
+one); and nothing is written inside a checkpoint folder or a run, with or without ``force``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
 from ..api import load
-from ..errors import UnbrokenError
+from ..errors import TargetExistsError, UnbrokenError
+from ..store.local import fsync_dir, write_file_atomic
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
           "fp32": torch.float32, "float32": torch.float32}
@@ -75,7 +81,9 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], to: str | os.PathLike[
 
     out = Path(to)
     if os.path.lexists(out):
-        raise UnbrokenError(f"{out} exists: export writes a new folder")
+        raise TargetExistsError(f"{out} exists: --format checkpoint writes a new folder and never replaces one "
+                                "(not even with --force); remove it yourself or choose another --to")
+    check_target(out, force=False, folder=True, checkpoint=True)
     if is_run(checkpoint, storage_options):
         store, name = open_store(checkpoint, storage_options, readonly=True), read_run(checkpoint, storage_options).name
     else:
@@ -107,10 +115,11 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], to: str | os.PathLike[
 
 def export_weights(checkpoint: str | os.PathLike[str], to: str | os.PathLike[str], *, key: str = "model",
                    dtype: str | None = None, fmt: str = "safetensors", config: str | os.PathLike[str] | None = None,
-                   storage_options: Mapping[str, Any] | None = None) -> list[Path]:
+                   storage_options: Mapping[str, Any] | None = None, force: bool = False) -> list[Path]:
     """Write the weights of ``checkpoint`` (one checkpoint, or a run: its newest valid one) to
-    ``to``; return the files written. See the module docstring for ``fmt`` and ``dtype``."""
-    from safetensors.torch import save_file
+    ``to``; return the files written. See the module docstring for ``fmt`` and ``dtype``;
+    ``force``: replace an existing target file (never a folder, never inside a checkpoint or run)."""
+    from safetensors.torch import save
 
     if fmt == "checkpoint":
         if dtype is not None:
@@ -120,23 +129,70 @@ def export_weights(checkpoint: str | os.PathLike[str], to: str | os.PathLike[str
         raise UnbrokenError(f"unknown export format {fmt!r}: use 'safetensors', 'hf' or 'checkpoint'")
     if dtype is not None and dtype not in DTYPES:
         raise UnbrokenError(f"unknown dtype {dtype!r}: use one of {sorted(DTYPES)}")
+    out = Path(to)
+    targets = [out] if fmt == "safetensors" else [out / "model.safetensors", out / "config.json"]
+    check_target(out, force=force, folder=fmt == "hf")  # before the (slow) read: nothing is read in vain
+    for target in targets if fmt == "hf" else []:
+        check_target(target, force=force, folder=False)
     tree = load(checkpoint, storage_options=storage_options)
     weights = weights_of(tree, key)
     cast = DTYPES[dtype] if dtype else None
     tensors = {name: (t.to(cast) if cast is not None and t.is_floating_point() else t).contiguous().clone()
                for name, t in weights.items()}
+    model_config = tree.get("config")
+    del tree, weights  # the clones are what is written: at most two copies of the weights in memory
     metadata = {"format": "pt", "exported_by": "unbroken", "source": os.fspath(checkpoint)}
-    out = Path(to)
-    if fmt == "safetensors":
-        out.parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(out), metadata=metadata)
-        return [out]
-    if config is None and not isinstance(tree.get("config"), dict):
-        raise UnbrokenError("the checkpoint has no 'config' part (an HF model config): pass --config config.json")
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata=metadata)
-    if config is not None:
-        shutil.copyfile(config, out / "config.json")
-    else:
-        (out / "config.json").write_text(json.dumps(tree["config"], indent=2, sort_keys=True) + "\n")
-    return [out / "model.safetensors", out / "config.json"]
+    if fmt == "hf":
+        if config is not None:
+            config_bytes = Path(config).read_bytes()
+        elif isinstance(model_config, dict):
+            config_bytes = (json.dumps(model_config, indent=2, sort_keys=True) + "\n").encode()
+        else:
+            raise UnbrokenError("the checkpoint has no 'config' part (an HF model config): pass --config config.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "hf":
+        out.mkdir(exist_ok=True)
+        check_target(out, force=force, folder=True)  # a link planted meanwhile is not written through
+    write_file_atomic(targets[0], save(tensors, metadata=metadata), sync_dir=False)
+    if fmt == "hf":
+        write_file_atomic(targets[1], config_bytes, sync_dir=False)
+    fsync_dir(targets[0].parent)
+    return targets
+
+
+def check_target(out: Path, *, force: bool, folder: bool, checkpoint: bool = False) -> None:
+    """Refuse (:class:`~unbroken.errors.TargetExistsError`) an export target that would destroy what
+    export did not write: an existing file without ``force``, a folder where a file goes, a link
+    where a folder goes, anything inside a checkpoint folder or a run's folders, and an existing or hidden
+    file in a run (``force`` or not).
+    ``folder``: the target is a folder export writes files into (``hf``) or creates (``checkpoint``);
+    ``checkpoint``: it becomes a checkpoint folder, so it must not land in a run either."""
+    from ..api import is_run
+
+    if os.path.islink(out) and folder:
+        raise TargetExistsError(f"{out} is a symbolic link: export does not write through a link; give the "
+                                "folder it points to, or a new path, with --to")
+    if os.path.lexists(out) and not os.path.islink(out):
+        if os.path.isdir(out) != folder:
+            what = "a folder" if os.path.isdir(out) else "a file"
+            raise TargetExistsError(f"{out} exists and is {what}: export never replaces it; choose another --to")
+        if not folder and not force:
+            raise TargetExistsError(f"{out} exists: export does not overwrite files it did not write; choose "
+                                    "another --to, or pass --force to replace it")
+    elif os.path.islink(out) and not force:
+        raise TargetExistsError(f"{out} exists (a symbolic link): export does not replace it; choose another "
+                                "--to, or pass --force to replace the link (what it points to is not touched)")
+    here = Path(os.path.realpath(out if folder and os.path.isdir(out) else out.parent))
+    for place in (here, *here.parents):
+        if (place / "manifest.json").exists():
+            inside = f"the checkpoint {place}"
+        elif place != place.parent and is_run(place.parent):
+            inside = f"{place}, a folder of the run {place.parent}"
+        else:
+            continue
+        raise TargetExistsError(f"{out} is inside {inside}: export never writes into a checkpoint or a run's "
+                                "folders (it would alter or break them); choose a --to outside the run")
+    if is_run(here) and (checkpoint or os.path.lexists(out) or out.name.startswith(".")):
+        what = "a checkpoint" if checkpoint else "a file of the run" if os.path.lexists(out) else "a hidden file"
+        raise TargetExistsError(f"{out} would be {what} in the run {here}: export never adds checkpoints to a run "
+                                "nor replaces its files; choose a --to outside the run")

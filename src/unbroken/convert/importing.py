@@ -18,12 +18,13 @@ The imported state has the keys a plain loop uses: ``model``, ``optimizer``, ``s
 config) and ``hyper_parameters``. The step and epoch become the checkpoint's progress; an HF
 RNG state becomes the checkpoint's RNG state (other sources: the RNGs are reseeded from the
 checkpoint on resume). Restore it into a state with the parts you have and ``strict=False``.
-Every pickle is loaded safely (:mod:`unbroken.convert.pickles`).
+Every pickle is loaded safely (:mod:`unbroken.convert.pickles`), and what it may expand to is
+bounded before anything walks it (:mod:`unbroken.convert.bounds`). ``run`` must be a run, or a
+new or empty folder (:func:`check_run_folder`).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import random
 from dataclasses import dataclass, field
@@ -34,9 +35,10 @@ import numpy as np
 import torch
 
 from ..api import CheckpointInfo
-from ..errors import UnbrokenError, UnsupportedStateError
+from ..errors import TargetExistsError, UnbrokenError, UnsupportedStateError
 from ..manager import Checkpointer
 from ..state.validate import validate_state
+from .bounds import check_config, check_tree, read_json
 from .pickles import load_pickle
 
 
@@ -68,6 +70,7 @@ def read_source(src: str | os.PathLike[str], trust_pickle: bool = False) -> Impo
     kind = detect(src)
     reader = {"hf": _read_hf, "lightning": _read_lightning, "torch": _read_torch}[kind]
     imported = reader(Path(src), trust_pickle)
+    check_tree(imported.state, str(src))  # shared references walked once, before any walk per value
     _drop_unsavable(imported)
     return imported
 
@@ -76,7 +79,10 @@ def import_checkpoint(src: str | os.PathLike[str], run: str | os.PathLike[str], 
                       storage_options: Mapping[str, Any] | None = None) -> tuple[CheckpointInfo, Imported]:
     """Read ``src`` and commit it as the newest checkpoint of the run ``run`` (a folder or URL,
     created if needed); returns the checkpoint's info and what was imported. Takes the run's
-    writer lock for the commit, so it fails while a training process writes the run."""
+    writer lock for the commit, so it fails while a training process writes the run. A local
+    ``run`` must be new, empty, or a run: a folder holding other files (a project, a checkpoint)
+    is refused with :class:`~unbroken.errors.TargetExistsError` before the source is read."""
+    check_run_folder(run)
     imported = read_source(src, trust_pickle)
     ckpt = Checkpointer(run, keep_last=None, preemption=None, rng=imported.rng is not None,
                         storage_options=storage_options)
@@ -88,6 +94,31 @@ def import_checkpoint(src: str | os.PathLike[str], run: str | os.PathLike[str], 
     return info, imported
 
 
+_RUN_FILES = ("tags.json", "quarantine", "submit.slurm", "chunks", "index.sqlite")
+
+
+def check_run_folder(run: str | os.PathLike[str]) -> None:
+    """Refuse a local ``run`` that is a file, or a folder with entries that are neither a run's
+    (checkpoints, its lock, index, tags, chunks: see :func:`unbroken.api.is_run`) nor hidden: an
+    import adds a checkpoint to a run, never to a user's folder or inside a checkpoint."""
+    from ..api import is_run
+    from ..store import is_url
+
+    if is_url(os.fspath(run)):
+        return
+    path = Path(run)
+    if os.path.lexists(path) and not path.is_dir():
+        raise TargetExistsError(f"{run} exists and is not a folder: give a run folder (new, empty, or a run) as RUN")
+    if not path.is_dir() or is_run(path):
+        return
+    foreign = sorted(n for n in os.listdir(path) if not n.startswith((".", *_RUN_FILES)))
+    if foreign:
+        what = "a checkpoint" if (path / "manifest.json").exists() else "not a run"
+        raise TargetExistsError(f"{run} is {what} and holds files unbroken did not write ({', '.join(foreign[:5])}"
+                                f"{', ...' if len(foreign) > 5 else ''}): import adds checkpoints to a run, or to a "
+                                "new or empty folder; give one as RUN (nothing was written)")
+
+
 # ---------------------------------------------------------------------------------- sources
 def _progress(step: Any, epoch: Any) -> dict[str, int]:
     step = int(step) if isinstance(step, (int, float)) and step >= 0 else 0
@@ -96,7 +127,7 @@ def _progress(step: Any, epoch: Any) -> dict[str, int]:
 
 
 def _read_hf(folder: Path, trust: bool) -> Imported:
-    trainer_state = json.loads((folder / "trainer_state.json").read_text())
+    trainer_state = read_json(folder / "trainer_state.json", "the HF Trainer state")
     state: dict[str, Any] = {"model": _hf_weights(folder, trust)}
     for key, name in (("optimizer", "optimizer.pt"), ("scheduler", "scheduler.pt"), ("scaler", "scaler.pt")):
         if (folder / name).is_file():
@@ -104,11 +135,12 @@ def _read_hf(folder: Path, trust: bool) -> Imported:
     state["trainer_state"] = trainer_state
     notes: list[str] = []
     if (folder / "config.json").is_file():
-        state["config"] = json.loads((folder / "config.json").read_text())
-        notes += _fill_tied(state["model"], state["config"])
+        state["config"] = read_json(folder / "config.json", "the HF model config")
+        check_config(state["config"], len(state["model"]), folder / "config.json")
+        notes += _fill_tied(state["model"], state["config"], folder / "config.json")
     rng_file = next((folder / n for n in ("rng_state.pth", "rng_state_0.pth") if (folder / n).is_file()), None)
     out = Imported("hf", state, _progress(trainer_state.get("global_step"), trainer_state.get("epoch")),
-                   rng=_hf_rng(load_pickle(rng_file, trust)) if rng_file is not None else None)
+                   rng=_hf_rng(load_pickle(rng_file, trust), rng_file) if rng_file is not None else None)
     out.left_out += notes
     if (folder / "training_args.bin").is_file():
         out.left_out.append("training_args.bin (a pickled TrainingArguments object: settings, not training state)")
@@ -123,7 +155,10 @@ def _hf_weights(folder: Path, trust: bool) -> dict[str, torch.Tensor]:
 
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = read_json(index, "the weight index").get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise UnbrokenError(f"{index}: 'weight_map' is not an object of file names; fix or remove the index")
+        files = sorted(set(weight_map.values()))
         weights: dict[str, torch.Tensor] = {}
         for name in files:
             weights.update(load_file(_inside(folder, name)))
@@ -135,7 +170,7 @@ def _hf_weights(folder: Path, trust: bool) -> dict[str, torch.Tensor]:
     raise UnbrokenError(f"{folder} has no model weights (model.safetensors, its index, or pytorch_model.bin)")
 
 
-def _fill_tied(weights: dict[str, torch.Tensor], config: dict[str, Any]) -> list[str]:
+def _fill_tied(weights: dict[str, torch.Tensor], config: dict[str, Any], path: Path) -> list[str]:
     """HF files store tied weights once (``lm_head.weight`` is ``wte.weight``); the model's
     ``state_dict`` has both names. Build the model from its config on the meta device (no
     memory, no download), find the parameters shared under several names, and add the missing
@@ -148,10 +183,14 @@ def _fill_tied(weights: dict[str, torch.Tensor], config: dict[str, Any]) -> list
     cls = getattr(transformers, arch, None) if isinstance(arch, str) else None
     if cls is None or "model_type" not in config:
         return [f"tied weights (the config names no known architecture: {arch!r})"]
-    cfg = transformers.AutoConfig.for_model(**config)
-    with torch.device("meta"):
-        model = cls(cfg)
-    model.tie_weights()
+    try:
+        cfg = transformers.AutoConfig.for_model(**config)
+        with torch.device("meta"):
+            model = cls(cfg)
+        model.tie_weights()
+    except Exception as e:  # noqa: BLE001 - any failure of transformers on this config, named below
+        raise UnbrokenError(f"{path}: transformers cannot build {arch} from it ({type(e).__name__}: {e}); "
+                            "fix or remove config.json") from None
     names_of: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(param), []).append(name)
@@ -170,14 +209,21 @@ def _inside(folder: Path, name: str) -> Path:
     return folder / name
 
 
-def _hf_rng(saved: Any) -> dict[str, Any] | None:
+def _hf_rng(saved: Any, path: Path) -> dict[str, Any] | None:
     """An HF ``rng_state.pth`` (python, numpy legacy tuple, torch CPU) as unbroken's RNG state."""
     if not isinstance(saved, dict) or not {"python", "numpy", "cpu"} <= set(saved):
         return None
-    legacy = np.random.RandomState()
-    legacy.set_state(saved["numpy"])
-    py = random.Random()
-    py.setstate(saved["python"])  # validates it
+    try:
+        legacy = np.random.RandomState()
+        legacy.set_state(saved["numpy"])
+        py = random.Random()
+        py.setstate(saved["python"])  # validates it
+    except (TypeError, ValueError, OverflowError) as e:
+        raise UnbrokenError(f"{path} is not a valid HF RNG state ({type(e).__name__}: {e}); remove it to import "
+                            "without RNG state (a resume then reseeds)") from None
+    if not isinstance(saved["cpu"], torch.Tensor) or saved["cpu"].dtype != torch.uint8:
+        raise UnbrokenError(f"{path}: its 'cpu' entry is not a torch RNG state (a uint8 tensor); remove it to "
+                            "import without RNG state")
     return {"python": py.getstate(), "numpy": legacy.get_state(legacy=False), "torch": saved["cpu"]}
 
 
@@ -185,8 +231,14 @@ def _read_lightning(file: Path, trust: bool) -> Imported:
     ck = load_pickle(file, trust)
     if not isinstance(ck, dict) or "state_dict" not in ck:
         raise UnbrokenError(f"{file} is not a Lightning checkpoint (no 'state_dict')")
-    state: dict[str, Any] = {"model": ck["state_dict"]}
     optims, scheds = ck.get("optimizer_states") or [], ck.get("lr_schedulers") or []
+    for key, value, kind in (("state_dict", ck["state_dict"], dict), ("optimizer_states", optims, list),
+                             ("lr_schedulers", scheds, list), ("hyper_parameters", ck.get("hyper_parameters") or {},
+                                                               dict), ("callbacks", ck.get("callbacks") or {}, dict)):
+        if not isinstance(value, kind):
+            raise UnbrokenError(f"{file}: its {key!r} is a {type(value).__name__}, not a {kind.__name__}: not a "
+                                "Lightning checkpoint it can import")
+    state: dict[str, Any] = {"model": ck["state_dict"]}
     if optims:
         state["optimizer"] = optims[0] if len(optims) == 1 else optims
     if scheds:

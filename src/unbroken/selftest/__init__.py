@@ -15,7 +15,8 @@ One concept per module:
 - :mod:`.runner`: one attempt: spawn, time out, clean up the process group;
 - :mod:`.compare`: align the two runs' records, find the first difference;
 - :mod:`.diagnose`: which components differ -> the cause in plain words, and the fix;
-- :mod:`.session`: the whole selftest, from command to verdict.
+- :mod:`.session`: the whole selftest, from command to verdict;
+- :mod:`.workdir`: the work folder a tool owns (also the demo's): taken only if new, empty or marked.
 
 Outside selftest mode none of this is imported by a training process beyond
 :mod:`.protocol` (one environment lookup per Checkpointer, one attribute check per step).

@@ -21,14 +21,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..errors import TargetExistsError
 from . import protocol
 from .compare import Comparison, compare, load_records, order
 from .diagnose import diagnose
 from .plan import Interruption, make_plan
 from .runner import Attempt, run_attempt
+from .workdir import claim_workdir
 
 IDENTICAL, DIVERGED, ERROR = "identical", "diverged", "error"
 EXIT = {IDENTICAL: 0, DIVERGED: 1, ERROR: 2}
+WORK_ENTRIES = ("uninterrupted", "interrupted")
+"""What a selftest creates in its work folder (a ``--workdir`` it made is emptied of these alone)."""
 _OURS = (protocol.DIR, protocol.RUN, protocol.SEGMENT, protocol.STOP, protocol.KILL, "UNBROKEN_FAULTS")
 
 
@@ -147,13 +151,20 @@ def run_selftest(cmd: list[str], *, steps: int = 40, kills: int = 4, kinds: list
                  seed: int = 0, timeout: float = 600.0, workdir: str | None = None, keep: bool = False,
                  nproc: int = 1, say: Callable[[str], None] = lambda _: None) -> Report:
     """Run the selftest of ``cmd`` (the user's unmodified command line); see the module docstring.
-    ``nproc > 1``: under torchrun with that many processes (ValueError if ``cmd`` is not ``python ...``)."""
+    ``nproc > 1``: under torchrun with that many processes (ValueError if ``cmd`` is not ``python ...``).
+    ``workdir``: keep everything there; a folder this selftest did not make (no ``.unbroken-selftest``
+    marker) must be new or empty, else the report is an error and nothing is touched
+    (:func:`~.workdir.claim_workdir`). Without it, a temporary folder, removed when identical."""
     launch = launcher(cmd, nproc)
     kinds = kinds or ["sigkill", "sigterm", "exception"]
-    base = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="unbroken-selftest-"))
-    if workdir:
-        shutil.rmtree(base, ignore_errors=True)
-    rep = Report(ERROR, list(cmd), steps=steps, seed=seed, workdir=str(base), nproc=max(nproc, 1))
+    rep = Report(ERROR, list(cmd), steps=steps, seed=seed, nproc=max(nproc, 1))
+    try:
+        base = claim_workdir(workdir, "selftest", WORK_ENTRIES) if workdir else \
+            Path(tempfile.mkdtemp(prefix="unbroken-selftest-"))
+    except TargetExistsError as e:
+        rep.error = str(e)
+        return rep
+    rep.workdir = str(base)
     try:
         _run(rep, launch, base, steps, kills, kinds, seed, timeout, say)
     finally:

@@ -16,10 +16,16 @@ unpickles anything. ``ckpt_path`` may also be:
 
 Overwriting a path (``last.ckpt``) writes the new checkpoint beside it, then swaps the two
 with renames: there is always a complete checkpoint at or beside the path.
+
+Only what unbroken wrote is overwritten or removed: a committed unbroken checkpoint folder (its
+``manifest.json``), or a symbolic link (unlinked, never followed: Lightning's ``save_last="link"``).
+Saving over anything else (a ``.ckpt`` file of ``TorchCheckpointIO``, a user's folder) raises
+:class:`~unbroken.errors.TargetExistsError`; ``remove_checkpoint`` leaves it in place with a warning.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -27,7 +33,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from ... import load, save
+from ...errors import TargetExistsError
 from ._compat import fabric_io, pick
+
+log = logging.getLogger("unbroken")
+COMMIT_FILE = "manifest.json"
+"""The file that makes a folder a committed unbroken checkpoint."""
 
 RESERVED = "__unbroken__"
 
@@ -43,10 +54,13 @@ def stored_as(path: str) -> str:
     return head + sep + safe
 
 
-def _is_unbroken(path: str) -> bool:
+def _is_unbroken(path: str, options: Mapping[str, Any] | None = None) -> bool:
     """A checkpoint folder (``manifest.json``) or a run (checkpoint folders inside) of unbroken."""
     if "://" in path:
-        return not path.endswith((".ckpt", ".pt", ".pth"))
+        if not path.endswith((".ckpt", ".pt", ".pth")):
+            return True
+        fs, p = _remote(path, options)  # a ".ckpt" name this plugin saved is a checkpoint folder
+        return bool(fs.exists(f"{p.rstrip('/')}/{COMMIT_FILE}"))
     if not os.path.isdir(path):
         return False
     if os.path.isfile(os.path.join(path, "manifest.json")):
@@ -100,14 +114,24 @@ class UnbrokenCheckpointIO:
         opts = storage_options if isinstance(storage_options, Mapping) else self.storage_options
         step = checkpoint.get("global_step", 0)
         step = step if isinstance(step, int) and step >= 0 else 0
-        if "://" in path or not os.path.lexists(path):
-            if "://" in path:
-                self.remove_checkpoint(path)
+        if "://" in path:
+            fs, p = _remote(path, opts)
+            if fs.exists(p):
+                if not fs.exists(f"{p.rstrip('/')}/{COMMIT_FILE}"):
+                    raise _not_ours(path)
+                fs.rm(p, recursive=True)
             save(path, checkpoint, step=step, storage_options=opts)
             return
+        if not os.path.lexists(path):
+            save(path, checkpoint, step=step, storage_options=opts)
+            return
+        if not _ours(path):
+            raise _not_ours(path)
         parent, name = os.path.split(os.path.abspath(path))
         new, old = os.path.join(parent, f"{name}.unbroken-new"), os.path.join(parent, f"{name}.unbroken-old")
         for leftover in (new, old):
+            if os.path.lexists(leftover) and not _ours(leftover):
+                raise _not_ours(leftover)
             _remove_local(leftover)
         save(new, checkpoint, step=step)  # complete and committed before the old one is touched
         os.replace(path, old) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
@@ -118,7 +142,7 @@ class UnbrokenCheckpointIO:
         path = os.fspath(path)
         if not os.path.isfile(path) and "://" not in path:
             path = stored_as(path)
-        if not _is_unbroken(path):
+        if not _is_unbroken(path, self.storage_options):
             torch_io = fabric_io(pick()).plugins.TorchCheckpointIO()
             return torch_io.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         tree = load(path, storage_options=self.storage_options)
@@ -129,11 +153,16 @@ class UnbrokenCheckpointIO:
     def remove_checkpoint(self, path: Any) -> None:
         path = stored_as(os.fspath(path))
         if "://" in path:
-            import fsspec
-
-            fs, p = fsspec.core.url_to_fs(path, **(self.storage_options or {}))
-            if fs.exists(p):
+            fs, p = _remote(path, self.storage_options)
+            if fs.exists(f"{p.rstrip('/')}/{COMMIT_FILE}"):
                 fs.rm(p, recursive=True)
+            elif fs.exists(p):
+                log.warning("not removing %s: it is not an unbroken checkpoint (no %s), and unbroken removes only "
+                            "what it wrote", path, COMMIT_FILE)
+            return
+        if os.path.lexists(path) and not _ours(path):
+            log.warning("not removing %s: it is not an unbroken checkpoint (no %s), and unbroken removes only "
+                        "what it wrote", path, COMMIT_FILE)
             return
         _remove_local(path)
 
@@ -141,7 +170,27 @@ class UnbrokenCheckpointIO:
         pass
 
 
+def _ours(path: str) -> bool:
+    """What this plugin may replace or remove: a link (only the link goes), or a committed unbroken
+    checkpoint folder (its ``manifest.json``)."""
+    return os.path.islink(path) or (os.path.isdir(path) and os.path.isfile(os.path.join(path, COMMIT_FILE)))
+
+
+def _not_ours(path: str) -> TargetExistsError:
+    return TargetExistsError(
+        f"{path} exists and is not an unbroken checkpoint (no {COMMIT_FILE}: a torch .ckpt file, or files that "
+        "unbroken did not write): UnbrokenCheckpointIO never overwrites or removes it. Move it away, or give "
+        "ModelCheckpoint another dirpath or filename")
+
+
+def _remote(path: str, options: Mapping[str, Any] | None) -> tuple[Any, str]:
+    import fsspec
+
+    return fsspec.core.url_to_fs(path, **(options or {}))
+
+
 def _remove_local(path: str) -> None:
+    """Remove one of this plugin's checkpoints (see :func:`_ours`): a link is unlinked, never followed."""
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)
     elif os.path.lexists(path):
