@@ -115,25 +115,33 @@ class StepStart:
         self.schedulers: dict[str, Any] = {}
         self.optimizers: dict[str, tuple[Any, list[dict[str, Any]], list[dict[str, Any]]]] = {}
         self.scalers: dict[str, tuple[Any, Any]] = {}
+        self.lost: dict[str, str] = {}  # what could not be kept (marking a boundary never fails)
         for key, obj in state.items():
-            if isinstance(obj, torch.nn.Module):
-                names = {id(p) for p in params.get(key, ())}
-                self.buffers[key] = {name: _copy_tree(t) for name, t in obj.state_dict(keep_vars=True).items()
-                                     if id(t) not in names}
-            elif isinstance(obj, torch.optim.Optimizer):
-                hyper = [{k: _copy_tree(v) for k, v in g.items() if k != "params"} for g in obj.param_groups]
-                self.optimizers[key] = (obj.state, list(obj.param_groups), hyper)
-            elif isinstance(obj, _SCHEDULERS):
-                self.schedulers[key] = copy.deepcopy(obj.state_dict())
-            elif isinstance(obj, torch.amp.GradScaler):
-                if obj.is_enabled():  # a disabled scaler has no state
-                    self.scalers[key] = _scaler_values(obj)
-            elif isinstance(obj, torch.Tensor):
-                self.tensors[key] = (obj, obj._version)
-            elif is_stateful(obj) and not isinstance(obj, _HEAVY):
-                self.light[key] = _copy_tree(obj.state_dict())
-            elif not is_stateful(obj):
-                self.light[key] = _copy_tree(obj)
+            try:
+                self._keep(key, obj, params)
+            except Exception as e:  # noqa: BLE001 - reported if a step raises
+                self.lost[key] = f"state[{key!r}] could not be kept at the step's start ({type(e).__name__}: {e})"
+
+    def _keep(self, key: str, obj: Any, params: Mapping[str, list[torch.nn.Parameter]]) -> None:
+        """Keep what ``state[key]`` looks like now: a copy, or the evidence that it has not moved."""
+        if isinstance(obj, torch.nn.Module):
+            names = {id(p) for p in params.get(key, ())}
+            self.buffers[key] = {name: _copy_tree(t) for name, t in obj.state_dict(keep_vars=True).items()
+                                 if id(t) not in names}
+        elif isinstance(obj, torch.optim.Optimizer):
+            hyper = [{k: _copy_tree(v) for k, v in g.items() if k != "params"} for g in obj.param_groups]
+            self.optimizers[key] = (obj.state, list(obj.param_groups), hyper)
+        elif isinstance(obj, _SCHEDULERS):
+            self.schedulers[key] = copy.deepcopy(obj.state_dict())
+        elif isinstance(obj, torch.amp.GradScaler):
+            if obj.is_enabled():  # a disabled scaler has no state
+                self.scalers[key] = _scaler_values(obj)
+        elif isinstance(obj, torch.Tensor):
+            self.tensors[key] = (obj, obj._version)
+        elif is_stateful(obj) and not isinstance(obj, _HEAVY):
+            self.light[key] = _copy_tree(obj.state_dict())
+        elif not is_stateful(obj):
+            self.light[key] = _copy_tree(obj)
 
     def params_moved(self, state: Mapping[str, Any], params: Mapping[str, list[torch.nn.Parameter]]) -> list[str]:
         """The modules whose parameters are no longer the start's (other objects, or written in place)."""
@@ -146,6 +154,8 @@ class StepStart:
 
     def unmoved(self, state: Mapping[str, Any], params: Mapping[str, list[torch.nn.Parameter]]) -> str | None:
         """Why the objects that were not copied at the start are not as they were then, or None."""
+        if self.lost:
+            return next(iter(self.lost.values()))
         moved = self.params_moved(state, params)
         if moved:
             return (f"the parameters of state[{moved[0]!r}] changed without an optimizer step (written in place: an "
@@ -198,6 +208,8 @@ class StepStart:
         for key, ps in params.items():
             if not ps or any(id(p) in updated for p in ps) or key in moved:
                 continue
+            if key not in self.buffers:
+                return self.lost.get(key, f"state[{key!r}] was not kept at the step's start")
             live = {k: v for k, v in state[key].state_dict().items() if k in self.buffers[key]}
             if _same(live, self.buffers[key]):
                 return (f"state[{key!r}] (a module no stepped optimizer updates, e.g. an EMA copy) has not changed "
