@@ -282,7 +282,8 @@ class StepGuard:
         if self._stepping:
             return Verdict(None, "the optimizer was stepping (some parameters may be updated, others not)")
         swapped = [k for k, opt in self._optimizers.items() if state.get(k) is not opt] + [
-            k for k, obj in state.items() if isinstance(obj, torch.optim.Optimizer) and self._optimizers.get(k) is not obj
+            k for k, obj in state.items()
+            if isinstance(obj, torch.optim.Optimizer) and self._optimizers.get(k) is not obj
             or isinstance(obj, torch.nn.Module) and k not in self._params]
         if swapped:
             return Verdict(None, f"state[{swapped[0]!r}] was replaced or added after the guard began watching")
