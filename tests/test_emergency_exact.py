@@ -122,3 +122,37 @@ def test_an_exception_after_the_bookkeeping_of_a_first_step_keeps_the_step(refer
     assert checkpoints(run) == [(3, "regular"), (4, "emergency")]
     job(run, out, "plain")
     assert_bitwise(final(out), reference("plain"))
+
+
+def test_plain_values_are_kept_at_the_step_start(tmp_path: Path) -> None:
+    """A plain value in the state (not a Stateful object) changed in place before the failure is
+    saved as it was at the step's start; a plain tensor changed in place cannot be put back, so
+    no emergency checkpoint is written."""
+    import torch
+
+    def run(run_dir: Path, extra: dict) -> list:
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        state = {"model": model, "optimizer": opt, **extra}
+        ckpt = unbroken.Checkpointer(run_dir, save_every=100, keep_last=None, preemption=None)
+        with pytest.raises(RuntimeError, match="bad batch"), ckpt.guard(state):
+            for step in range(1, 4):
+                if "stats" in state:
+                    state["stats"]["tokens"] += 8  # the step's bookkeeping, before the failure
+                if "seen" in state:
+                    state["seen"].add_(1)
+                if step == 3:
+                    raise RuntimeError("bad batch")
+                model(torch.ones(1, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                ckpt.step(state)
+        ckpt.close()
+        return [(c.step, c.kind) for c in ckpt.checkpoints()]
+
+    assert run(tmp_path / "a", {"stats": {"tokens": 0}}) == [(2, "emergency")]
+    state = {"model": torch.nn.Linear(4, 2), "stats": {"tokens": -1}}
+    with unbroken.Checkpointer(tmp_path / "a", preemption=None, strict=False) as ckpt:
+        ckpt.restore(state)
+    assert state["stats"] == {"tokens": 16}  # two steps done: the start of step 3
+    assert run(tmp_path / "b", {"seen": torch.zeros(())}) == []
