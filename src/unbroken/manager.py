@@ -229,7 +229,8 @@ class Checkpointer:
             got = self._signals.received
             step_failed(self, guard, exc, (got, self._signals.received_at or time.monotonic()) if got else None)
 
-        return StepGuard(state, self.progress, attach=self._attach_guard, on_error=on_error)
+        return StepGuard(state, self.progress, attach=self._attach_guard, on_error=on_error,
+                         unsaved=self.allow_unsaved)
 
     def _attach_guard(self, guard: StepGuard | None) -> None:
         self._guard = guard

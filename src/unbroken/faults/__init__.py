@@ -3,7 +3,7 @@
 - :mod:`.signals` — handlers that only set a flag; the save happens at the next step
   boundary on the main thread.
 - :mod:`.guard` — ``Checkpointer.guard(state)``: an exception inside a step gives an
-  exact emergency checkpoint, then propagates.
+  exact emergency checkpoint (or none, logged, when no instant can be proven), then propagates.
 - :mod:`.handlers` — what the Checkpointer does on a signal or an exception (public API only).
 - :mod:`.slurm` — SLURM detection, requeue, and a ``submit.slurm`` that resubmits the job.
 """

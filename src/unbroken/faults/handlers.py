@@ -69,7 +69,8 @@ def step_failed(ckpt: Any, guard: StepGuard, exc: BaseException | None, preempte
 
 
 def emergency_save(ckpt: Any, guard: StepGuard, exc: BaseException | None) -> Any:
-    """The exact emergency checkpoint after a step raised (see :mod:`unbroken.faults.guard`)."""
+    """The exact emergency checkpoint after a step raised, or none (logged with the reason) when the
+    live state cannot be proven to be one instant (see :mod:`unbroken.faults.guard`)."""
     what = f"{type(exc).__name__}: {exc}" if exc is not None else "an exception"
     ckpt.flush(raise_errors=False)  # a background save in flight commits first (or is logged)
     if ckpt.comm.world > 1:  # the other ranks are inside the next step's collectives: no save together
@@ -77,15 +78,15 @@ def emergency_save(ckpt: Any, guard: StepGuard, exc: BaseException | None) -> An
                   "could not join it): the restart resumes from the last committed checkpoint",
                   ckpt.progress.step + 1, what, ckpt.comm.rank, ckpt.comm.world)
         return None
-    torn = guard.torn()
-    if torn:
-        log.error("step %d raised %s while %s; no emergency checkpoint (it would mix two steps): "
-                  "resuming uses the last committed checkpoint", ckpt.progress.step + 1, what, torn)
+    verdict = guard.verdict()
+    if verdict.instant is None:
+        log.error("step %d raised %s; no emergency checkpoint: %s, so no checkpoint would describe one instant. "
+                  "%s", ckpt.progress.step + 1, what, verdict.why, _fallback(ckpt))
         return None
-    if guard.stepped:
+    if verdict.instant == "end":
         ckpt.progress.step += 1
         ckpt.progress.micro_step = 0
-        info = ckpt.save(guard.state, kind="emergency")
+        info = ckpt.save(guard.end_state(), kind="emergency")
         log.error("step %d raised %s after the optimizer stepped; emergency checkpoint of the "
                   "post-step state: %s", ckpt.progress.step, what, info.name)
         return info
@@ -100,3 +101,16 @@ def emergency_save(ckpt: Any, guard: StepGuard, exc: BaseException | None) -> An
     log.error("step %d raised %s; emergency checkpoint of the state at its start: %s "
               "(resuming re-runs the step)", start.progress["step"] + 1, what, info.name)
     return info
+
+
+def _fallback(ckpt: Any) -> str:
+    """What the restart resumes from when no emergency checkpoint is written."""
+    last = ckpt.last_saved
+    if last is None:
+        try:
+            last = ckpt.latest()
+        except Exception as e:  # noqa: BLE001 - only for the message
+            return f"The restart resumes from the last committed checkpoint ({ckpt.location}: {e})."
+    if last is None:
+        return f"{ckpt.location} has no committed checkpoint yet: the restart starts from scratch."
+    return f"The restart resumes from the last committed checkpoint, {last.name} (step {last.step}), exactly."
