@@ -25,6 +25,14 @@ class StateMismatchError(UnbrokenError):
     (missing or unexpected keys, a Stateful object where a plain value was saved)."""
 
 
+class CheckpointVanishedError(CorruptCheckpointError):
+    """A checkpoint was deleted or moved while it was being read (pruned by the retention of the
+    process that writes the run, deleted by ``unbroken prune``, quarantined by another reader):
+    its files went missing, but it is not damaged. A subclass of
+    :class:`CorruptCheckpointError`, so code that skips a bad checkpoint skips this one too;
+    nothing reports it as corrupt or quarantines it. Read the run's newest checkpoint again."""
+
+
 class NoCheckpointError(UnbrokenError, FileNotFoundError):
     """No checkpoint exists at the given path."""
 
@@ -56,3 +64,9 @@ class StorageError(UnbrokenError, OSError):
     installed, a bucket that does not exist, credentials that are refused, a server that
     stays unreachable, or a local path that is not a folder. The message says which, and
     what to do."""
+
+
+class ReadOnlyRunError(StorageError):
+    """The run location cannot be written: a read-only filesystem or mount, or a folder this
+    user may not write. Reading it works (restore, ``load``, ``unbroken ls``/``verify``);
+    saving, pruning and tagging raise this, naming the folder."""
