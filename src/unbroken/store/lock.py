@@ -19,7 +19,7 @@ import stat
 import threading
 from pathlib import Path
 
-from ..errors import RunLockedError
+from ..errors import ReadOnlyRunError, RunLockedError
 
 try:
     import fcntl
@@ -59,7 +59,11 @@ class FlockLock:
     def acquire(self) -> None:
         if self._key is not None:
             return
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            _refuse_readonly(self.root, e)
+            raise
         key = os.path.realpath(self.root)
         with _mutex:
             if key in _held:
@@ -75,6 +79,7 @@ class FlockLock:
                 if e.errno == errno.ELOOP:
                     raise RunLockedError(f"{path} is a symbolic link; remove it (unbroken never follows "
                                          "links inside a run folder)") from None
+                _refuse_readonly(self.root, e)
                 raise
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 os.close(fd)
@@ -111,3 +116,11 @@ class FlockLock:
                 del _held[self._key]
                 os.close(fd)  # releases the flock
         self._key = None
+
+
+def _refuse_readonly(root: Path, e: OSError) -> None:
+    """A folder that cannot be written (read-only filesystem, no permission) has no writer to
+    exclude: :class:`ReadOnlyRunError`, which :meth:`unbroken.run.Run.begin` turns into a
+    read-only run."""
+    if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        raise ReadOnlyRunError(f"{root} cannot be written ({os.strerror(e.errno)})") from None
