@@ -4,7 +4,8 @@ Tables: ``checkpoints`` (a row per checkpoint, with its status), ``events``, ``s
 process that wrote the run: a fresh start or a resume) and ``metrics`` (a per-step log, to check the
 loss curve of a resumed run against the interrupted one). Manifests stay the truth: a missing index
 is created from them; a damaged one (not a database, failed ``PRAGMA quick_check``, unknown schema)
-is moved aside to ``index.sqlite.corrupt-<time>`` with a warning and rebuilt. WAL mode with
+is moved aside to ``index.sqlite.corrupt-<time>`` with a warning and rebuilt (the file itself:
+:mod:`unbroken.indexfile`, which also reads an index where nothing may be written). WAL mode with
 ``synchronous=NORMAL`` (commits survive a killed process); checkpoint records and ``close`` commit
 with ``synchronous=FULL`` (they survive a power cut too); metrics are buffered and committed in
 batches, at the latest with the next checkpoint, event or close. Readers never block the writer.
@@ -20,6 +21,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import socket
 import sqlite3
 import struct
@@ -33,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import UnbrokenError
+from .indexfile import SIDECARS, connect, damage, is_damage, move_aside, open_readonly
 from .reader import read_manifest
 from .store import open_store
 
@@ -45,8 +48,6 @@ segment had logged and the last step, committed durably with those rows (see :me
 :meth:`RunIndex.events` leaves these out unless asked for by kind."""
 SCHEMA_VERSION = 1
 STATUSES = ("committed", "quarantined", "pruned")
-BUSY_TIMEOUT_S = 30.0
-_SIDECARS = ("-wal", "-shm", "-journal")
 _TABLES = {
     "schema_version": "version INTEGER NOT NULL",
     "segments": "id INTEGER PRIMARY KEY AUTOINCREMENT, started REAL NOT NULL, resumed_from TEXT, "
@@ -78,9 +79,13 @@ def _ckpt_row(name: str, status: str, **known: Any) -> dict[str, Any]:
 
 def _diagnose(conn: sqlite3.Connection) -> str | None:
     """``None`` if the index is healthy, ``""`` if it has no tables yet, else what is wrong."""
+    problem = damage(conn)
+    return _schema_problem(conn) if problem is None else problem
+
+
+def _schema_problem(conn: sqlite3.Connection) -> str | None:
+    """``None`` if the tables are ours, ``""`` if there are none yet, else what differs."""
     try:
-        if (rows := [tuple(r) for r in conn.execute("PRAGMA quick_check")]) != [("ok",)]:
-            return "quick_check: " + "; ".join(str(r[0]) for r in rows[:3])
         if not {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}:
             return ""
         for table, cols in _COLUMNS.items():
@@ -90,8 +95,7 @@ def _diagnose(conn: sqlite3.Connection) -> str | None:
         if (versions := [r[0] for r in conn.execute("SELECT version FROM schema_version")]) != [SCHEMA_VERSION]:
             return f"schema version {versions}, expected [{SCHEMA_VERSION}]"
     except sqlite3.DatabaseError as e:  # damage is SQLITE_CORRUPT or SQLITE_NOTADB; busy, I/O, ... propagate
-        code = getattr(e, "sqlite_errorcode", None)  # Python >= 3.11
-        if code & 0xFF not in (11, 26) if code is not None else not re.search("malformed|not a database", str(e)):
+        if not is_damage(e):
             raise
         return str(e)
     return None
@@ -124,8 +128,9 @@ class Continuity:
 class RunIndex:
     """The SQLite index of the run folder ``run_dir`` (created if missing, unless ``readonly``).
 
-    ``readonly``: open with ``mode=ro``, never write, move or rebuild the file; if it is missing or
-    damaged, use an index rebuilt from the manifests in memory (:attr:`in_memory`). Writing methods
+    ``readonly``: never write, move or rebuild the file, nor create anything beside it (works in a
+    read-only folder: :func:`unbroken.indexfile.open_readonly`); if it is missing, damaged or cannot
+    be read, use an index rebuilt from the manifests in memory (:attr:`in_memory`). Writing methods
     then raise ``RuntimeError``. Metrics are committed when ``flush_every`` rows are pending or
     ``flush_seconds`` after the last commit, and with any other write, query or :meth:`close`.
     Thread-safe. Call :meth:`start_segment` before :meth:`log_metrics`; events and checkpoint rows
@@ -140,28 +145,22 @@ class RunIndex:
         self.flush_every, self.flush_seconds, self._last_flush = flush_every, flush_seconds, time.monotonic()
         self.segment: int | None = None
         self._pending: list[tuple[int, int, str, Any, float]] = []
+        self._scratch: str | None = None  # a private copy read instead of the file (see indexfile)
         self._conn: sqlite3.Connection | None = self._open_readonly() if readonly else self._open_writable()
-
-    @staticmethod
-    def _connect(target: str, uri: bool = False) -> sqlite3.Connection:
-        conn = sqlite3.connect(target, uri=uri, timeout=BUSY_TIMEOUT_S, isolation_level=None,
-                               check_same_thread=False)
-        conn.row_factory = sqlite3.Row
-        return conn
 
     def _open_writable(self) -> sqlite3.Connection:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        for suffix in ("", *_SIDECARS):  # never follow a planted link; never replay a WAL of a deleted db
+        for suffix in ("", *SIDECARS):  # never follow a planted link; never replay a WAL of a deleted db
             if (side := Path(f"{self.path}{suffix}")).is_symlink() or (suffix and not self.path.exists()):
                 side.unlink(missing_ok=True)
-        conn = self._connect(str(self.path))
+        conn = connect(str(self.path))
         reason = "missing" if (problem := _diagnose(conn)) == "" else None
         if problem:
             conn.close()
-            aside = self._move_aside()
+            aside = move_aside(self.path)
             log.warning("run index %s is damaged (%s); moved it to %s and rebuilt the index from the "
                         "manifests (its events, segments and metrics are lost)", self.path, problem, aside)
-            conn, reason = self._connect(str(self.path)), "corrupt"
+            conn, reason = connect(str(self.path)), "corrupt"
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
         if reason:
@@ -169,27 +168,15 @@ class RunIndex:
         return conn
 
     def _open_readonly(self) -> sqlite3.Connection:
-        problem: str | None = ""
-        if self.path.exists() and not any(Path(f"{self.path}{s}").is_symlink() for s in ("", *_SIDECARS)):
-            conn = self._connect(self.path.absolute().as_uri() + "?mode=ro", uri=True)
-            if (problem := _diagnose(conn)) is None:
-                return conn
-            conn.close()
-            if problem:
-                log.warning("run index %s is damaged (%s); using one rebuilt in memory", self.path, problem)
+        conn, problem, self._scratch = open_readonly(self.path, _schema_problem)
+        if conn is not None:
+            return conn
+        if problem:
+            log.warning("run index %s is damaged or unreadable (%s); using one rebuilt in memory", self.path, problem)
         self.in_memory = True
-        conn = self._connect(":memory:")
+        conn = connect(":memory:")
         self._initialize(conn, "corrupt" if problem else "missing")
         return conn
-
-    def _move_aside(self) -> Path:
-        stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{time.time_ns() % 10**9:09d}"
-        target = self.path.with_name(f"{INDEX_FILE}.corrupt-{stamp}")
-        os.replace(self.path, target)
-        for suffix in _SIDECARS:  # a stale WAL would be replayed into the new database
-            if Path(f"{self.path}{suffix}").exists():
-                os.replace(f"{self.path}{suffix}", f"{target}{suffix}")
-        return target
 
     def _initialize(self, conn: sqlite3.Connection, reason: str) -> None:
         """Create the schema and fill it from the manifests, unless another process just did."""
@@ -428,6 +415,9 @@ class RunIndex:
                         pass
                 finally:
                     conn.close()
+                    if self._scratch is not None:
+                        shutil.rmtree(self._scratch, ignore_errors=True)
+                        self._scratch = None
 
     def __enter__(self) -> RunIndex:  # noqa: PYI034
         return self
