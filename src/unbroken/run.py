@@ -274,7 +274,7 @@ class Run:
             self._vanished = False
             chosen = collective.choose(self.comm, self._candidates(seen) if self.comm.coordinator else None, attempt,
                                        lambda name, reason: self.invalid(self.store, name, reason))
-            if not self.comm.broadcast(self._vanished):
+            if not self.comm.broadcast(self._vanished and self.comm.coordinator and self._newer_than(chosen)):
                 break
         seen_all = self.comm.broadcast(seen[0])
         if chosen is None:
@@ -282,6 +282,11 @@ class Run:
         name, loaded = chosen
         self.use_base(loaded)
         return loaded, self.store.describe(name), seen_all
+
+    def _newer_than(self, chosen: tuple[str, LoadedCheckpoint] | None) -> bool:
+        """Whether a checkpoint newer than ``chosen`` is committed now (one vanished meanwhile)."""
+        seq = chosen[1].manifest.seq if chosen is not None else -1
+        return any(m.seq > seq for m in manifests(self.store).values())
 
     def use_base(self, loaded: LoadedCheckpoint, location: Any = None) -> None:
         """Incremental saves deduplicate against ``loaded`` (just restored) if it is a checkpoint
