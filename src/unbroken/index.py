@@ -15,7 +15,6 @@ SQLite stores NaN as NULL, so a metric is kept as ``value`` (REAL, NULL for NaN;
 
 from __future__ import annotations
 
-import bisect
 import json
 import logging
 import math
@@ -29,12 +28,12 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from .errors import UnbrokenError
+from .continuity import Continuity, compare
 from .indexfile import SIDECARS, connect, damage, is_damage, move_aside, open_readonly
 from .reader import read_manifest
 from .store import open_store
@@ -104,25 +103,6 @@ def _schema_problem(conn: sqlite3.Connection) -> str | None:
 def _decode(row: sqlite3.Row) -> dict[str, Any]:
     return {k: json.loads(v) if k in ("metrics", "tags", "environment", "data") and isinstance(v, str) else v
             for k, v in dict(row).items()}
-
-
-@dataclass
-class Continuity:
-    """:meth:`RunIndex.continuity` of one metric: ``checked``, the steps logged by several segments;
-    ``disagreeing``, those where the segments logged different values (bitwise: NaN equals the same
-    NaN, ``0.0`` differs from ``-0.0``); ``values``, for each of those, its ``(segment, value)`` pairs."""
-
-    name: str
-    checked: list[int] = field(default_factory=list)
-    disagreeing: list[int] = field(default_factory=list)
-    values: dict[int, list[tuple[int | None, float]]] = field(default_factory=dict)
-    missing: list[int] = field(default_factory=list)
-    """Steps whose row was made durable at a checkpoint's save point but is not in the index (a
-    :data:`DURABLE` mark counted more rows than there are), as far as the steps can be told."""
-
-    @property
-    def ok(self) -> bool:
-        return not self.disagreeing and not self.missing
 
 
 class RunIndex:
@@ -371,39 +351,12 @@ class RunIndex:
     def continuity(self, name: str) -> Continuity:
         """Compare metric ``name`` at the steps logged by several segments (re-run after a resume):
         the values each segment logged there (in order) must be bitwise equal, as an exact resume
-        re-logs identical values. See :class:`Continuity`."""
-        per_step: dict[int, dict[int | None, list[int]]] = {}
-        for step, bits, seg in self._query(
-                "SELECT step, bits, segment FROM metrics WHERE name = ? ORDER BY step, rowid", (name,)):
-            per_step.setdefault(step, {}).setdefault(seg, []).append(bits)
-        report = Continuity(name)
-        for step, by_seg in per_step.items():
-            if len(by_seg) > 1:
-                report.checked.append(step)
-                if len({tuple(v) for v in by_seg.values()}) > 1:
-                    report.disagreeing.append(step)
-                    report.values[step] = [(g, _F64.unpack(_I64.pack(b))[0]) for g, v in by_seg.items() for b in v]
-        report.missing = self._missing(name, per_step)
-        return report
-
-    def _missing(self, name: str, per_step: dict[int, dict[int | None, list[int]]]) -> list[int]:
-        """Steps of rows a :data:`DURABLE` mark promised that are not there: for each mark whose
-        segment has fewer rows of ``name`` up to the mark's last step than it counted, the steps
-        in that stretch where the segment has no row (or the last step, if none can be told)."""
+        re-logs identical values, and no row a :data:`DURABLE` mark promised may be missing. See
+        :class:`~unbroken.continuity.Continuity`."""
+        rows = self._query("SELECT step, bits, segment FROM metrics WHERE name = ? ORDER BY step, rowid", (name,))
         starts = {r["id"]: r["start_step"] for r in self.segments()}
-        steps_of: dict[int | None, list[int]] = {}  # per segment, the step of each row, sorted
-        for step in sorted(per_step):
-            for seg, values in per_step[step].items():
-                steps_of.setdefault(seg, []).extend([step] * len(values))
-        lost: set[int] = set()
-        for mark in self.events(DURABLE):
-            count, last = mark["data"].get("rows", {}).get(name) or (0, 0)
-            steps = steps_of.get(mark["segment"], [])
-            if bisect.bisect_right(steps, last) < count:
-                have = set(steps)
-                gaps = [s for s in range(starts.get(mark["segment"], 0) + 1, last + 1) if s not in have]
-                lost.update(gaps or [last])
-        return sorted(lost)
+        marks = [(m["segment"], m["data"].get("rows", {}).get(name)) for m in self.events(DURABLE)]
+        return compare(name, [tuple(r) for r in rows], starts, marks)
 
     def close(self) -> None:
         """Commit pending metrics durably and close the database (idempotent)."""

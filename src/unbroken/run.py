@@ -10,14 +10,8 @@ With several ranks, every rank has a ``Run`` over the same location; the coordin
 (rank 0) alone holds the lock, cleans leftovers, uploads, prunes, quarantines and writes
 tags, and saving and choosing a checkpoint are collectives (:mod:`unbroken.collective`).
 
-A run location that cannot be written (a read-only filesystem or mount, a folder this user may
-not write) opens *read-only*: :meth:`Run.begin` takes no lock, cleans and collects nothing and
-logs a warning; restoring works, reading only (an invalid checkpoint is reported and skipped,
-left in place); :meth:`Run.write`, :meth:`Run.prune` and :meth:`Run.set_tags` raise
-:class:`~unbroken.errors.ReadOnlyRunError` naming the folder. Nothing locks such a run, so a
-process writing it elsewhere (through a writable mount) may prune checkpoints while they are
-read: one that vanishes is not corrupt (:func:`unbroken.reader.vanished`), and the newest is
-looked for again.
+A location that cannot be written opens *read-only* (docs/architecture.md): restore reads, and
+:meth:`Run.write`, :meth:`Run.prune` and :meth:`Run.set_tags` raise ``ReadOnlyRunError``.
 
 Ordering across tiers is by ``seq`` (the commit counter in every manifest): a
 checkpoint keeps its seq when it is uploaded or downloaded, so "newest" means the same
@@ -144,9 +138,8 @@ class Run:
 
     def _require_writable(self, what: str) -> None:
         if self._readonly:
-            raise ReadOnlyRunError(f"cannot {what} {self.url}: {self._readonly}. The run was opened read-only "
-                                   "(a read-only filesystem or mount, or a folder you may not write): copy it to "
-                                   "a writable folder and resume from there, or make the folder writable")
+            raise ReadOnlyRunError(f"cannot {what} {self.url}: {self._readonly}; copy the run to a writable "
+                                   "folder and resume from there, or make the folder writable")
 
     def _collect_at_start(self) -> None:
         """Chunks left by saves that died, or by checkpoints deleted before a collection ran
