@@ -422,3 +422,37 @@ def test_restore_does_not_report_or_quarantine_a_checkpoint_deleted_while_read(t
     with sqlite3.connect(run / "index.sqlite") as db:
         kinds = [k for (k,) in db.execute("SELECT kind FROM events")]
     assert "corruption_found" not in kinds and "quarantined" not in kinds, kinds
+
+
+BECOMES_READONLY = textwrap.dedent("""
+    import os, sys, torch, unbroken
+    run = sys.argv[1]
+    ck = unbroken.Checkpointer(run, keep_last=2, preemption=None)
+    state = {"a": torch.zeros(4), "b": torch.ones(4)}
+    ck.restore(state)
+    ck.save(state)
+    os.chmod(run, 0o555)  # the folder stops being writable under a running training
+    for save in (lambda: ck.save(state), lambda: unbroken.save(os.path.join(run, "extra"), state)):
+        try:
+            save()
+            print("saved")
+        except Exception as e:
+            print(type(e).__name__, isinstance(e, unbroken.StorageError), e)
+    ck.close()
+""")
+
+
+def test_a_run_folder_that_stops_being_writable_fails_saves_with_a_storage_error(tmp_path: Path) -> None:
+    """Writable when the training began (it holds the lock), then not: the save, and a save with
+    ``unbroken.save`` into the folder, raise ReadOnlyRunError (a StorageError), never a raw OSError."""
+    run = tmp_path / "run"
+    try:
+        r = subprocess.run([*NO_DAC, PY, "-c", BECOMES_READONLY, str(run)], capture_output=True, text=True, env=env())
+    finally:
+        if run.exists():
+            run.chmod(0o755)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 2 and all(line.startswith("ReadOnlyRunError True ") for line in lines), r.stdout
+    assert all("could not write checkpoint" in line and "Permission denied" in line for line in lines), r.stdout
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith("step-")) == ["step-000000000"]
