@@ -130,8 +130,10 @@ def race(tmp_path: Path, reader: list[str], run: Path, frozen_in: str, writer_ru
         proc = subprocess.Popen(reader, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
         try:
             if not freeze_while_reading(proc, run / frozen_in / "t00-a.safetensors"):
-                proc.communicate()
-                continue
+                out, err = proc.communicate()
+                if proc.returncode != 0:  # failed before reading the checkpoint: not a timing miss
+                    return subprocess.CompletedProcess(reader, proc.returncode, out, err)
+                continue  # finished before it could be caught: again
             pruned = subprocess.run([PY, "-c", TRAIN_ON, str(writer_run)], capture_output=True, text=True)
             assert pruned.returncode == 0, pruned.stderr
             assert not (writer_run / frozen_in).exists()
@@ -401,7 +403,8 @@ def test_restore_does_not_report_or_quarantine_a_checkpoint_deleted_while_read(t
                                 stderr=subprocess.PIPE, text=True, env=env())
         try:
             if not freeze_while_reading(proc, run / "step-000000006" / "t00-a.safetensors"):
-                proc.communicate()
+                out, err = proc.communicate()
+                assert proc.returncode == 0, err[-3000:]
                 continue
             os.rename(run / "step-000000006", run / ".trash-by-hand")  # as the store deletes: rename, then remove
             shutil.rmtree(run / ".trash-by-hand")
