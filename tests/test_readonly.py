@@ -459,3 +459,37 @@ def test_a_run_folder_that_stops_being_writable_fails_saves_with_a_storage_error
     assert len(lines) == 2 and all(line.startswith("ReadOnlyRunError True ") for line in lines), r.stdout
     assert all("could not write checkpoint" in line and "Permission denied" in line for line in lines), r.stdout
     assert sorted(p.name for p in run.iterdir() if p.name.startswith("step-")) == ["step-000000000"]
+
+
+RANKS = textwrap.dedent("""
+    import os, sys, torch, unbroken
+    rank, world = unbroken.init_distributed("gloo")
+    ck = unbroken.Checkpointer(sys.argv[1], keep_last=1, preemption=None)
+    state = {"a": torch.full((4,), 7.0), "b": torch.zeros(4)}
+    info = ck.restore(state)
+    print(f"rank {rank} restored {info.name} {float(state['b'].sum())}", flush=True)
+    try:
+        ck.save(state)
+        print(f"rank {rank} saved", flush=True)
+    except unbroken.StorageError as e:
+        print(f"rank {rank} {type(e).__name__}", flush=True)
+    ck.close()
+    torch.distributed.destroy_process_group()
+""")
+
+
+def test_readonly_restore_with_two_ranks_under_torchrun(tmp_path: Path) -> None:
+    """Both ranks restore (the coordinator found the run read-only and told the others), and both
+    raise at the save, before any collective: no rank waits for another that gave up."""
+    src = tmp_path / "run"
+    make_run(src)
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS)
+    with mounted(tmp_path / "ro", copy=src) as mnt:
+        r = subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+                            str(mnt / "run")], capture_output=True, text=True, timeout=300,
+                           env={**env(), "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank} restored step-000000006 4.0" in r.stdout, r.stdout + r.stderr[-2000:]
+        assert f"rank {rank} ReadOnlyRunError" in r.stdout, r.stdout + r.stderr[-2000:]
