@@ -346,8 +346,7 @@ class Run:
     def invalid(self, store: Any, name: str, reason: str, tier: str = "primary") -> None:
         if vanished(store, name):  # deleted while read (by another process's retention): not damage
             self._vanished = True
-            log.info("checkpoint %s was deleted while it was being read; looking for the newest again",
-                     store.describe(name))
+            log.info("checkpoint %s was deleted while it was being read (not damaged); skipped", store.describe(name))
             return
         self.publish(CorruptionFound(name, reason, tier))
         if self._readonly and store is self.store:
