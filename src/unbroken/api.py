@@ -17,10 +17,10 @@ from typing import Any, Literal, Mapping, overload
 
 from .background import in_thread
 
-from .errors import NoCheckpointError
+from .errors import NoCheckpointError, UnbrokenError
 from .format.manifest import Manifest
 from .persist import write_snapshot
-from .reader import LoadedCheckpoint, read_checkpoint, verify_all
+from .reader import LoadedCheckpoint, read_checkpoint, vanished, verify_all
 from .snapshot import Snapshotter
 from .state.apply import apply_state
 from .state.checks import clean_metrics
@@ -79,6 +79,8 @@ _inflight: PendingSave | None = None
 _inflight_lock = threading.Lock()
 _staging = Snapshotter(copy=True)  # host buffers reused by background saves, one at a time
 log = logging.getLogger("unbroken")
+RELISTS = 10
+"""How often :func:`read_run` looks for the newest checkpoint again after the one it read was pruned."""
 RESERVED = "__unbroken__"
 """The top-level key under which a Checkpointer keeps its own state (progress, trigger, RNGs)."""
 
@@ -169,23 +171,46 @@ def read_run(location: str | os.PathLike[str], storage_options: Mapping[str, Any
              tag: str | None = None) -> LoadedCheckpoint:
     """The newest checkpoint of the run at ``location`` that verifies (with ``tag``: the newest
     carrying it), read-only: invalid ones are skipped with a warning, nothing is moved, no lock
-    is taken, so a job that only reads can run beside the training that writes."""
+    is taken, so a job that only reads can run beside the training that writes. If the training
+    prunes the checkpoint being read, the run is listed again (a newer one has committed: retention
+    never deletes the newest), rather than falling back to older ones that are being pruned too."""
     from .discovery import newest_valid, tagged  # discovery builds on this module
 
     store = open_store(location, storage_options, readonly=True)
-    names = tagged(store, tag) if tag is not None else None
-    skip = lambda name, reason: log.warning("skipping an invalid checkpoint: %s", reason)  # noqa: E731
-    loaded, seen = newest_valid(store, skip, (lambda n: n in names) if names is not None else lambda n: True)
+    bad: set[str] = set()
+
+    class Pruned(Exception):
+        pass
+
+    def skip(name: str, reason: str) -> None:
+        if vanished(store, name):
+            raise Pruned(name)
+        bad.add(name)
+        log.warning("skipping an invalid checkpoint: %s", reason)
+
+    for _attempt in range(RELISTS):
+        names = tagged(store, tag) if tag is not None else None
+        try:
+            loaded, _ = newest_valid(store, skip, lambda n: n not in bad and (names is None or n in names))
+            break
+        except Pruned as e:
+            log.info("%s was pruned while it was read; looking for the newest checkpoint again", store.describe(str(e)))
+    else:
+        raise UnbrokenError(f"the checkpoints of {location} were pruned {RELISTS} times while being read: the "
+                            "training that writes the run deletes them faster than they can be read; keep more "
+                            "(keep_last) or tag the one to read")
     if loaded is None:
         what = f"tagged {tag!r} " if tag is not None else ""
         raise NoCheckpointError(f"no valid checkpoint {what}in {location}"
-                                + (f" ({seen} failed verification)" if seen else ""))
+                                + (f" ({len(bad)} failed verification)" if bad else ""))
     return loaded
 
 
 def verify(path: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None) -> CheckpointInfo:
     """Fully verify a checkpoint: every file of every rank (size, checksum), the tensor headers
-    and the state trees; raise if anything is wrong."""
+    and the state trees; raise :class:`CorruptCheckpointError` if anything is wrong, or its
+    subclass :class:`~unbroken.errors.CheckpointVanishedError` if the checkpoint was deleted while
+    it was read (pruned by a training process writing the run: not damaged)."""
     store, name = split_checkpoint(path, storage_options)
     read_path(path, storage_options)  # NoCheckpointError, and rank 0's part decoded
     loaded = verify_all(store, name)

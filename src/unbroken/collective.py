@@ -93,6 +93,8 @@ def _write(comm: Comm, store: Any, lock: Any, name: str, shared: Snapshot, mine:
     if broken is not None:
         raise broken
     if not opened["ok"]:
+        if isinstance(failure, Exception):  # a folder that cannot be created or written: a library error
+            raise as_storage_error(failure, name, store) from failure
         raise failure if failure is not None else StorageError(
             f"checkpoint {name} was not saved: the coordinator (rank 0) failed: {opened['error']}")
     mine_error: BaseException | None = None

@@ -32,6 +32,14 @@ class StateMismatchError(UnbrokenError):
     (missing or unexpected keys, a Stateful object where a plain value was saved)."""
 
 
+class CheckpointVanishedError(CorruptCheckpointError):
+    """A checkpoint was deleted or moved while it was being read (pruned by the retention of the
+    process that writes the run, deleted by ``unbroken prune``, quarantined by another reader):
+    its files went missing, but it is not damaged. A subclass of
+    :class:`CorruptCheckpointError`, so code that skips a bad checkpoint skips this one too;
+    nothing reports it as corrupt or quarantines it. Read the run's newest checkpoint again."""
+
+
 class NoCheckpointError(UnbrokenError, FileNotFoundError):
     """No checkpoint exists at the given path."""
 
@@ -69,3 +77,9 @@ class TargetExistsError(UnbrokenError, FileExistsError):
     """A path unbroken was asked to write, empty or replace holds something unbroken did not
     create (a user's file or folder, a link, a checkpoint of a run). Nothing was touched; the
     message says why and what to do (another path, an empty folder, or ``--force`` where offered)."""
+
+
+class ReadOnlyRunError(StorageError):
+    """The run location cannot be written: a read-only filesystem or mount, or a folder this
+    user may not write. Reading it works (restore, ``load``, ``unbroken ls``/``verify``);
+    saving, pruning and tagging raise this, naming the folder."""

@@ -4,7 +4,8 @@ Tables: ``checkpoints`` (a row per checkpoint, with its status), ``events``, ``s
 process that wrote the run: a fresh start or a resume) and ``metrics`` (a per-step log, to check the
 loss curve of a resumed run against the interrupted one). Manifests stay the truth: a missing index
 is created from them; a damaged one (not a database, failed ``PRAGMA quick_check``, unknown schema)
-is moved aside to ``index.sqlite.corrupt-<time>`` with a warning and rebuilt. WAL mode with
+is moved aside to ``index.sqlite.corrupt-<time>`` with a warning and rebuilt (the file itself:
+:mod:`unbroken.indexfile`, which also reads an index where nothing may be written). WAL mode with
 ``synchronous=NORMAL`` (commits survive a killed process); checkpoint records and ``close`` commit
 with ``synchronous=FULL`` (they survive a power cut too); metrics are buffered and committed in
 batches, at the latest with the next checkpoint, event or close. Readers never block the writer.
@@ -14,12 +15,12 @@ SQLite stores NaN as NULL, so a metric is kept as ``value`` (REAL, NULL for NaN;
 
 from __future__ import annotations
 
-import bisect
 import json
 import logging
 import math
 import os
 import re
+import shutil
 import socket
 import sqlite3
 import struct
@@ -27,12 +28,13 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from .errors import UnbrokenError
+from .continuity import Continuity, compare
+from .indexfile import SIDECARS, connect, damage, is_damage, move_aside, open_readonly
 from .reader import read_manifest
 from .store import open_store
 
@@ -45,8 +47,6 @@ segment had logged and the last step, committed durably with those rows (see :me
 :meth:`RunIndex.events` leaves these out unless asked for by kind."""
 SCHEMA_VERSION = 1
 STATUSES = ("committed", "quarantined", "pruned")
-BUSY_TIMEOUT_S = 30.0
-_SIDECARS = ("-wal", "-shm", "-journal")
 _TABLES = {
     "schema_version": "version INTEGER NOT NULL",
     "segments": "id INTEGER PRIMARY KEY AUTOINCREMENT, started REAL NOT NULL, resumed_from TEXT, "
@@ -78,9 +78,13 @@ def _ckpt_row(name: str, status: str, **known: Any) -> dict[str, Any]:
 
 def _diagnose(conn: sqlite3.Connection) -> str | None:
     """``None`` if the index is healthy, ``""`` if it has no tables yet, else what is wrong."""
+    problem = damage(conn)
+    return _schema_problem(conn) if problem is None else problem
+
+
+def _schema_problem(conn: sqlite3.Connection) -> str | None:
+    """``None`` if the tables are ours, ``""`` if there are none yet, else what differs."""
     try:
-        if (rows := [tuple(r) for r in conn.execute("PRAGMA quick_check")]) != [("ok",)]:
-            return "quick_check: " + "; ".join(str(r[0]) for r in rows[:3])
         if not {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}:
             return ""
         for table, cols in _COLUMNS.items():
@@ -90,8 +94,7 @@ def _diagnose(conn: sqlite3.Connection) -> str | None:
         if (versions := [r[0] for r in conn.execute("SELECT version FROM schema_version")]) != [SCHEMA_VERSION]:
             return f"schema version {versions}, expected [{SCHEMA_VERSION}]"
     except sqlite3.DatabaseError as e:  # damage is SQLITE_CORRUPT or SQLITE_NOTADB; busy, I/O, ... propagate
-        code = getattr(e, "sqlite_errorcode", None)  # Python >= 3.11
-        if code & 0xFF not in (11, 26) if code is not None else not re.search("malformed|not a database", str(e)):
+        if not is_damage(e):
             raise
         return str(e)
     return None
@@ -102,30 +105,12 @@ def _decode(row: sqlite3.Row) -> dict[str, Any]:
             for k, v in dict(row).items()}
 
 
-@dataclass
-class Continuity:
-    """:meth:`RunIndex.continuity` of one metric: ``checked``, the steps logged by several segments;
-    ``disagreeing``, those where the segments logged different values (bitwise: NaN equals the same
-    NaN, ``0.0`` differs from ``-0.0``); ``values``, for each of those, its ``(segment, value)`` pairs."""
-
-    name: str
-    checked: list[int] = field(default_factory=list)
-    disagreeing: list[int] = field(default_factory=list)
-    values: dict[int, list[tuple[int | None, float]]] = field(default_factory=dict)
-    missing: list[int] = field(default_factory=list)
-    """Steps whose row was made durable at a checkpoint's save point but is not in the index (a
-    :data:`DURABLE` mark counted more rows than there are), as far as the steps can be told."""
-
-    @property
-    def ok(self) -> bool:
-        return not self.disagreeing and not self.missing
-
-
 class RunIndex:
     """The SQLite index of the run folder ``run_dir`` (created if missing, unless ``readonly``).
 
-    ``readonly``: open with ``mode=ro``, never write, move or rebuild the file; if it is missing or
-    damaged, use an index rebuilt from the manifests in memory (:attr:`in_memory`). Writing methods
+    ``readonly``: never write, move or rebuild the file, nor create anything beside it (works in a
+    read-only folder: :func:`unbroken.indexfile.open_readonly`); if it is missing, damaged or cannot
+    be read, use an index rebuilt from the manifests in memory (:attr:`in_memory`). Writing methods
     then raise ``RuntimeError``. Metrics are committed when ``flush_every`` rows are pending or
     ``flush_seconds`` after the last commit, and with any other write, query or :meth:`close`.
     Thread-safe. Call :meth:`start_segment` before :meth:`log_metrics`; events and checkpoint rows
@@ -140,28 +125,22 @@ class RunIndex:
         self.flush_every, self.flush_seconds, self._last_flush = flush_every, flush_seconds, time.monotonic()
         self.segment: int | None = None
         self._pending: list[tuple[int, int, str, Any, float]] = []
+        self._scratch: str | None = None  # a private copy read instead of the file (see indexfile)
         self._conn: sqlite3.Connection | None = self._open_readonly() if readonly else self._open_writable()
-
-    @staticmethod
-    def _connect(target: str, uri: bool = False) -> sqlite3.Connection:
-        conn = sqlite3.connect(target, uri=uri, timeout=BUSY_TIMEOUT_S, isolation_level=None,
-                               check_same_thread=False)
-        conn.row_factory = sqlite3.Row
-        return conn
 
     def _open_writable(self) -> sqlite3.Connection:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        for suffix in ("", *_SIDECARS):  # never follow a planted link; never replay a WAL of a deleted db
+        for suffix in ("", *SIDECARS):  # never follow a planted link; never replay a WAL of a deleted db
             if (side := Path(f"{self.path}{suffix}")).is_symlink() or (suffix and not self.path.exists()):
                 side.unlink(missing_ok=True)
-        conn = self._connect(str(self.path))
+        conn = connect(str(self.path))
         reason = "missing" if (problem := _diagnose(conn)) == "" else None
         if problem:
             conn.close()
-            aside = self._move_aside()
+            aside = move_aside(self.path)
             log.warning("run index %s is damaged (%s); moved it to %s and rebuilt the index from the "
                         "manifests (its events, segments and metrics are lost)", self.path, problem, aside)
-            conn, reason = self._connect(str(self.path)), "corrupt"
+            conn, reason = connect(str(self.path)), "corrupt"
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
         if reason:
@@ -169,27 +148,15 @@ class RunIndex:
         return conn
 
     def _open_readonly(self) -> sqlite3.Connection:
-        problem: str | None = ""
-        if self.path.exists() and not any(Path(f"{self.path}{s}").is_symlink() for s in ("", *_SIDECARS)):
-            conn = self._connect(self.path.absolute().as_uri() + "?mode=ro", uri=True)
-            if (problem := _diagnose(conn)) is None:
-                return conn
-            conn.close()
-            if problem:
-                log.warning("run index %s is damaged (%s); using one rebuilt in memory", self.path, problem)
+        conn, problem, self._scratch = open_readonly(self.path, _schema_problem)
+        if conn is not None:
+            return conn
+        if problem:
+            log.warning("run index %s is damaged or unreadable (%s); using one rebuilt in memory", self.path, problem)
         self.in_memory = True
-        conn = self._connect(":memory:")
+        conn = connect(":memory:")
         self._initialize(conn, "corrupt" if problem else "missing")
         return conn
-
-    def _move_aside(self) -> Path:
-        stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{time.time_ns() % 10**9:09d}"
-        target = self.path.with_name(f"{INDEX_FILE}.corrupt-{stamp}")
-        os.replace(self.path, target)
-        for suffix in _SIDECARS:  # a stale WAL would be replayed into the new database
-            if Path(f"{self.path}{suffix}").exists():
-                os.replace(f"{self.path}{suffix}", f"{target}{suffix}")
-        return target
 
     def _initialize(self, conn: sqlite3.Connection, reason: str) -> None:
         """Create the schema and fill it from the manifests, unless another process just did."""
@@ -384,39 +351,12 @@ class RunIndex:
     def continuity(self, name: str) -> Continuity:
         """Compare metric ``name`` at the steps logged by several segments (re-run after a resume):
         the values each segment logged there (in order) must be bitwise equal, as an exact resume
-        re-logs identical values. See :class:`Continuity`."""
-        per_step: dict[int, dict[int | None, list[int]]] = {}
-        for step, bits, seg in self._query(
-                "SELECT step, bits, segment FROM metrics WHERE name = ? ORDER BY step, rowid", (name,)):
-            per_step.setdefault(step, {}).setdefault(seg, []).append(bits)
-        report = Continuity(name)
-        for step, by_seg in per_step.items():
-            if len(by_seg) > 1:
-                report.checked.append(step)
-                if len({tuple(v) for v in by_seg.values()}) > 1:
-                    report.disagreeing.append(step)
-                    report.values[step] = [(g, _F64.unpack(_I64.pack(b))[0]) for g, v in by_seg.items() for b in v]
-        report.missing = self._missing(name, per_step)
-        return report
-
-    def _missing(self, name: str, per_step: dict[int, dict[int | None, list[int]]]) -> list[int]:
-        """Steps of rows a :data:`DURABLE` mark promised that are not there: for each mark whose
-        segment has fewer rows of ``name`` up to the mark's last step than it counted, the steps
-        in that stretch where the segment has no row (or the last step, if none can be told)."""
+        re-logs identical values, and no row a :data:`DURABLE` mark promised may be missing. See
+        :class:`~unbroken.continuity.Continuity`."""
+        rows = self._query("SELECT step, bits, segment FROM metrics WHERE name = ? ORDER BY step, rowid", (name,))
         starts = {r["id"]: r["start_step"] for r in self.segments()}
-        steps_of: dict[int | None, list[int]] = {}  # per segment, the step of each row, sorted
-        for step in sorted(per_step):
-            for seg, values in per_step[step].items():
-                steps_of.setdefault(seg, []).extend([step] * len(values))
-        lost: set[int] = set()
-        for mark in self.events(DURABLE):
-            count, last = mark["data"].get("rows", {}).get(name) or (0, 0)
-            steps = steps_of.get(mark["segment"], [])
-            if bisect.bisect_right(steps, last) < count:
-                have = set(steps)
-                gaps = [s for s in range(starts.get(mark["segment"], 0) + 1, last + 1) if s not in have]
-                lost.update(gaps or [last])
-        return sorted(lost)
+        marks = [(m["segment"], m["data"].get("rows", {}).get(name)) for m in self.events(DURABLE)]
+        return compare(name, [tuple(r) for r in rows], starts, marks)
 
     def close(self) -> None:
         """Commit pending metrics durably and close the database (idempotent)."""
@@ -428,6 +368,9 @@ class RunIndex:
                         pass
                 finally:
                     conn.close()
+                    if self._scratch is not None:
+                        shutil.rmtree(self._scratch, ignore_errors=True)
+                        self._scratch = None
 
     def __enter__(self) -> RunIndex:  # noqa: PYI034
         return self

@@ -163,7 +163,7 @@ class Checkpointer:
         self.run.begin()
         _open.add(self)
         self._signals.install()
-        if self.comm.coordinator:  # one index, one submit script per run
+        if self.comm.coordinator and not self.run.readonly:  # one index, one submit script per run
             self._recorder = Recorder(self.run.store)
             self._plugins = [self._recorder, slurm.SubmitScript(self.run.store.local_dir())]
         for p in self._plugins:

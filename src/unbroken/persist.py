@@ -20,7 +20,7 @@ import time
 from typing import TYPE_CHECKING, Any, Iterable
 
 from . import _faults, progress
-from .errors import InsufficientSpaceError, StorageError, UnbrokenError
+from .errors import InsufficientSpaceError, ReadOnlyRunError, StorageError, UnbrokenError
 from .format.manifest import MANIFEST, STATE_FILE, FileEntry, Manifest, new_hasher
 from .format.tensorfile import TensorEntry, write_tensor_file
 from .snapshot import Snapshot
@@ -100,11 +100,13 @@ def commit(staging: Staging, files: dict[str, FileEntry], **fields: Any) -> tupl
 
 
 def as_storage_error(e: Exception, name: str, where: Any) -> Exception:
-    """One library error for a failed write (a disk, a server), keeping the errno."""
+    """One library error for a failed write (a disk, a server), keeping the errno: a
+    :class:`ReadOnlyRunError` where the location cannot be written at all."""
     if isinstance(e, UnbrokenError):
         return e
     code = e.errno if isinstance(e, OSError) and e.errno else errno.EIO
-    return StorageError(code, f"could not write checkpoint {name} to {getattr(where, 'url', where)} "
+    cls = ReadOnlyRunError if code in (errno.EROFS, errno.EACCES, errno.EPERM) else StorageError
+    return cls(code, f"could not write checkpoint {name} to {getattr(where, 'url', where)} "
                               f"({type(e).__name__}: {e}); nothing was committed and earlier checkpoints "
                               "are intact")
 
@@ -131,8 +133,11 @@ def write_snapshot(
     if snapshot.sharded:
         raise UnbrokenError("a snapshot with sharded tensors is saved by all ranks together (Checkpointer)")
     started = time.time()
-    check_space(storage, snapshot.nbytes + len(tree_bytes(snapshot)))
-    staging = storage.stage(name)
+    try:  # a folder that cannot be created or written fails here: one library error too
+        check_space(storage, snapshot.nbytes + len(tree_bytes(snapshot)))
+        staging = storage.stage(name)
+    except OSError as e:
+        raise as_storage_error(e, name, storage) from e
     try:
         files = write_part(staging, snapshot, STATE_FILE, snapshot.files)
         final, manifest = commit(staging, files, step=step, seq=seq, created=started, metrics=dict(metrics or {}),

@@ -6,6 +6,12 @@ what is loaded. Nothing outside the manifest's list is opened. Any defect raises
 :class:`~unbroken.errors.CorruptCheckpointError` before a single value reaches the live
 training state.
 
+A checkpoint deleted or moved while it is read (pruned by the retention of the process that
+writes the run) is not damaged: when a read fails, :func:`vanished` looks again whether the
+checkpoint is still committed, and a gone one raises
+:class:`~unbroken.errors.CheckpointVanishedError` instead, which nothing reports as corrupt or
+quarantines.
+
 A checkpoint of several ranks (format 2) holds ``state.json`` (what all ranks share),
 ``rank-<r>.json`` per rank (its RNG and per-rank objects) and, for sharded tensors,
 ``sharded.json`` plus ``s<r>.safetensors`` per writing rank. :func:`read_checkpoint`
@@ -26,7 +32,7 @@ from typing import Any, Iterable
 import torch
 
 from . import progress
-from .errors import CorruptCheckpointError
+from .errors import CheckpointVanishedError, CorruptCheckpointError
 from .format import chunkmap
 from .format.manifest import MANIFEST, STATE_FILE, Manifest, is_chunk, new_hasher, strict_object
 from .format.tensorfile import load_tensor_file
@@ -51,6 +57,34 @@ class ShardedRef:
 
 def read_manifest(storage: Storage, name: str) -> Manifest:
     return Manifest.from_json(bytes(storage.read(name, MANIFEST)))
+
+
+def vanished(storage: Storage, name: str, seq: int | None = None) -> bool:
+    """Whether checkpoint ``name`` is no longer committed in ``storage`` (deleted or moved since it
+    was listed), or another checkpoint (another ``seq``) now has its name. Asked after a read
+    failed, it tells "pruned while read" from damage; ``False`` when it cannot be told."""
+    try:
+        if name not in storage.list_committed():
+            return True
+        try:
+            return seq is not None and read_manifest(storage, name).seq != seq
+        except CorruptCheckpointError:  # its manifest is unreadable: damaged, unless it is gone by now
+            return name not in storage.list_committed()
+    except Exception:  # noqa: BLE001 - the listing failed: report the read's own error
+        return False
+
+
+def failure(storage: Storage, name: str, e: BaseException, manifest: Manifest | None = None) -> CorruptCheckpointError:
+    """The error for a failed read of checkpoint ``name``: :class:`CheckpointVanishedError` if it
+    is gone (see :func:`vanished`; ``manifest``: the one read before the failure), else
+    :class:`CorruptCheckpointError`, both naming the checkpoint."""
+    if isinstance(e, CheckpointVanishedError):
+        return e
+    where = storage.describe(name)
+    if vanished(storage, name, manifest.seq if manifest is not None else None):
+        return CheckpointVanishedError(f"{where} was deleted or moved while it was being read (pruned by the "
+                                       f"retention of the process writing the run?); it is not damaged ({e})")
+    return CorruptCheckpointError(f"{where}: {e}")
 
 
 READERS = int(os.environ.get("UNBROKEN_READERS", "2"))
@@ -274,8 +308,9 @@ def read_checkpoint(storage: Storage, name: str, rank: int = 0, files: Checkpoin
     any defect. Every listed file is verified first, except other ranks' parts and, with
     ``all_shards=False`` (several ranks, after :func:`verify_share`), the sharded pieces,
     which are verified again as they are read."""
+    manifest: Manifest | None = files.manifest if files is not None else None
     try:
-        manifest = files.manifest if files is not None else read_manifest(storage, name)
+        manifest = manifest or read_manifest(storage, name)
         files = files or CheckpointFiles(storage, name, manifest)
         mine = rank_file(rank)
         others = {rank_file(r) for r in range(manifest.world_size)} - {mine}
@@ -287,8 +322,8 @@ def read_checkpoint(storage: Storage, name: str, rank: int = 0, files: Checkpoin
             raise CorruptCheckpointError(f"the manifest does not list {STATE_FILE}")
         state = files.decode(STATE_FILE)
         rank_state = files.decode(mine) if mine in manifest.files else None
-    except CorruptCheckpointError as e:
-        raise CorruptCheckpointError(f"{storage.describe(name)}: {e}") from None
+    except (CorruptCheckpointError, FileNotFoundError) as e:
+        raise failure(storage, name, e, manifest) from None
     return LoadedCheckpoint(name=name, manifest=manifest, state=state, rank_state=rank_state, files=files)
 
 
@@ -311,8 +346,8 @@ def verify_all(storage: Storage, name: str) -> LoadedCheckpoint:
                 files.decode(rank_file(r))
         if loaded.files is not None and "sharded.json" in loaded.manifest.files:
             loaded.sharded_metadata()
-    except CorruptCheckpointError as e:
-        raise CorruptCheckpointError(f"{storage.describe(name)}: {e}") from None
+    except (CorruptCheckpointError, FileNotFoundError) as e:
+        raise failure(storage, name, e, loaded.manifest) from None
     return loaded
 
 
@@ -321,11 +356,12 @@ def verify_share(storage: Storage, name: str, rank: int, world: int, check_ids: 
     """Verify this rank's share of a checkpoint's files (every ``world``-th, all at world 1),
     keeping them for the load that follows (``check_ids``: chunks' SHA-256 too; ``repair``: see
     :attr:`CheckpointFiles.repair`). Raises ``CorruptCheckpointError``."""
+    manifest: Manifest | None = None
     try:
         manifest = read_manifest(storage, name)
         files = CheckpointFiles(storage, name, manifest)
         files.check_ids, files.repair = check_ids, repair
         files.verify(f for i, f in enumerate(sorted(manifest.files)) if i % world == rank)
-    except CorruptCheckpointError as e:
-        raise CorruptCheckpointError(f"{storage.describe(name)}: {e}") from None
+    except (CorruptCheckpointError, FileNotFoundError) as e:
+        raise failure(storage, name, e, manifest) from None
     return files

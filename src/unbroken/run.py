@@ -10,6 +10,9 @@ With several ranks, every rank has a ``Run`` over the same location; the coordin
 (rank 0) alone holds the lock, cleans leftovers, uploads, prunes, quarantines and writes
 tags, and saving and choosing a checkpoint are collectives (:mod:`unbroken.collective`).
 
+A location that cannot be written opens *read-only* (docs/architecture.md): restore reads, and
+:meth:`Run.write`, :meth:`Run.prune` and :meth:`Run.set_tags` raise ``ReadOnlyRunError``.
+
 Ordering across tiers is by ``seq`` (the commit counter in every manifest): a
 checkpoint keeps its seq when it is uploaded or downloaded, so "newest" means the same
 thing in both places.
@@ -26,12 +29,12 @@ from typing import Any, Callable, Iterator, Mapping
 from .api import CheckpointInfo
 from .chunks import ChunkWriter, LiveChunks, collect
 from .discovery import discover, manifests
-from .errors import CorruptCheckpointError, RunLockedError, StorageError, UnbrokenError
+from .errors import CorruptCheckpointError, ReadOnlyRunError, RunLockedError, StorageError, UnbrokenError
 from .events import CorruptionFound, Event, Pruned, Quarantined
 from .format.manifest import Manifest
 from . import collective
 from .dist.comm import Comm
-from .reader import LoadedCheckpoint, read_checkpoint, verify_share
+from .reader import LoadedCheckpoint, read_checkpoint, vanished, verify_share
 from .scheduling import Schedule
 from .snapshot import Snapshot
 from .store import open_store
@@ -41,6 +44,8 @@ from .tiers import Remote, Uploader, copy_checkpoint
 
 log = logging.getLogger("unbroken")
 _DAMAGED_CHUNK = re.compile(r"chunk ([0-9a-f]{64}): (?:checksum mismatch|damaged)")
+RELISTS = 10
+"""How often :meth:`Run.newest_valid` looks again after checkpoints vanished while it read them."""
 
 
 class Run:
@@ -68,6 +73,8 @@ class Run:
         self._writing = False
         self._unmoved: list[tuple[str, str]] = []  # found invalid, left in place: (checkpoint, reason)
         self._remote_unlisted = False  # the remote tier could not be listed by the last restore
+        self._readonly = ""  # why the run cannot be written (set by begin), "" if it can
+        self._vanished = False  # a checkpoint was deleted while newest_valid read it
         self._schedule: Schedule | None = None  # the local retention, for prunes after uploads
 
     @property
@@ -92,28 +99,49 @@ class Run:
     def writing(self) -> bool:
         return self._writing
 
+    @property
+    def readonly(self) -> bool:
+        """True once :meth:`begin` found that the run location cannot be written."""
+        return bool(self._readonly)
+
     def begin(self) -> None:
         """Become this run's writer (idempotent; a collective): the coordinator locks, cleans
-        leftovers and starts uploading; if it cannot, every rank raises."""
+        leftovers and starts uploading; if it cannot, every rank raises. A location that cannot
+        be written opens read-only instead (see the module docstring)."""
         if self._writing:
             return
         failure: BaseException | None = None
+        readonly = ""
         if self.comm.coordinator:
             try:
-                self.lock.acquire()
-                for name in self.store.clean_stale():
-                    log.info("removed leftover %s of an interrupted save", name)
-                self._collect_at_start()
-                if self.remote_store is not None:
-                    self._begin_remote()
+                try:
+                    self.lock.acquire()
+                except ReadOnlyRunError as e:
+                    readonly = str(e)
+                else:
+                    for name in self.store.clean_stale():
+                        log.info("removed leftover %s of an interrupted save", name)
+                    self._collect_at_start()
+                    if self.remote_store is not None:
+                        self._begin_remote()
             except BaseException as e:  # noqa: BLE001 - told to every rank, then raised here
                 failure = e
-        outcome = self.comm.broadcast(f"{type(failure).__name__}: {failure}" if failure else "")
+        outcome, readonly = self.comm.broadcast([f"{type(failure).__name__}: {failure}" if failure else "", readonly])
         if failure is not None:
             raise failure
         if outcome:
             raise RunLockedError(f"the coordinator (rank 0) could not open {self.url}: {outcome}")
+        self._readonly = readonly
+        if readonly and self.comm.coordinator:
+            log.warning("%s: the run is read-only: restoring works (nothing is locked, cleaned or quarantined), "
+                        "saving, pruning or tagging raises ReadOnlyRunError; to continue training, copy the run "
+                        "to a writable folder", readonly)
         self._writing = True
+
+    def _require_writable(self, what: str) -> None:
+        if self._readonly:
+            raise ReadOnlyRunError(f"cannot {what} {self.url}: {self._readonly}; copy the run to a writable "
+                                   "folder and resume from there, or make the folder writable")
 
     def _collect_at_start(self) -> None:
         """Chunks left by saves that died, or by checkpoints deleted before a collection ran
@@ -171,6 +199,7 @@ class Run:
             self.remote_lock.release()
         self.lock.release()
         self._writing = False
+        self._readonly = ""
 
     # ----------------------------------------------------------------- discovery
     def checkpoints(self) -> list[CheckpointInfo]:
@@ -211,7 +240,9 @@ class Run:
               broken: BaseException | None = None, **fields: Any) -> tuple[str, Manifest]:
         """Commit checkpoint ``name`` (or ``name-2``...) with every rank (a collective, see
         :mod:`unbroken.collective`, over ``comm``: the background saves' own group when they
-        run beside the training loop's step collectives); the coordinator queues its upload."""
+        run beside the training loop's step collectives); the coordinator queues its upload.
+        A read-only run raises :class:`ReadOnlyRunError` on every rank, before any collective."""
+        self._require_writable("save a checkpoint to")
         final, manifest = collective.write(comm or self.comm, self.store, self.lock, name, shared, mine,
                                            self.next_seq, broken, chunks=self.chunks, **fields)
         self._next_seq = manifest.seq + 1
@@ -235,14 +266,23 @@ class Run:
             files = verify_share(self.store, name, rank, world, repair=repair)
             return read_checkpoint(self.store, name, rank, files, all_shards=world == 1)
 
-        chosen = collective.choose(self.comm, self._candidates(seen) if self.comm.coordinator else None, attempt,
-                                   lambda name, reason: self.invalid(self.store, name, reason))
+        for _ in range(RELISTS):  # a checkpoint pruned while read (a read-only run's writer): look again
+            self._vanished = False
+            chosen = collective.choose(self.comm, self._candidates(seen) if self.comm.coordinator else None, attempt,
+                                       lambda name, reason: self.invalid(self.store, name, reason))
+            if not self.comm.broadcast(self._vanished and self.comm.coordinator and self._newer_than(chosen)):
+                break
         seen_all = self.comm.broadcast(seen[0])
         if chosen is None:
             return None, "", seen_all
         name, loaded = chosen
         self.use_base(loaded)
         return loaded, self.store.describe(name), seen_all
+
+    def _newer_than(self, chosen: tuple[str, LoadedCheckpoint] | None) -> bool:
+        """Whether a checkpoint newer than ``chosen`` is committed now (one vanished meanwhile)."""
+        seq = chosen[1].manifest.seq if chosen is not None else -1
+        return any(m.seq > seq for m in manifests(self.store).values())
 
     def use_base(self, loaded: LoadedCheckpoint, location: Any = None) -> None:
         """Incremental saves deduplicate against ``loaded`` (just restored) if it is a checkpoint
@@ -336,7 +376,15 @@ class Run:
         return [(str(a), str(b)) for a, b in self.comm.broadcast(found)]
 
     def invalid(self, store: Any, name: str, reason: str, tier: str = "primary") -> None:
+        if vanished(store, name):  # deleted while read (by another process's retention): not damage
+            self._vanished = True
+            log.info("checkpoint %s was deleted while it was being read (not damaged); skipped", store.describe(name))
+            return
         self.publish(CorruptionFound(name, reason, tier))
+        if self._readonly and store is self.store:
+            log.warning("checkpoint %s is invalid (left in place: the run is read-only): %s", store.describe(name),
+                        reason)
+            return
         for cid in sorted(set(_DAMAGED_CHUNK.findall(reason))):  # the next save writes it again
             where = store.quarantine_chunk(cid, reason)
             if where:
@@ -356,6 +404,7 @@ class Run:
         newest, never ``keep``, never a checkpoint waiting for its upload; during an outage,
         never the newest one waiting: see :mod:`unbroken.tiers`)."""
         self._schedule = schedule
+        self._require_writable("prune")
         if not self.comm.coordinator:
             return []
         with self._prune_lock:  # the uploader thread prunes too, after each upload
@@ -397,6 +446,7 @@ class Run:
         return load_tags(self.store)
 
     def set_tags(self, tags: dict[str, str]) -> None:
+        self._require_writable("tag a checkpoint of")
         self.lock.verify()
         save_tags(self.store, tags)
         if self.remote_store is not None and self.uploader is not None:

@@ -15,6 +15,7 @@ import io
 import json
 import math
 import os
+import sqlite3
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -46,7 +47,7 @@ class _Group(TyperGroup):
             with contextlib.suppress(OSError, ValueError, io.UnsupportedOperation):  # not a real file (tests)
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # not even a last flush reaches it
             raise typer.Exit(1) from None
-        except (UnbrokenError, OSError) as e:
+        except (UnbrokenError, OSError, sqlite3.Error) as e:  # sqlite3: a run index that cannot be read
             err().print(f"[red]{type(e).__name__}: {escape(str(e))}[/]")
             raise typer.Exit(1) from None
 

@@ -9,7 +9,12 @@ broken ones too, each with a status:
 - ``quarantined``: moved to ``quarantine/`` by a restore that found it invalid;
 - ``uncommitted``: an unfinished save (in progress, or left by a killed writer; the next
   writer removes those of dead processes);
-- ``remote-only``: with ``--remote``, a checkpoint only the remote tier has.
+- ``remote-only``: with ``--remote``, a checkpoint only the remote tier has;
+- ``pruned``: with ``--verify``, listed but deleted (or moved) while it was being verified, by
+  the retention of the process that writes the run: not damaged.
+
+Both commands only read, so they work on a read-only run folder, and beside a training process
+that writes (and prunes) the run.
 """
 
 from __future__ import annotations
@@ -24,8 +29,8 @@ from rich.table import Table
 
 from .. import progress
 from ..discovery import discover
-from ..errors import UnbrokenError
-from ..reader import read_manifest, verify_all
+from ..errors import CheckpointVanishedError, UnbrokenError
+from ..reader import read_manifest, vanished, verify_all
 from ..run import Run
 from ..store import is_url
 from ..tiers import Remote
@@ -35,7 +40,8 @@ from .base import (JSON_OPTION, app, emit_json, fail, metrics_text, open_checkpo
 NARROW_DROPS = ("epoch", "size", "tiers", "tags", "saved", "metrics")
 """The ``ls`` columns left out, in this order, while the table is wider than the terminal."""
 STYLES = {"valid": "green", "committed": "", "corrupt": "red", "quarantined": "yellow", "uncommitted": "dim",
-          "remote-only": "cyan"}
+          "remote-only": "cyan", "pruned": "dim"}
+PRUNED = "deleted or moved while it was being verified (pruned by the run's retention?); not damaged"
 
 
 @dataclass
@@ -57,13 +63,18 @@ class Row:
     tiers: list[str] = field(default_factory=list)
 
 
-def check(store: Any, name: str) -> str:
-    """Verify every file of checkpoint ``name``; ``""`` if it is intact, else the reason."""
+def check(store: Any, name: str) -> tuple[str, str]:
+    """Verify every file of checkpoint ``name``: ``("valid", "")``, ``("corrupt", reason)``, or
+    ``("pruned", reason)`` if it was deleted while being read (not damaged)."""
     try:
         verify_all(store, name)
+    except CheckpointVanishedError:
+        return "pruned", PRUNED
     except (UnbrokenError, OSError) as e:
-        return str(e).removeprefix(f"{store.describe(name)}: ")  # the caller names the checkpoint
-    return ""
+        if vanished(store, name):
+            return "pruned", PRUNED
+        return "corrupt", str(e).removeprefix(f"{store.describe(name)}: ")  # the caller names the checkpoint
+    return "valid", ""
 
 
 def committed_rows(store: Any, remote: str | None) -> list[Row]:
@@ -83,6 +94,8 @@ def committed_rows(store: Any, remote: str | None) -> list[Row]:
                 read_manifest(store, name)
                 reason = "the manifest became readable while listing; run ls again"
             except (UnbrokenError, OSError) as e:
+                if vanished(store, name):
+                    continue  # deleted since it was listed (pruned): not a checkpoint any more
                 reason = str(e)
             rows.append(Row(name, "corrupt", store.describe(name), reason))
     return rows
@@ -114,8 +127,7 @@ def gather(store: Any, remote: str | None = None, verify: bool = False) -> list[
     todo = [r for r in rows if r.status == "committed"] if verify else []
     with progress.task(f"verifying {plural(len(todo), 'checkpoint')}", sum(r.size_bytes or 0 for r in todo)):
         for row in todo:
-            row.reason = check(store, row.name)
-            row.status = "corrupt" if row.reason else "valid"
+            row.status, row.reason = check(store, row.name)
     rows += [Row(n, "uncommitted", reason="unfinished save (in progress, or left by a killed writer)")
              for n in store.list_uncommitted()]
     return rows + quarantined_rows(store)
@@ -165,7 +177,8 @@ def ls(run: str = typer.Argument(..., metavar="RUN", help="Run folder or URL."),
        json_: bool = JSON_OPTION) -> None:
     """List a run's checkpoints, newest first, with broken, quarantined and unfinished ones.
 
-    Exit 1 if the folder holds no checkpoint at all, or a corrupt one was found."""
+    Exit 1 if the folder holds no checkpoint at all, or a corrupt one was found (one pruned while
+    --verify read it is not corrupt)."""
     store = open_location(run)
     rows = gather(store, remote, verify)
     if json_:
@@ -214,6 +227,9 @@ def verify(path: str = typer.Argument(..., metavar="PATH", help="A checkpoint, o
            json_: bool = JSON_OPTION) -> None:
     """Verify checksums, tensor headers and state trees of every rank; exit 1 if anything is wrong.
 
+    A checkpoint deleted while it is read (pruned by a training process writing the run) is
+    reported as pruned, not bad; verifying one checkpoint that is pruned meanwhile exits 1.
+
     A progress bar (bytes) shows on a terminal for runs of 512 MB or more (UNBROKEN_PROGRESS=1:
     always, =0: never)."""
     store, names, single = _targets(path)
@@ -225,15 +241,17 @@ def verify(path: str = typer.Argument(..., metavar="PATH", help="A checkpoint, o
     total = sum(_manifest_bytes(store, n) for n in names)
     with progress.task(f"verifying {names[0] if single else f'{len(names)} checkpoints'}", total):
         for name in names:
-            reason = check(store, name)
-            results.append({"name": name, "path": store.describe(name), "ok": not reason, "error": reason or None})
+            status, reason = check(store, name)
+            results.append({"name": name, "path": store.describe(name), "ok": status == "valid",
+                            "pruned": status == "pruned", "error": reason if status == "corrupt" else None})
             if not json_:
-                line = "[green]ok[/]  " if not reason else "[red]BAD[/] "
+                line = {"valid": "[green]ok[/]  ", "corrupt": "[red]BAD[/] ", "pruned": "[dim]gone[/]"}[status]
                 out().print(line + escape(store.describe(name) + (f": {reason}" if reason else "")))
-    bad = sum(not r["ok"] for r in results)
+    pruned = sum(r["pruned"] for r in results)
+    bad = sum(not r["ok"] for r in results) - pruned
     if json_:
-        emit_json({"path": path, "ok": not bad, "checkpoints": results})
+        emit_json({"path": path, "ok": not bad and not (single and pruned), "checkpoints": results})
     elif not single:
-        out().print(f"{len(results) - bad} of {plural(len(results), 'checkpoint')} verified"
-                    + (f", [red]{bad} bad[/]" if bad else ""))
-    raise typer.Exit(1 if bad else 0)
+        out().print(f"{len(results) - bad - pruned} of {plural(len(results), 'checkpoint')} verified"
+                    + (f", [red]{bad} bad[/]" if bad else "") + (f", {pruned} pruned meanwhile" if pruned else ""))
+    raise typer.Exit(1 if bad or (single and pruned) else 0)

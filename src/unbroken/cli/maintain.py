@@ -114,6 +114,11 @@ def _delete(run: str, schedule: Schedule) -> list[str]:
         writer.begin()
     except RunLockedError as e:
         fail(_locked("prune", run, e))
+    if writer.readonly:  # nothing can be deleted: Run.prune raises ReadOnlyRunError, naming the folder
+        try:
+            return writer.prune(schedule, None)
+        finally:
+            writer.close()
     recorder = Recorder(writer.store)  # records "pruned" in the run index, as during training
     bus.subscribe(recorder)
     try:

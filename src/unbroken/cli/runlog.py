@@ -1,6 +1,7 @@
 """``unbroken events``, ``metrics`` and ``plot``: a run's history, from its index.
 
-They read ``<run>/index.sqlite`` read-only. A folder that is not an unbroken run is
+They read ``<run>/index.sqlite`` read-only, creating nothing beside it (so a run folder nobody
+may write works too: :mod:`unbroken.indexfile`). A folder that is not an unbroken run is
 refused before anything is opened, so nothing is created in it; a run whose index is
 missing or damaged is shown from an index rebuilt in memory (checkpoints only: no
 metrics, no history), with a warning.

@@ -40,7 +40,7 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import RunLockedError, StorageError
+from ..errors import ReadOnlyRunError, RunLockedError, StorageError
 
 try:
     import fcntl
@@ -89,7 +89,9 @@ if hasattr(os, "register_at_fork"):
 def lock_error(root: str | os.PathLike[str], path: str, e: OSError) -> StorageError:
     """The :class:`StorageError` for an ``OSError`` met while taking a run's lock: what failed, and what to do."""
     hint = _HINTS.get(e.errno or 0, "check the location, then run again")
-    return StorageError(f"cannot take the writer lock of {root} ({path}): {e.strerror or e}; {hint}")
+    # a folder that cannot be written has no writer to exclude: Run.begin opens it read-only
+    kind = ReadOnlyRunError if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM) else StorageError
+    return kind(f"cannot take the writer lock of {root} ({path}): {e.strerror or e}; {hint}")
 
 
 def _take(key: str, root: Path) -> _Held:
