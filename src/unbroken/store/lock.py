@@ -90,8 +90,9 @@ def lock_error(root: str | os.PathLike[str], path: str, e: OSError) -> StorageEr
     """The :class:`StorageError` for an ``OSError`` met while taking a run's lock: what failed, and what to do."""
     hint = _HINTS.get(e.errno or 0, "check the location, then run again")
     # a folder that cannot be written has no writer to exclude: Run.begin opens it read-only
-    kind = ReadOnlyRunError if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM) else StorageError
-    return kind(f"cannot take the writer lock of {root} ({path}): {e.strerror or e}; {hint}")
+    if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return ReadOnlyRunError(f"{root} cannot be written ({e.strerror or e}, taking its writer lock {path}); {hint}")
+    return StorageError(f"cannot take the writer lock of {root} ({path}): {e.strerror or e}; {hint}")
 
 
 def _take(key: str, root: Path) -> _Held:
