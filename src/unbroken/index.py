@@ -22,6 +22,7 @@ import os
 import re
 import socket
 import sqlite3
+import stat
 import struct
 import threading
 import time
@@ -97,6 +98,17 @@ def _diagnose(conn: sqlite3.Connection) -> str | None:
     return None
 
 
+def _plain_files(path: Path) -> bool:
+    """The index and its sidecars are regular files (not links, FIFOs, folders) or absent."""
+    for suffix in ("", *_SIDECARS):
+        try:
+            if not stat.S_ISREG(os.lstat(f"{path}{suffix}").st_mode):
+                return False
+        except FileNotFoundError:
+            pass
+    return True
+
+
 def _decode(row: sqlite3.Row) -> dict[str, Any]:
     return {k: json.loads(v) if k in ("metrics", "tags", "environment", "data") and isinstance(v, str) else v
             for k, v in dict(row).items()}
@@ -170,7 +182,10 @@ class RunIndex:
 
     def _open_readonly(self) -> sqlite3.Connection:
         problem: str | None = ""
-        if self.path.exists() and not any(Path(f"{self.path}{s}").is_symlink() for s in ("", *_SIDECARS)):
+        if self.path.exists() and not _plain_files(self.path):  # sqlite follows links, blocks on a FIFO
+            log.warning("run index %s (or a -wal/-shm/-journal beside it) is not a regular file; using one "
+                        "rebuilt in memory", self.path)
+        elif self.path.exists():
             conn = self._connect(self.path.absolute().as_uri() + "?mode=ro", uri=True)
             if (problem := _diagnose(conn)) is None:
                 return conn

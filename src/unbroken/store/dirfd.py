@@ -211,10 +211,6 @@ def remove_tree(name: str, dir_fd: int) -> None:
         pass
 
 
-def fsync_fd(fd: int) -> None:
-    os.fsync(fd)
-
-
 def fsync_dir(path: Path) -> None:
     """Make a folder's entries (creations, renames) durable."""
     fd = os.open(path, _DIR_FLAGS)

@@ -113,7 +113,7 @@ class LocalStore:
             pass
 
     def lock(self) -> FlockLock:
-        return FlockLock(self.root)
+        return _RunLock(self)
 
     def local_dir(self) -> Path:
         return self.root
@@ -375,6 +375,22 @@ class LocalStore:
             log.warning("cannot quarantine chunk %s: %s", cid, e)
             return None
         return str(self.root / QUARANTINE / CHUNKS / cid)
+
+
+class _RunLock(FlockLock):
+    """The run's flock (:mod:`.lock`), taken once the run folder exists: a full disk or an odd
+    ``.lock`` (a folder) is a :class:`StorageError` that says what to do, not a raw ``OSError``."""
+
+    def __init__(self, store: LocalStore) -> None:
+        super().__init__(store.root)
+        self.url = store.url
+        self._store = store
+
+    @guarded("taking the run's writer lock (.lock)")
+    def acquire(self) -> None:
+        if not self.held:
+            self._store.ensure()
+        super().acquire()
 
 
 _MANAGED_FILES = {".lock", ".lock.json", "tags.json", QUARANTINE, "submit.slurm", CHUNKS}

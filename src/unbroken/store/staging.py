@@ -10,13 +10,14 @@ followed) and fsyncs the run folder.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from typing import TYPE_CHECKING, BinaryIO
 
 from ..errors import StorageError
 from .base import check_name
-from .dirfd import CLOEXEC, NOFOLLOW, guarded, open_dir, remove_tree, writer_tag
+from .dirfd import CLOEXEC, NOFOLLOW, guarded, lstat, open_dir, remove_tree, writer_tag
 
 if TYPE_CHECKING:
     from .local import LocalStore
@@ -96,6 +97,11 @@ class LocalStaging:
         with self.store.folder.open() as rfd:
             if rfd is None:
                 raise StorageError(f"the run folder {self.store.root} was removed during the save")
+            here, ours = lstat(self.token, rfd), os.fstat(self._fd)
+            if here is None or (here.st_dev, here.st_ino) != (ours.st_dev, ours.st_ino):
+                raise StorageError(errno.EEXIST, f"the staging folder {self.path} was moved or replaced during the "
+                                                 "save (a link or another folder is in its place); nothing was "
+                                                 "committed: remove what is there and save again")
             final = self.store.free_name(self.name, rfd)
             os.rename(self.token, final, src_dir_fd=rfd, dst_dir_fd=rfd)
             self.name = final
