@@ -15,6 +15,7 @@ import errno
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -239,6 +240,51 @@ def test_a_staging_folder_replaced_by_a_link_during_a_save_writes_nothing_outsid
     assert list(outside.iterdir()) == []
     assert not (run / "step-000000030").exists() and not (run / "step-000000030").is_symlink()
     assert sorted(p.name for p in (run / "moved-by-someone").iterdir()) == ["a.bin", "b.bin", COMMIT_FILE]
+
+
+WRITER = textwrap.dedent("""
+    import sys, torch, unbroken
+    from unbroken.errors import StorageError
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    ckpt = unbroken.Checkpointer(sys.argv[1], keep_last=None)
+    try:
+        ckpt.save({"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)})
+    except StorageError as e:
+        print("StorageError", e.errno, e)
+        sys.exit(3)
+    print("saved")
+""")
+
+
+def test_a_staging_folder_replaced_by_a_link_while_another_process_saves_is_never_written_through(
+        tmp_path: Path) -> None:
+    """A second process saves; it is frozen (SIGSTOP at the fault point before the manifest)
+    while its staging folder is moved away and a link to an outside folder is planted under
+    the staging name; then it continues. Its manifest never goes through the link, nothing is
+    committed, and the writer exits with a StorageError that says what happened."""
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    outside.mkdir()
+    env = dict(os.environ, UNBROKEN_FAULTS="save.before_manifest=1", UNBROKEN_FAULT_ACTION="stop")
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(run)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        _, status = os.waitpid(writer.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status), status
+        (staging,) = [p for p in run.iterdir() if p.name.startswith(".staging-")]
+        os.rename(staging, run / "moved-by-someone")
+        staging.symlink_to(outside, target_is_directory=True)
+        os.kill(writer.pid, signal.SIGCONT)
+        out, err = writer.communicate(timeout=300)
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+            writer.wait()
+    assert writer.returncode == 3 and "moved or replaced during the save" in out, out + err
+    assert list(outside.iterdir()) == []
+    assert not [p for p in run.iterdir() if p.name.startswith("step-")]
+    assert COMMIT_FILE in {p.name for p in (run / "moved-by-someone").iterdir()}
 
 
 # ------------------------------------------------- copies outside the naming rule

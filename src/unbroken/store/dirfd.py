@@ -146,6 +146,7 @@ class Folder:
     def __init__(self, path: Path, parent: "Folder | None" = None) -> None:
         self.path, self.parent = path, parent
         self._fd: int | None = None
+        self._close: weakref.finalize | None = None  # closes _fd once: at collection, or when reopened
         self._mutex = threading.Lock()
 
     def child(self, name: str) -> "Folder":
@@ -156,7 +157,8 @@ class Folder:
             if self._fd is not None:
                 if os.fstat(self._fd).st_nlink > 0:
                     return self._fd
-                os.close(self._fd)  # removed (and maybe made again) since: open the path anew
+                assert self._close is not None
+                self._close()  # removed (and maybe made again) since: open the path anew
                 self._fd = None
             if create:
                 self.path.mkdir(parents=True, exist_ok=True)
@@ -169,8 +171,7 @@ class Folder:
             except NotADirectoryError:
                 raise StorageError(errno.ENOTDIR, f"{self.path} exists and is not a folder; choose another "
                                                   "run location") from None
-            self._fd = fd
-            weakref.finalize(self, os.close, fd)
+            self._fd, self._close = fd, weakref.finalize(self, os.close, fd)
             return fd
 
     @contextmanager
