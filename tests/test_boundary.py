@@ -95,6 +95,71 @@ def test_a_chunks_link_planted_between_saves_never_leads_a_save_or_collection_ou
     assert unbroken.Checkpointer(other, incremental=True).restore(check) is not None
 
 
+AFTER = {  # an entry unbroken manages -> what the planted link points at
+    "chunks": "dir",
+    "quarantine": "dir",
+    "tags.json": "file",
+    "index.sqlite": "file",
+    "index.sqlite-wal": "file",
+    ".lock": "file",
+    "step-000000003": "dir",
+}
+
+
+@pytest.mark.parametrize("entry", AFTER)
+def test_a_link_planted_between_saves_is_never_followed(tmp_path: Path, entry: str) -> None:
+    """The approach of test_malicious's PLANTED, but the link appears after the Checkpointer
+    was built and saved (so the up-front check has passed): then saves with retention and
+    chunk collection, a tag, and a restore that quarantines a damaged checkpoint run. Whatever
+    each does (go on, or stop with a StorageError), the link's target is never written,
+    moved or deleted (a link may itself be replaced: ``tags.json`` by its new version, the
+    index's files by a new index)."""
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    outside.mkdir()
+    target = outside / "victim"
+    if AFTER[entry] == "dir":
+        target.mkdir()
+        (target / "keep.txt").write_text("precious")
+        (target / ("0" * 64)).write_text("an unreferenced chunk of another run")
+    else:
+        target.write_bytes(b"precious")
+    before = snapshot_tree(outside)
+
+    model, state = fresh_state()
+    ckpt = unbroken.Checkpointer(run, save_every=1, keep_last=1, incremental=True)
+    reader = unbroken.Checkpointer(run, keep_last=None, incremental=True)
+    train(model, state)
+    ckpt.step(state)
+    if (run / entry).is_dir():
+        shutil.rmtree(run / entry)
+    (run / entry).unlink(missing_ok=True)
+    (run / entry).symlink_to(target, target_is_directory=AFTER[entry] == "dir")
+
+    for _ in range(3):
+        train(model, state)
+        try:
+            ckpt.step(state)
+        except StorageError:
+            pass
+    try:
+        ckpt.tag("kept")
+    except StorageError:
+        pass
+    newest = max((p for p in run.iterdir() if p.name.startswith("step-") and not p.is_symlink()),
+                 key=lambda p: p.stat().st_mtime)
+    for f in newest.iterdir():
+        if f.suffix == ".safetensors" or f.name.endswith(".chunkmap.json"):
+            f.write_bytes(b"\0" * f.stat().st_size)
+    try:
+        reader.restore(fresh_state(3)[1])
+    except StorageError:
+        pass
+    reader.close()
+    ckpt.close()
+    assert snapshot_tree(outside) == before
+    assert sorted(p.name for p in outside.iterdir()) == ["victim"]
+
+
 @pytest.mark.parametrize("kind", ["file", "fifo"])
 def test_a_chunks_entry_of_the_wrong_kind_is_a_clear_error_not_a_raw_oserror(tmp_path: Path, kind: str) -> None:
     """A file or a FIFO named ``chunks`` (planted after the Checkpointer was built): the
@@ -140,6 +205,32 @@ def test_a_quarantine_entry_of_the_wrong_kind_falls_back_to_the_previous_checkpo
     assert all(torch.equal(v, saved[k]) for k, v in model2.state_dict().items())
     assert (run / newest.name).is_dir()  # not moved anywhere
     assert not (run / "quarantine").is_dir()
+
+
+@pytest.mark.parametrize("kind", ["dir", "fifo"])
+def test_a_folder_or_fifo_where_a_checkpoint_file_belongs_is_corruption_and_restore_falls_back(
+        tmp_path: Path, kind: str) -> None:
+    """The newest checkpoint's tensor file is replaced by a folder or a FIFO: verification
+    reports it (no raw IsADirectoryError, no hang), restore quarantines it and resumes from
+    the previous checkpoint."""
+    run = tmp_path / "run"
+    model, state = fresh_state()
+    ckpt = unbroken.Checkpointer(run, keep_last=None)
+    ckpt.save(state)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    train(model, state)
+    newest = ckpt.save(state)
+    ckpt.close()
+    tensor_file = next(p for p in (run / newest.name).iterdir() if p.suffix == ".safetensors")
+    tensor_file.unlink()
+    plant(tensor_file, kind)
+    with pytest.raises(unbroken.CorruptCheckpointError, match="not a regular file"):
+        unbroken.verify(run / newest.name)
+    model2, state2 = fresh_state(5)
+    info = unbroken.Checkpointer(run, keep_last=None).restore(state2)
+    assert info is not None and info.step == 0
+    assert all(torch.equal(v, saved[k]) for k, v in model2.state_dict().items())
+    assert (run / "quarantine" / newest.name).is_dir()
 
 
 # ---------------------------------------------------------------- tags.json, .lock

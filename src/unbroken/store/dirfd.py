@@ -68,7 +68,8 @@ def os_error(e: OSError, doing: str, where: object) -> StorageError:
     code = e.errno or errno.EIO
     advice = _ADVICE.get(code) or (_KIND_ADVICE if code in _WRONG_KIND else "check the run folder and try again")
     name = errno.errorcode.get(code, str(code))
-    return StorageError(code, f"{doing} in {where} failed: {e.strerror or e} ({name}); {advice}")
+    entry = f" ({e.filename})" if isinstance(e.filename, str) and "/" not in e.filename else ""
+    return StorageError(code, f"{doing}{entry} in {where} failed: {e.strerror or e} ({name}); {advice}")
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -194,6 +195,24 @@ class Folder:
                 yield fd
             finally:
                 os.close(fd)
+
+
+def scan(dir_fd: int) -> list[tuple[str, os.stat_result]]:
+    """Every entry of the folder ``dir_fd`` with its ``lstat``. Read through a descriptor of
+    its own: descriptors made by ``dup`` share the read position, so two threads listing the
+    same folder descriptor would each miss entries."""
+    fd = os.open(".", _DIR_FLAGS, dir_fd=dir_fd)
+    out = []
+    try:
+        with os.scandir(fd) as it:
+            for e in it:
+                try:
+                    out.append((e.name, e.stat(follow_symlinks=False)))
+                except FileNotFoundError:
+                    continue  # removed while listed
+    finally:
+        os.close(fd)
+    return out
 
 
 def remove_tree(name: str, dir_fd: int) -> None:

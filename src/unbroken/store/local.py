@@ -32,7 +32,7 @@ from ..errors import CorruptCheckpointError, StorageError
 from .base import (CHUNKS, COMMIT_FILE, MAX_META_BYTES, QUARANTINE, Buffer, check_meta_name, check_name,
                    is_checkpoint_name)
 from .dirfd import (CLOEXEC, NOFOLLOW, Folder, fsync_dir, guarded, lexists, open_dir, pid_alive, remove_tree,
-                    write_at, write_file_atomic, writer_tag)
+                    scan, write_at, write_file_atomic, writer_tag)
 from .lock import FlockLock
 from .readfile import Hasher, read_file
 from .staging import JoinedStaging, LocalStaging
@@ -53,24 +53,6 @@ def _entry(name: str) -> str:
     if not isinstance(name, str) or not name or "/" in name or "\0" in name or name.startswith("."):
         raise CorruptCheckpointError(f"invalid checkpoint name {name!r}")
     return name
-
-
-def _scan(dir_fd: int) -> list[tuple[str, os.stat_result]]:
-    """Every entry of the folder ``dir_fd`` with its ``lstat``. Read through a descriptor of
-    its own: descriptors made by ``dup`` share the read position, so two threads listing the
-    same folder descriptor would each miss entries."""
-    fd = os.open(".", os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | CLOEXEC, dir_fd=dir_fd)
-    out = []
-    try:
-        with os.scandir(fd) as it:
-            for e in it:
-                try:
-                    out.append((e.name, e.stat(follow_symlinks=False)))
-                except FileNotFoundError:
-                    continue  # removed while listed
-    finally:
-        os.close(fd)
-    return out
 
 
 class LocalStore:
@@ -133,6 +115,7 @@ class LocalStore:
     def stage(self, name: str) -> LocalStaging:
         return LocalStaging(self, check_name(name, "checkpoint"))
 
+    @guarded("joining the staging folder")
     def join(self, token: str) -> JoinedStaging:
         m = _HIDDEN.match(token) if isinstance(token, str) else None
         if m is None or not token.startswith(".staging-"):
@@ -213,7 +196,7 @@ class LocalStore:
         with self.folder.open() as rfd:
             if rfd is None:
                 return removed
-            for name, _ in _scan(rfd):
+            for name, _ in scan(rfd):
                 m = _HIDDEN.match(name)
                 if not m or m["host"] != here or pid_alive(int(m["pid"])):
                     continue  # not ours, or a live writer, or another host's that may be: leave it
@@ -239,7 +222,7 @@ class LocalStore:
         with self.folder.open() as rfd:
             if rfd is None:
                 return []
-            for name, st in _scan(rfd):
+            for name, st in scan(rfd):
                 if name.startswith(".") or name == QUARANTINE or not stat.S_ISDIR(st.st_mode):
                     continue
                 if is_checkpoint_name(name) or self._has_manifest(name, rfd):
@@ -260,9 +243,10 @@ class LocalStore:
     @guarded("listing checkpoints")
     def list_uncommitted(self) -> list[str]:
         with self.folder.open() as rfd:
-            names = [name for name, _ in _scan(rfd)] if rfd is not None else []
+            names = [name for name, _ in scan(rfd)] if rfd is not None else []
         return sorted(m["name"] for n in names if (m := _HIDDEN.match(n)) and n.startswith(".staging-"))
 
+    @guarded("listing the quarantine")
     def quarantined(self) -> "LocalStore | None":
         """A read-only view of ``quarantine/`` (None if there is no such folder, or it is a link
         or a file); its folder is reached from the run folder's descriptor at every use."""
@@ -338,7 +322,7 @@ class LocalStore:
     @guarded("listing the chunks")
     def list_chunks(self) -> dict[str, float]:
         with self.chunks.open() as cfd:
-            found = _scan(cfd) if cfd is not None else []
+            found = scan(cfd) if cfd is not None else []
         return {name: st.st_mtime for name, st in found if _CHUNK_ID.fullmatch(name) and stat.S_ISREG(st.st_mode)}
 
     @guarded("deleting a chunk")
@@ -356,7 +340,7 @@ class LocalStore:
         removed: list[str] = []
         here = writer_tag().split("_")[0]
         with self.chunks.open() as cfd:
-            for name, _ in _scan(cfd) if cfd is not None else []:
+            for name, _ in scan(cfd) if cfd is not None else []:
                 m = _CHUNK_TMP.match(name)
                 if m and m["host"] == here and not pid_alive(int(m["pid"])):
                     remove_tree(name, cfd)  # type: ignore[arg-type]
@@ -399,6 +383,6 @@ _MANAGED_FILES = {".lock", ".lock.json", "tags.json", QUARANTINE, "submit.slurm"
 def linked_entries(dir_fd: int) -> list[str]:
     """Entries of the run folder ``dir_fd`` that unbroken manages (checkpoint folders, staging
     and trash, the lock, tags, index, quarantine, chunks) and that are symbolic links, sorted."""
-    return sorted(n for n, st in _scan(dir_fd) if stat.S_ISLNK(st.st_mode) and (
+    return sorted(n for n, st in scan(dir_fd) if stat.S_ISLNK(st.st_mode) and (
         n in _MANAGED_FILES or n.startswith(("index.sqlite", ".tags.json.")) or is_checkpoint_name(n)
         or _HIDDEN.match(n)))

@@ -64,10 +64,11 @@ def read_file(dir_fd: int, file: str, size: int | None, max_unsized: int, hasher
         if e.errno == errno.ELOOP:
             raise CorruptCheckpointError(f"{file} is a symbolic link; refusing to follow it") from None
         raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):  # before fdopen, which refuses a folder with a raw IsADirectoryError
+        os.close(fd)
+        raise CorruptCheckpointError(f"{file} is not a regular file")
     with os.fdopen(fd, "rb", buffering=0) as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CorruptCheckpointError(f"{file} is not a regular file")
         os.set_blocking(fd, True)
         if size is None and st.st_size > max_unsized:  # refuse before allocating
             raise CorruptCheckpointError(f"{file} is implausibly large ({st.st_size} bytes)")
