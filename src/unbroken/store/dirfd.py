@@ -170,8 +170,7 @@ class Folder:
                     raise
                 return None
             except NotADirectoryError:
-                raise StorageError(errno.ENOTDIR, f"{self.path} exists and is not a folder; choose another "
-                                                  "run location") from None
+                raise StorageError(f"{self.path} exists and is not a folder; choose another run location") from None
             self._fd, self._close = fd, weakref.finalize(self, os.close, fd)
             return fd
 
