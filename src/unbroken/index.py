@@ -34,7 +34,7 @@ from typing import Any
 
 from .errors import UnbrokenError
 from .continuity import Continuity, compare
-from .indexfile import SIDECARS, connect, damage, is_damage, move_aside, open_readonly
+from .indexfile import SIDECARS, connect, damage, is_damage, move_aside, open_readonly, plain_files
 from .reader import read_manifest
 from .store import open_store
 
@@ -148,11 +148,17 @@ class RunIndex:
         return conn
 
     def _open_readonly(self) -> sqlite3.Connection:
-        conn, problem, self._scratch = open_readonly(self.path, _schema_problem)
-        if conn is not None:
-            return conn
-        if problem:
-            log.warning("run index %s is damaged or unreadable (%s); using one rebuilt in memory", self.path, problem)
+        problem: str | None = ""
+        if not plain_files(self.path):  # sqlite follows links and blocks on a FIFO
+            log.warning("run index %s (or a -wal/-shm/-journal beside it) is not a regular file; using one "
+                        "rebuilt in memory", self.path)
+        else:
+            conn, problem, self._scratch = open_readonly(self.path, _schema_problem)
+            if conn is not None:
+                return conn
+            if problem:
+                log.warning("run index %s is damaged or unreadable (%s); using one rebuilt in memory", self.path,
+                            problem)
         self.in_memory = True
         conn = connect(":memory:")
         self._initialize(conn, "corrupt" if problem else "missing")

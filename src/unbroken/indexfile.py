@@ -13,6 +13,7 @@ folder. Nothing is ever created, moved or changed next to the index.
 from __future__ import annotations
 
 import os
+import stat
 import re
 import shutil
 import sqlite3
@@ -127,3 +128,14 @@ def _private_copy(path: Path, wal: Path) -> tuple[sqlite3.Connection, str]:
 def _remove(scratch: str | None) -> None:
     if scratch is not None:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def plain_files(path: Path) -> bool:
+    """The index and its sidecars are regular files (not links, FIFOs, folders) or absent."""
+    for suffix in ("", *SIDECARS):
+        try:
+            if not stat.S_ISREG(os.lstat(f"{path}{suffix}").st_mode):
+                return False
+        except FileNotFoundError:
+            pass
+    return True

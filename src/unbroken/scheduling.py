@@ -12,6 +12,7 @@ from typing import Any, Mapping, Sequence
 
 from .policies import (AnyOf, CheckpointMeta, EveryNSteps, KeepLast, KeepTagged, Retention, Trigger,
                        TriggerContext, Union, to_delete)
+from .store.base import is_checkpoint_name
 
 
 class Schedule:
@@ -59,8 +60,10 @@ class Schedule:
 
     def doomed(self, checkpoints: Sequence[Any], tags: Mapping[str, set[str]], keep: str | None = None,
                protect: Sequence[str] = ()) -> list[str]:
-        """Names retention deletes now (oldest first; never the newest, never ``keep`` or ``protect``)."""
+        """Names retention deletes now (oldest first; never the newest, never ``keep`` or ``protect``).
+        Only checkpoints named by the Checkpointer's rule count: a copy kept under another name is
+        the user's (:func:`~unbroken.store.base.is_checkpoint_name`)."""
         if self.retention is None:
             return []
-        metas = [CheckpointMeta.of(c, tags=tags.get(c.name, ())) for c in checkpoints]
+        metas = [CheckpointMeta.of(c, tags=tags.get(c.name, ())) for c in checkpoints if is_checkpoint_name(c.name)]
         return to_delete(self.retention, metas, protect=[*([keep] if keep else []), *protect])

@@ -49,6 +49,15 @@ MAX_META_BYTES = 1 << 20
 """Run-level files (``tags.json``) larger than this are refused, never read into memory."""
 
 _SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+_CHECKPOINT_NAME = re.compile(r"^step-\d{9,}([-.]\d+)?$")
+
+
+def is_checkpoint_name(name: str) -> bool:
+    """The naming rule of the checkpoints a Checkpointer writes (``step-000000500``, with a
+    ``-2`` suffix after a name collision, ``.2`` in quarantine). Retention deletes only these: a
+    copy a user keeps in the run under another name (``cp -r run/step-000000010 "run/best copy"``)
+    is listed and can be restored, but is never counted or deleted by retention."""
+    return isinstance(name, str) and bool(_CHECKPOINT_NAME.match(name))
 
 
 def check_name(name: Any, what: str = "file") -> str:

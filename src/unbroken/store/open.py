@@ -148,4 +148,6 @@ def split_checkpoint(location: str | os.PathLike[str], storage_options: Mapping[
             raise StorageError(f"{redact(url)} is not the location of a checkpoint inside a run")
         return open_store(parent, storage_options), name
     path = os.path.abspath(text)
+    if os.path.islink(path):  # a link the user names is used as given: the store is its target's parent
+        path = os.path.realpath(path)
     return open_store(os.path.dirname(path), storage_options), os.path.basename(path)

@@ -19,6 +19,7 @@ memory. ``UNBROKEN_NO_MMAP=1`` reads everything into memory.
 from __future__ import annotations
 
 import errno
+import logging
 import mmap
 import os
 import stat
@@ -29,6 +30,8 @@ import torch
 
 from ..errors import CorruptCheckpointError, StorageError
 from .base import Buffer
+
+log = logging.getLogger("unbroken")
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -48,33 +51,44 @@ def _use_mmap(size: int) -> bool:
     return size >= MMAP_MIN and hasattr(mmap, "MAP_PRIVATE") and os.environ.get("UNBROKEN_NO_MMAP") != "1"
 
 
-def read_file(folder: Path, file: str, size: int | None, max_unsized: int, hasher: Hasher | None = None) -> Buffer:
-    """Read ``folder/file`` whole, feeding ``hasher`` every byte in order as it arrives; the
-    file itself is never a link. ``FileNotFoundError`` if it is missing,
+def read_file(dir_fd: int, file: str, size: int | None, max_unsized: int, hasher: Hasher | None = None) -> Buffer:
+    """Read ``file`` inside the folder ``dir_fd`` whole, feeding ``hasher`` every byte in order
+    as it arrives; the file itself is never a link. ``FileNotFoundError`` if it is missing,
     :class:`CorruptCheckpointError` if it is odd (a link, not a regular file, a size other
-    than ``size``, or over ``max_unsized`` bytes when no size is expected)."""
+    than ``size``, or over ``max_unsized`` bytes when no size is expected). A file that cannot
+    be mapped (``ENOMEM``: too many mappings, an address-space limit) is read into memory."""
     flags = os.O_RDONLY | _NOFOLLOW | _CLOEXEC | getattr(os, "O_NONBLOCK", 0)  # O_NONBLOCK: a FIFO must not hang
-    dfd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC)
     try:
-        fd = os.open(file, flags, dir_fd=dfd)  # callers checked the name: one plain component
+        fd = os.open(file, flags, dir_fd=dir_fd)  # callers checked the name: one plain component
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise CorruptCheckpointError(f"{file} is a symbolic link; refusing to follow it") from None
         raise
-    finally:
-        os.close(dfd)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):  # before fdopen, which refuses a folder with a raw IsADirectoryError
+        os.close(fd)
+        raise CorruptCheckpointError(f"{file} is not a regular file")
     with os.fdopen(fd, "rb", buffering=0) as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CorruptCheckpointError(f"{file} is not a regular file")
         os.set_blocking(fd, True)
         if size is None and st.st_size > max_unsized:  # refuse before allocating
             raise CorruptCheckpointError(f"{file} is implausibly large ({st.st_size} bytes)")
         if size is not None and st.st_size != size:
             raise CorruptCheckpointError(f"{file} has {st.st_size} bytes, the manifest says {size}")
+        failed: OSError | None = None
         if _use_mmap(st.st_size):
-            return _map(fd, st.st_size, hasher)
-        buf = allocate(st.st_size, file)
+            try:  # only the mapping itself may fail over to a read (nothing was hashed yet)
+                m = mmap.mmap(fd, st.st_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            except OSError as e:  # ENOMEM (vm.max_map_count, ulimit -v), ENODEV (no mmap here): read it
+                failed = e
+                log.warning("could not map %s (%s); reading it into memory instead", file, e)
+            else:
+                return _hash_mapped(fd, m, st.st_size, hasher)
+        try:
+            buf = allocate(st.st_size, file)
+        except StorageError as e:
+            if failed is None:
+                raise
+            raise StorageError(errno.ENOMEM, f"{e.strerror} (mapping it failed first: {failed})") from None
         view, got = memoryview(buf), 0
         while got < len(buf):
             n = f.readinto(view[got:got + PIECE])
@@ -92,12 +106,11 @@ def _will_need(fd: int, offset: int, length: int) -> None:
         os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
 
 
-def _map(fd: int, size: int, hasher: Hasher | None) -> Buffer:
-    """A private (copy-on-write) mapping of the whole file, hashed piece by piece while the
+def _hash_mapped(fd: int, m: mmap.mmap, size: int, hasher: Hasher | None) -> Buffer:
+    """A private (copy-on-write) mapping ``m`` of the whole file, hashed piece by piece while the
     kernel reads :data:`AHEAD` bytes ahead of the hasher (``posix_fadvise``: about twice as
     fast here as page faults with ``madvise`` read-ahead, and bounded, unlike a WILLNEED of
     the whole file, which would flood the page cache with a file larger than memory)."""
-    m = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     if hasattr(os, "posix_fadvise"):
         os.posix_fadvise(fd, 0, size, os.POSIX_FADV_SEQUENTIAL)
     _will_need(fd, 0, min(size, AHEAD))
@@ -130,9 +143,12 @@ def allocate(size: int, file: str) -> Buffer:
     OOM killer part way, with no message at all."""
     avail = available_memory()
     if avail is not None and size > avail:
-        raise StorageError(f"cannot read {file}: it has {size / 2**30:.1f} GiB and this machine has "
-                           f"{avail / 2**30:.1f} GiB of memory available")
+        raise StorageError(errno.ENOMEM, f"cannot read {file}: it has {size / 2**30:.1f} GiB and this machine "
+                                         f"has {avail / 2**30:.1f} GiB of memory available; free memory "
+                                         "or load on a larger machine")
     try:
         return torch.empty(size, dtype=torch.uint8).numpy()
     except (RuntimeError, MemoryError) as e:
-        raise StorageError(f"cannot allocate {size} bytes to read {file}: {e}") from None
+        raise StorageError(errno.ENOMEM, f"cannot allocate {size} bytes to read {file}: {e}; free "
+                                         "memory, or raise the process's memory limits (ulimit -v, "
+                                         "vm.max_map_count)") from None
