@@ -457,7 +457,7 @@ def test_a_run_folder_that_stops_being_writable_fails_saves_with_a_storage_error
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.strip().splitlines()
     assert len(lines) == 2 and all(line.startswith("ReadOnlyRunError True ") for line in lines), r.stdout
-    assert all("could not write checkpoint" in line and "Permission denied" in line for line in lines), r.stdout
+    assert all("Permission denied" in line for line in lines), r.stdout
     assert sorted(p.name for p in run.iterdir() if p.name.startswith("step-")) == ["step-000000000"]
 
 

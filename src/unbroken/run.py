@@ -20,6 +20,7 @@ thing in both places.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -117,7 +118,7 @@ class Run:
                 try:
                     self.lock.acquire()
                 except ReadOnlyRunError as e:
-                    readonly = str(e)
+                    readonly = f"{e.errno or errno.EROFS} {e.strerror or e}"
                 else:
                     for name in self.store.clean_stale():
                         log.info("removed leftover %s of an interrupted save", name)
@@ -140,7 +141,8 @@ class Run:
 
     def _require_writable(self, what: str) -> None:
         if self._readonly:
-            raise ReadOnlyRunError(f"cannot {what} {self.url}: {self._readonly}; copy the run to a writable "
+            code, _, why = self._readonly.partition(" ")
+            raise ReadOnlyRunError(int(code), f"cannot {what} {self.url}: {why}; copy the run to a writable "
                                    "folder and resume from there, or make the folder writable")
 
     def _collect_at_start(self) -> None:

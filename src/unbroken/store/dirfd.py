@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
 
-from ..errors import StorageError, UnbrokenError
+from ..errors import ReadOnlyRunError, StorageError, UnbrokenError
 
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -69,7 +69,8 @@ def os_error(e: OSError, doing: str, where: object) -> StorageError:
     advice = _ADVICE.get(code) or (_KIND_ADVICE if code in _WRONG_KIND else "check the run folder and try again")
     name = errno.errorcode.get(code, str(code))
     entry = f" ({e.filename})" if isinstance(e.filename, str) and "/" not in e.filename else ""
-    return StorageError(code, f"{doing}{entry} in {where} failed: {e.strerror or e} ({name}); {advice}")
+    cls = ReadOnlyRunError if code in (errno.EROFS, errno.EACCES, errno.EPERM) else StorageError
+    return cls(code, f"{doing}{entry} in {where} failed: {e.strerror or e} ({name}); {advice}")
 
 
 F = TypeVar("F", bound=Callable[..., Any])
