@@ -363,30 +363,6 @@ def test_a_dropped_holder_releases_its_share_when_collected(s3, s3_url, tmp_path
     stop(start_writer(str(run)))  # another process gets the folder's lock
 
 
-FORKER = textwrap.dedent("""
-    import json, os, sys
-    from unbroken.store import open_store
-    from unbroken.store.lease import LEASE_FILE, LeaseLock
-    store = open_store(sys.argv[1], json.loads(sys.argv[2]))
-    lease = LeaseLock(store)
-    lease.acquire()
-    child = os.fork()
-    if child == 0:
-        sys.exit(0)  # a normal exit, atexit hooks included
-    os.waitpid(child, 0)
-    print("kept" if store.fs.exists(store.path(LEASE_FILE)) else "deleted", flush=True)
-    lease.verify()
-    lease.release()
-""")
-
-
-def test_a_forked_child_that_exits_leaves_its_parents_lease_alone(s3, s3_url) -> None:
-    res = subprocess.run([sys.executable, "-c", FORKER, s3_url, json.dumps(s3.storage_options)],
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.strip() == "kept"
-
-
 # ------------------------------------------------------------------ no location
 @pytest.mark.parametrize("location", ["", "   ", None, "file://", "local://", "\t\n"])
 def test_an_empty_location_is_refused_and_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
