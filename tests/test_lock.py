@@ -357,6 +357,9 @@ def test_a_dropped_holder_releases_its_share_when_collected(s3, s3_url, tmp_path
     run = tmp_path / "run"
     open_store(str(run)).lock().acquire()
     gc.collect()
+    for thread in threading.enumerate():
+        if thread.name == "unbroken-lock-release":
+            thread.join()
     stop(start_writer(str(run)))  # another process gets the folder's lock
 
 

@@ -245,11 +245,8 @@ class _Lease:
                         self.store.url, self.ttl_s, e)
 
 
-def _release(key: str, lease: _Lease, dropped: bool = False) -> None:
-    """Give back one share of ``lease``; the last one deletes the lease. For a holder that was
-    ``dropped`` (garbage-collected), that happens in a thread of its own, not inside the
-    collector (which may run on any thread, the store's event loop included); the interpreter
-    waits for that thread before it exits."""
+def _release(key: str, lease: _Lease) -> None:
+    """Give back one share of ``lease``; the last one deletes the lease."""
     with _mutex:
         if _held.get(key) is not lease:
             return
@@ -257,10 +254,28 @@ def _release(key: str, lease: _Lease, dropped: bool = False) -> None:
         if lease.count > 0:
             return
         del _held[key]
-    if dropped:
-        threading.Thread(target=lease.shutdown, name="unbroken-lease-release").start()
-    else:
-        lease.shutdown()
+    lease.shutdown()
+
+
+def _release_dropped(key: str, lease: _Lease) -> None:
+    """A holder was garbage-collected unreleased: give its share back in a thread of its own,
+    never inside the collector (which may run in any thread: one holding ``_mutex``, or the
+    store's event loop). The interpreter waits for that thread before it exits."""
+    try:
+        threading.Thread(target=_release, args=(key, lease), name="unbroken-lease-release").start()
+    except RuntimeError:  # the interpreter is shutting down: _release_all_at_exit did it
+        pass
+
+
+def _forget_in_child() -> None:
+    """A forked child does not hold its parent's leases: its exit must not delete them."""
+    global _mutex
+    _held.clear()
+    _mutex = threading.Lock()  # another thread may have held it at the fork
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 @atexit.register
@@ -310,7 +325,7 @@ class LeaseLock:
                 _held[key] = lease
             self._lease = lease
             self._key = key
-            self._release = weakref.finalize(self, _release, key, lease, True)  # also if dropped unreleased
+            self._release = weakref.finalize(self, _release_dropped, key, lease)  # if dropped unreleased
             self._release.atexit = False  # exit: _release_all_at_exit, after the Checkpointers closed
 
     def verify(self) -> None:

@@ -74,12 +74,14 @@ _mutex = threading.Lock()
 def _forget_in_child() -> None:
     """A forked child (a DataLoader worker) must not keep the lock's file open: it would hold
     the flock after the writer released it, or died, until the child exits."""
+    global _mutex
     for held in _held.values():
         try:
             os.close(held.fd)
         except OSError:
             pass
     _held.clear()
+    _mutex = threading.Lock()  # another thread may have held it at the fork
 
 
 if hasattr(os, "register_at_fork"):
@@ -172,12 +174,22 @@ def _release(key: str, held: _Held) -> None:
             os.close(held.fd)  # releases the flock
 
 
+def _release_dropped(key: str, held: _Held) -> None:
+    """A holder was garbage-collected unreleased: give its share back in a thread of its own,
+    never inside the collector (which may run in a thread holding ``_mutex``)."""
+    try:
+        threading.Thread(target=_release, args=(key, held), name="unbroken-lock-release").start()
+    except RuntimeError:  # the interpreter is shutting down: the kernel releases the flock
+        pass
+
+
 class FlockLock:
     """The writer lock of one run folder; :meth:`acquire` is idempotent."""
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
         self._key: str | None = None
+        self._held: _Held | None = None
         self._release: weakref.finalize | None = None
 
     @property
@@ -201,8 +213,8 @@ class FlockLock:
                 held.count += 1
             else:
                 held = _held[key] = _take(key, self.root)
-            self._key = key
-            self._release = weakref.finalize(self, _release, key, held)  # also if dropped unreleased
+            self._key, self._held = key, held
+            self._release = weakref.finalize(self, _release_dropped, key, held)  # if dropped unreleased
             self._release.atexit = False  # at exit the kernel releases the flock
 
     def verify(self) -> None:
@@ -212,7 +224,7 @@ class FlockLock:
             return
         with _mutex:
             held = _held.get(self._key)
-        if held is None:
+        if held is None or held is not self._held:
             raise RunLockedError(f"{self.root}: this process no longer holds the writer lock (a forked "
                                  "child?); only the process that took it may commit")
         _check(held, self.root)
@@ -220,6 +232,6 @@ class FlockLock:
     def release(self) -> None:
         if self._key is None:
             return
-        assert self._release is not None
-        self._release()  # runs once
-        self._key, self._release = None, None
+        if self._release is not None and self._release.detach() is not None and self._held is not None:
+            _release(self._key, self._held)
+        self._key, self._held, self._release = None, None, None
