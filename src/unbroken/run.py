@@ -75,6 +75,7 @@ class Run:
         self._unmoved: list[tuple[str, str]] = []  # found invalid, left in place: (checkpoint, reason)
         self._remote_unlisted = False  # the remote tier could not be listed by the last restore
         self._readonly = ""  # why the run cannot be written (set by begin), "" if it can
+        self._readonly_errno = errno.EROFS
         self._vanished = False  # a checkpoint was deleted while newest_valid read it
         self._schedule: Schedule | None = None  # the local retention, for prunes after uploads
 
@@ -112,13 +113,13 @@ class Run:
         if self._writing:
             return
         failure: BaseException | None = None
-        readonly = ""
+        readonly, code = "", errno.EROFS
         if self.comm.coordinator:
             try:
                 try:
                     self.lock.acquire()
                 except ReadOnlyRunError as e:
-                    readonly = f"{e.errno or errno.EROFS} {e.strerror or e}"
+                    readonly, code = str(e), e.errno or errno.EROFS
                 else:
                     for name in self.store.clean_stale():
                         log.info("removed leftover %s of an interrupted save", name)
@@ -127,12 +128,13 @@ class Run:
                         self._begin_remote()
             except BaseException as e:  # noqa: BLE001 - told to every rank, then raised here
                 failure = e
-        outcome, readonly = self.comm.broadcast([f"{type(failure).__name__}: {failure}" if failure else "", readonly])
+        outcome, readonly, code = self.comm.broadcast([f"{type(failure).__name__}: {failure}" if failure else "",
+                                                       readonly, code])
         if failure is not None:
             raise failure
         if outcome:
             raise RunLockedError(f"the coordinator (rank 0) could not open {self.url}: {outcome}")
-        self._readonly = readonly
+        self._readonly, self._readonly_errno = readonly, code
         if readonly and self.comm.coordinator:
             log.warning("%s: the run is read-only: restoring works (nothing is locked, cleaned or quarantined), "
                         "saving, pruning or tagging raises ReadOnlyRunError; to continue training, copy the run "
@@ -141,9 +143,10 @@ class Run:
 
     def _require_writable(self, what: str) -> None:
         if self._readonly:
-            code, _, why = self._readonly.partition(" ")
-            raise ReadOnlyRunError(int(code), f"cannot {what} {self.url}: {why}; copy the run to a writable "
-                                   "folder and resume from there, or make the folder writable")
+            err = ReadOnlyRunError(f"cannot {what} {self.url}: {self._readonly}; copy the run to a writable folder "
+                                   "and resume from there, or make the folder writable")
+            err.errno = self._readonly_errno
+            raise err
 
     def _collect_at_start(self) -> None:
         """Chunks left by saves that died, or by checkpoints deleted before a collection ran

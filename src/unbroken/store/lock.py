@@ -93,8 +93,9 @@ def lock_error(root: str | os.PathLike[str], path: str, e: OSError) -> StorageEr
     hint = _HINTS.get(e.errno or 0, "check the location, then run again")
     # a folder that cannot be written has no writer to exclude: Run.begin opens it read-only
     if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-        return ReadOnlyRunError(e.errno, f"{root} cannot be written ({e.strerror or e}, taking its writer lock {path}); "
-                                f"{hint}")
+        err = ReadOnlyRunError(f"{root} cannot be written ({e.strerror or e}, taking its writer lock {path}); {hint}")
+        err.errno = e.errno  # kept, without the "[Errno N]" prefix in the message
+        return err
     return StorageError(f"cannot take the writer lock of {root} ({path}): {e.strerror or e}; {hint}")
 
 
