@@ -14,7 +14,7 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 
 LAYERS: dict[str, int] = {
     # 0: foundations, each package self-contained
-    "errors": 0, "console": 0, "events": 0, "_faults": 0, "progress": 0, "policies": 0, "tags": 0, "probe": 0, "environment": 0,
+    "errors": 0, "console": 0, "exithooks": 0, "events": 0, "_faults": 0, "progress": 0, "policies": 0, "tags": 0, "probe": 0, "environment": 0,
     "state": 0, "data": 0, "format": 0, "store": 0,
     # 1: capture, bytes on disk, reading, ranks
     "snapshot": 1, "persist": 1, "chunks": 1, "reader": 1, "dist": 1, "background": 1, "lazy": 1,

@@ -189,3 +189,33 @@ def test_an_unreachable_remote_at_start_only_warns(tmp_path: Path, s3, s3_url, c
 def test_the_remote_must_be_another_location(tmp_path: Path) -> None:
     with pytest.raises(unbroken.StorageError, match="another location"):
         unbroken.Checkpointer(tmp_path / "run", remote=unbroken.Remote(str(tmp_path / "run")))
+
+
+NEVER_CLOSED = """
+import sys, torch, unbroken
+remote = unbroken.Remote(sys.argv[2], storage_options={"endpoint_url": sys.argv[3], "key": sys.argv[4],
+                         "secret": sys.argv[5]}, close_timeout_s=120)
+ckpt = unbroken.Checkpointer(sys.argv[1], save_every=1, remote=remote, preemption=None)
+state = {"w": torch.arange(4.0)}
+ckpt.restore(state, if_unrestorable="start_fresh")
+ckpt.step(state)
+print("saved", flush=True)
+# no close(): the exit must finish the upload, not wait close_timeout_s and lose it
+"""
+
+
+def test_a_tiered_checkpointer_never_closed_uploads_at_exit(tmp_path: Path, s3, s3_url) -> None:
+    import subprocess
+    import sys
+    import time
+
+    opts = s3.storage_options
+    script = tmp_path / "never_closed.py"
+    script.write_text(NEVER_CLOSED)
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, str(script), str(tmp_path / "run"), s3_url, opts["endpoint_url"],
+                        opts["key"], opts["secret"]], capture_output=True, text=True, timeout=300)
+    took = time.monotonic() - t0
+    assert r.returncode == 0 and "saved" in r.stdout, r.stderr[-2000:]
+    assert names(open_store(s3_url, opts)) == ["step-000000001"], r.stderr[-2000:]
+    assert "cannot schedule new futures" not in r.stderr and "giving up waiting" not in r.stderr, (took, r.stderr)

@@ -6,7 +6,6 @@ builds runs on top of them (progress, RNG, discovery, retention).
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import threading
@@ -16,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, overload
 
 from .background import in_thread
+from .exithooks import at_exit
 
 from .errors import NoCheckpointError, UnbrokenError
 from .format.manifest import Manifest
@@ -101,7 +101,7 @@ def _wait_inflight(raise_unseen: bool) -> None:
                       pending.path, type(e).__name__, e)
 
 
-@atexit.register
+@at_exit
 def _wait_at_exit() -> None:
     _wait_inflight(raise_unseen=False)
 

@@ -10,7 +10,6 @@ by URL, plus an optional remote tier), preemption and emergency checkpoints to
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import signal
@@ -22,6 +21,7 @@ from typing import Any, Literal
 import torch
 
 from . import console
+from .exithooks import at_exit
 from .api import CheckpointInfo
 from .background import BackgroundSaves
 from .environment import EnvCheck, fingerprint
@@ -52,7 +52,7 @@ log = logging.getLogger("unbroken")
 _open: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
 
 
-@atexit.register
+@at_exit
 def _close_at_exit() -> None:
     """A script that never calls close(): wait for its uploads and release its lock/lease."""
     for ckpt in list(_open):
