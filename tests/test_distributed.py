@@ -41,12 +41,21 @@ def job(base: Path, *extra: str, mode: str = "ddp") -> list[str]:
             "--save-every", str(SAVE_EVERY), *extra]
 
 
-def run(cmd: list[str], env: dict | None = None, timeout: float = 300, on_line=None) -> tuple[int, str]:
-    """Run ``cmd``, streaming its output to ``on_line(line, proc)``; (exit code, output)."""
+def run(cmd: list[str], env: dict | None = None, timeout: float = 300, on_line=None,
+        on_timeout=None) -> tuple[int, str]:
+    """Run ``cmd``, streaming its output to ``on_line(line, proc)``; (exit code, output). After
+    ``timeout`` its process group is killed, and ``on_timeout()`` called (torchrun's workers have
+    their own sessions and keep the output open)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env or ENV,
                             start_new_session=True)
     lines: list[str] = []
-    timer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
+
+    def kill() -> None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        if on_timeout is not None:
+            on_timeout()
+
+    timer = threading.Timer(timeout, kill)
     timer.start()
     try:
         for line in proc.stdout:  # type: ignore[union-attr]
@@ -180,15 +189,18 @@ def test_ddp_plain_init_process_group_rank_killed_twice_restarted_rounds_resume_
                 killed.append(pid)
                 saved.clear()
 
-    try:
-        code, out = run(torchrun(2, *job(tmp_path, "--plain-init", "--async-save", "copy"), restarts=2),
-                        on_line=on_line, timeout=420)
-    finally:  # torchrun's workers have their own session: never leave one behind
+    def kill_workers() -> None:  # torchrun's workers have their own sessions: never leave one behind
         for f in (tmp_path / "out").glob("pid-r*"):
             try:
                 os.kill(int(f.read_text()), signal.SIGKILL)
             except (ProcessLookupError, ValueError):
                 pass
+
+    try:  # before the fix a restarted round could wait 600 s in Checkpointer(): bounded here
+        code, out = run(torchrun(2, *job(tmp_path, "--plain-init", "--async-save", "copy"), restarts=2),
+                        on_line=on_line, timeout=300, on_timeout=kill_workers)
+    finally:
+        kill_workers()
     assert len(killed) == 2, out
     assert code == 0, out
     assert out.count("resumed from step") >= 4, out  # both ranks, in both restarted rounds
