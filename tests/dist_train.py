@@ -19,6 +19,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -93,8 +94,20 @@ def main() -> int:
     p.add_argument("--touch-after", type=int, default=None,
                    help="rank 1 changes a parameter in place (by 1.0) right after this step's ckpt.step")
     p.add_argument("--requeue", action="store_true", help="requeue the SLURM job after a preemption save")
+    p.add_argument("--plain-init", action="store_true",
+                   help="torch.distributed.init_process_group() instead of unbroken.init_distributed()")
     args = p.parse_args()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and args.plain_init:
+        # torch's own call, as most scripts have it: the default group from env://, in the agent's
+        # store that still holds the previous round's keys. Connecting lazily (at the first
+        # collective, when every rank has published its new address) is what lets *torch's* group
+        # come back after a restart; the Checkpointer's own group is created eagerly below.
+        os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+        dist.init_process_group("gloo")
+        del os.environ["TORCH_GLOO_LAZY_INIT"]
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and dist.get_rank() == 1:
+            time.sleep(2)  # ranks arrive apart, as they do: rank 0 creates its Checkpointer first
+    elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
         unbroken.init_distributed("gloo")  # init_process_group that survives torchrun restarts
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     torch.set_num_threads(1)

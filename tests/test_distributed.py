@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -40,12 +41,21 @@ def job(base: Path, *extra: str, mode: str = "ddp") -> list[str]:
             "--save-every", str(SAVE_EVERY), *extra]
 
 
-def run(cmd: list[str], env: dict | None = None, timeout: float = 300, on_line=None) -> tuple[int, str]:
-    """Run ``cmd``, streaming its output to ``on_line(line, proc)``; (exit code, output)."""
+def run(cmd: list[str], env: dict | None = None, timeout: float = 300, on_line=None,
+        on_timeout=None) -> tuple[int, str]:
+    """Run ``cmd``, streaming its output to ``on_line(line, proc)``; (exit code, output). After
+    ``timeout`` its process group is killed, and ``on_timeout()`` called (torchrun's workers have
+    their own sessions and keep the output open)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env or ENV,
                             start_new_session=True)
     lines: list[str] = []
-    timer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
+
+    def kill() -> None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        if on_timeout is not None:
+            on_timeout()
+
+    timer = threading.Timer(timeout, kill)
     timer.start()
     try:
         for line in proc.stdout:  # type: ignore[union-attr]
@@ -154,6 +164,49 @@ def test_ddp_rank_killed_inside_a_save_never_commits_half(reference, tmp_path) -
     code, out = run(torchrun(2, *job(tmp_path)))
     assert code == 0 and f"resumed from step {SAVE_EVERY}" in out, out
     assert same_final(reference, tmp_path / "out")
+
+
+def test_ddp_plain_init_process_group_rank_killed_twice_restarted_rounds_resume_bitwise(reference, tmp_path) -> None:
+    """The script calls torch's own ``init_process_group()`` (not ``unbroken.init_distributed``),
+    with background saves (two private groups per Checkpointer). Rank 1 is SIGKILLed in round 0
+    and again in round 1; each restarted round creates its Checkpointers in a store that holds the
+    previous round's keys. Before the fix, a private group read a dead peer's address: the round
+    failed ("Gloo connectFullMesh failed") or waited ten minutes inside ``Checkpointer()``."""
+    # round 0 dies once step 4 is saved (in the background) and rank 1 is past step 6; round 1
+    # (resumed at 4) once step 8 is saved and rank 1 is past step 10
+    plan = [(SAVE_EVERY, SAVE_EVERY + 2), (2 * SAVE_EVERY, 2 * SAVE_EVERY + 2)]
+    killed: list[int] = []
+    saved: set[int] = set()
+
+    def on_line(line: str, proc) -> None:
+        if m := re.search(r"saved step (\d+)", line):
+            saved.add(int(m.group(1)))
+        m = re.search(r"rank 1 step (\d+)", line)
+        if m and len(killed) < len(plan) and plan[len(killed)][0] in saved and int(m.group(1)) >= plan[len(killed)][1]:
+            pid = int((tmp_path / "out" / "pid-r1").read_text())
+            if pid not in killed:  # the round's own rank 1
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+                saved.clear()
+
+    def kill_workers() -> None:  # torchrun's workers have their own sessions: never leave one behind
+        for f in (tmp_path / "out").glob("pid-r*"):
+            try:
+                os.kill(int(f.read_text()), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+
+    try:  # before the fix a restarted round could wait 600 s in Checkpointer(): bounded here
+        code, out = run(torchrun(2, *job(tmp_path, "--plain-init", "--async-save", "copy"), restarts=2),
+                        on_line=on_line, timeout=300, on_timeout=kill_workers)
+    finally:
+        kill_workers()
+    assert len(killed) == 2, out
+    assert code == 0, out
+    assert out.count("resumed from step") >= 4, out  # both ranks, in both restarted rounds
+    assert same_final(reference, tmp_path / "out")
+    for rank in (0, 1):
+        assert losses(tmp_path / "out", rank) == losses(reference, rank)
 
 
 def _spawn(world: int, args: list[str], env: dict | None = None) -> list[subprocess.Popen]:

@@ -191,6 +191,83 @@ def test_the_remote_must_be_another_location(tmp_path: Path) -> None:
         unbroken.Checkpointer(tmp_path / "run", remote=unbroken.Remote(str(tmp_path / "run")))
 
 
+def test_a_restart_during_an_outage_uploads_every_local_checkpoint_not_yet_uploaded(tmp_path: Path, s3,
+                                                                                    s3_url) -> None:
+    """Steps 2 and 3 commit locally while the server is down and the process ends; the next one
+    starts during the outage. Once the server is back, both reach the remote (not only the
+    newest local one), step 1 (already there) is not sent again, and wait() is True."""
+    def open_run(events: Events) -> unbroken.Checkpointer:
+        remote = unbroken.Remote(s3_url, keep_last=10, storage_options=s3.storage_options, retry_wait_s=0.5,
+                                 retry_max_wait_s=1.0, close_timeout_s=1)
+        ckpt = unbroken.Checkpointer(tmp_path / "run", keep_last=5, save_every=1, remote=remote, preemption=None)
+        ckpt.run.remote_store.retry = Retry(deadline_s=1.0)
+        ckpt.run.remote_lock.ttl_s = 3.0  # the lease the first process could not release expires soon
+        ckpt.events.subscribe(events)
+        return ckpt
+
+    state = make_state()
+    first = Events()
+    ckpt = open_run(first)
+    ckpt.restore(state)
+    train_step(state)
+    ckpt.step(state)
+    assert ckpt.wait(timeout=60)
+    s3.kill()
+    try:
+        for _ in range(2):  # steps 2 and 3: committed locally, their uploads fail
+            train_step(state)
+            ckpt.step(state)
+        assert not ckpt.wait(timeout=1)
+        ckpt.close()  # gives up on the uploads after close_timeout_s
+        second = Events()
+        ckpt = open_run(second)  # a restart while the server is still down
+        assert ckpt.restore(make_state(seed=1)).step == 3
+        train_step(state)
+        ckpt.step(state)  # step 4
+    finally:
+        s3.start()
+    assert ckpt.wait(timeout=120)
+    remote = open_store(s3_url, s3.storage_options)
+    assert names(remote) == [f"step-00000000{i}" for i in range(1, 5)]
+    assert sorted(e.name for e in second.of(Uploaded)) == ["step-000000002", "step-000000003", "step-000000004"]
+    for name in names(remote):
+        unbroken.verify(f"{s3_url}/{name}", storage_options=s3.storage_options)
+    ckpt.close()
+
+
+def test_wait_is_false_while_a_queued_checkpoint_never_reached_the_remote(tmp_path: Path, s3, s3_url) -> None:
+    """Step 2 is saved during an outage and its local copy is damaged before it could be sent:
+    it is never uploaded (a local bit flip is never uploaded), so wait() must not say that
+    everything is remote, until a newer checkpoint (step 3) is."""
+    state = make_state()
+    ckpt = tiered(tmp_path / "run", s3, s3_url, save_every=1, keep_last=5)
+    ckpt.run.remote_store.retry = Retry(deadline_s=1.0)
+    events = Events()
+    ckpt.events.subscribe(events)
+    ckpt.restore(state)
+    train_step(state)
+    ckpt.step(state)
+    assert ckpt.wait(timeout=60)
+    s3.kill()
+    try:
+        train_step(state)
+        ckpt.step(state)  # step 2: committed locally, its upload waits for the server
+        victim = next((tmp_path / "run" / "step-000000002").glob("t00-*.safetensors"))
+        data = bytearray(victim.read_bytes())
+        data[-3] ^= 0x10
+        victim.write_bytes(bytes(data))
+    finally:
+        s3.start()
+    assert not ckpt.wait(timeout=120)
+    assert [e.name for e in events.of(UploadFailed) if not e.will_retry] == ["step-000000002"]
+    assert names(open_store(s3_url, s3.storage_options)) == ["step-000000001"]
+    train_step(state)
+    ckpt.step(state)  # step 3 supersedes it on the remote
+    assert ckpt.wait(timeout=60)
+    assert names(open_store(s3_url, s3.storage_options))[-1] == "step-000000003"
+    ckpt.close()
+
+
 NEVER_CLOSED = """
 import sys, torch, unbroken
 remote = unbroken.Remote(sys.argv[2], storage_options={"endpoint_url": sys.argv[3], "key": sys.argv[4],

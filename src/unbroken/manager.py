@@ -171,7 +171,8 @@ class Checkpointer:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for background work: a background save (its error is raised), then uploads to
-        the remote tier (``timeout`` applies to these); False if uploads are still pending."""
+        the remote tier (``timeout`` applies to these); False if uploads are still pending, or
+        one could not be made and no newer checkpoint reached the remote since."""
         self.flush()
         return self.run.wait(timeout)
 

@@ -176,28 +176,34 @@ class Run:
                                  self._prune_remote, self._sync_tags,
                                  (self.remote.retry_wait_s, self.remote.retry_max_wait_s))
         self.uploader.start()
-        try:  # catch up: local checkpoints newer than the newest remote one
+        try:  # catch up: local checkpoints newer than the newest remote one (uploads go oldest first)
             if not self._remote_ok:
                 raise ConnectionError("unreachable at start")
-            remote_seq = max((m.seq for m in manifests(self.remote_store).values()), default=-1)
+            remote_seq: int | None = max((m.seq for m in manifests(self.remote_store).values()), default=-1)
         except Exception:
-            remote_seq = None
-        local = sorted(manifests(self.store).items(), key=lambda kv: kv[1].seq)
-        for name, m in local if remote_seq is not None else local[-1:]:  # unknown: the newest (deduplicated)
+            remote_seq = None  # unknown: every local one, checked by the uploader once the remote answers
+        for name, m in sorted(manifests(self.store).items(), key=lambda kv: kv[1].seq):
             if remote_seq is None or m.seq > remote_seq:
-                self.uploader.enqueue(name)
+                self.uploader.enqueue(name, unverified=remote_seq is None)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait for background work (uploads); False if some is still pending after ``timeout``."""
+        """Wait for background work (uploads); True only when every checkpoint queued for the
+        remote tier is committed there (or superseded by a newer one that is: see
+        :meth:`unbroken.tiers.Uploader.wait`); False if some is still pending after ``timeout``
+        or could not be uploaded."""
         return self.uploader.wait(timeout) if self.uploader is not None else True
 
     def close(self) -> None:
         if self.uploader is not None:
             assert self.remote is not None
             if not self.uploader.wait(self.remote.close_timeout_s):
-                log.error("giving up waiting for uploads after %.0f s: %s not durable on %s (they are "
-                          "uploaded by the next run)", self.remote.close_timeout_s,
-                          ", ".join(self.uploader.pending()), self.remote.location)
+                pending = self.uploader.pending()
+                if pending:
+                    log.error("giving up waiting for uploads after %.0f s: %s not durable on %s (they are "
+                              "uploaded by the next run)", self.remote.close_timeout_s, ", ".join(pending),
+                              self.remote.location)
+                for name, (_, why) in sorted(self.uploader.missed.items()):
+                    log.error("%s is not on %s: %s", name, self.remote.location, why)
             self.uploader.stop()
             self.uploader = None
         if self.remote_lock is not None:

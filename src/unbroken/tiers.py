@@ -10,11 +10,20 @@ checkpoint is **durable** once its remote commit succeeded (:class:`~unbroken.ev
 - **Outages** never stop training: a failed upload is retried with backoff (by default 5 s
   doubling to 60 s) for as long as it takes; saves go on locally meanwhile, and the uploads catch
   up, oldest pending first.
+- **Restarts**: a new process queues every local checkpoint newer than the remote's newest
+  (uploads go oldest first, so the remote's newest is a watermark). If the remote cannot be
+  listed at start (an outage), it queues *every* local checkpoint; once the remote answers, the
+  uploader drops from the queue those the remote already has and those older than its newest
+  (uploaded before, and since removed by the remote's retention), and uploads the rest.
 - **Retention per tier**: the local tier follows the Checkpointer's rules, the remote
   tier the :class:`Remote`'s. Local retention never deletes a checkpoint waiting for its
   upload while the remote is healthy. During an outage it keeps only the *newest* waiting
   one beyond its own rules, so the local disk stays bounded and the remote receives the
   newest state once it is back (the older waiting ones are then skipped).
+- **What** :meth:`Uploader.wait` **reports**: True only when nothing is pending and every
+  queued checkpoint is committed on the remote, or was superseded there by a newer one that
+  is (an older one deleted locally while it waited, during an outage). A checkpoint that can
+  never be uploaded (its local copy is damaged) keeps it False until a newer one is uploaded.
 - **Restore** (:mod:`unbroken.run`) picks the newest valid checkpoint across both tiers
   and downloads it, verified, when only the remote has it.
 """
@@ -28,6 +37,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from .discovery import manifests
 from .errors import CorruptCheckpointError
 from .events import Event, Pruned, Uploaded, UploadFailed
 from .format.manifest import MANIFEST, Manifest, is_chunk, new_hasher
@@ -116,16 +126,26 @@ class Uploader:
         self.failing = False  # the last attempt failed: the remote is (probably) down
         self._thread: threading.Thread | None = None
         self.uploaded: dict[str, str] = {}  # local name -> remote name
+        self._order: dict[str, int] = {}  # local name -> when it was queued (commit order)
+        self._queued = 0
+        self._unverified: set[str] = set()  # queued while the remote could not be listed
+        self.missed: dict[str, tuple[int, str]] = {}  # never committed remotely, not superseded: (order, why)
 
     def start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="unbroken-upload", daemon=True)
             self._thread.start()
 
-    def enqueue(self, name: str) -> None:
+    def enqueue(self, name: str, unverified: bool = False) -> None:
+        """Queue ``name`` (in commit order). ``unverified``: queued while the remote could not be
+        listed; checked against the remote's listing before it is uploaded (see the module)."""
         with self._cv:
             if name not in self._queue and name != self._busy:
                 self._queue.append(name)
+                self._order[name] = self._queued
+                self._queued += 1
+            if unverified:
+                self._unverified.add(name)
             self._cv.notify_all()
 
     def pending(self) -> list[str]:
@@ -134,7 +154,9 @@ class Uploader:
             return ([self._busy] if self._busy else []) + list(self._queue)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait until nothing is pending; False if ``timeout`` passed first."""
+        """Wait until nothing is pending; True only if every queued checkpoint is then committed
+        on the remote (or superseded there by a newer one that is); False if ``timeout`` passed
+        first, or if one could not be uploaded (:attr:`missed`)."""
         end = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             while self._queue or self._busy:
@@ -142,7 +164,20 @@ class Uploader:
                 if left is not None and left <= 0:
                     return False
                 self._cv.wait(timeout=left if left is None else min(left, 1.0))
-        return True
+            return not self.missed
+
+    def _settle(self, name: str, committed: bool, why: str = "") -> None:
+        """``name`` left the queue: committed remotely (a newer state than every checkpoint queued
+        before it: those missed are superseded), or not (kept in :attr:`missed` with ``why``)."""
+        with self._cv:
+            self._busy = None
+            self._unverified.discard(name)
+            order = self._order.pop(name, self._queued)
+            if committed:
+                self.missed = {n: (o, w) for n, (o, w) in self.missed.items() if o > order}
+            else:
+                self.missed[name] = (order, why)
+            self._cv.notify_all()
 
     def stop(self) -> None:
         with self._cv:
@@ -163,20 +198,20 @@ class Uploader:
                 self._busy = self._queue.popleft()
             name = self._busy
             try:
-                if self._upload(name):  # not a name pruned meanwhile: the remote answered
-                    attempt, wait_s, self.failing = 0, self.wait_s[0], False
-                with self._cv:
-                    self._busy = None
-                    self._cv.notify_all()
+                if self._unverified and name in self._reconcile():
+                    committed = True  # the remote has it already
+                else:
+                    committed = self._upload(name)
+                attempt, wait_s, self.failing = 0, self.wait_s[0], False  # the remote answered
+                self._settle(name, committed, "" if committed else "deleted locally before its upload")
             except CorruptCheckpointError as e:
                 if name not in self.local.list_committed():
                     log.info("%s was pruned locally while it was being uploaded", name)
+                    self._settle(name, False, "deleted locally during its upload")
                 else:  # the local copy is damaged: never upload it
                     log.error("not uploading %s: %s", name, e)
                     self.publish(UploadFailed(name, str(e), attempt + 1, will_retry=False))
-                with self._cv:
-                    self._busy = None
-                    self._cv.notify_all()
+                    self._settle(name, False, f"its local copy is damaged: {e}")
             except Exception as e:
                 attempt += 1
                 self.failing = True
@@ -190,6 +225,37 @@ class Uploader:
                     self._cv.notify_all()
                     self._cv.wait_for(lambda: self._stop, timeout=wait_s)
                 wait_s = min(wait_s * 2, self.wait_s[1])
+
+    def _reconcile(self) -> set[str]:
+        """The remote answers after a start without its listing: the queued names it needs no more,
+        dropped from the queue (the one in hand is the caller's): those it has (same name and
+        manifest) and those older than its newest (uploaded before and since removed by its
+        retention: uploads go oldest first)."""
+        remote = manifests(self.remote)
+        newest = max((m.seq for m in remote.values()), default=-1)
+        with self._cv:
+            names = sorted(self._unverified)
+        skip = set()
+        for name in names:
+            try:
+                raw = bytes(self.local.read(name, MANIFEST))
+                mine = Manifest.from_json(raw)
+            except Exception:  # noqa: BLE001 - deleted or damaged meanwhile: the upload reports it
+                continue
+            if name in remote and bytes(self.remote.read(name, MANIFEST)) == raw:
+                self.uploaded[name] = name
+                skip.add(name)
+            elif mine.seq <= newest:
+                log.info("%s is older than the newest checkpoint on %s: not uploaded again", name, self.remote.url)
+                skip.add(name)
+        with self._cv:
+            for name in skip:
+                if name in self._queue:
+                    self._queue.remove(name)
+                    self._order.pop(name, None)
+            self._unverified.clear()
+            self._cv.notify_all()
+        return skip
 
     def _upload(self, name: str) -> bool:
         """Upload ``name``; False if there was nothing to do (pruned locally meanwhile)."""

@@ -6,10 +6,17 @@ initialized, the Checkpointer creates a private **gloo** group (CPU, works besid
 with a timeout, so an absent rank turns into a :class:`CoordinationError` after
 ``timeout_s``, never a hang. Messages are JSON sent as byte tensors: no pickle, even
 between our own ranks.
+
+The private group's keys live under a prefix the ranks agree on afresh
+(:func:`~unbroken.dist.rendezvous.fresh_prefix`), so the group comes up after a torchrun
+restart however the default group was initialized: under a plain
+``init_process_group()`` the store still holds the previous round's keys, and a group
+created under the same names read a dead peer's address and waited ten minutes.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from datetime import timedelta
@@ -18,6 +25,9 @@ from typing import Any
 import torch
 
 from ..errors import UnbrokenError
+from .rendezvous import fresh_prefix
+
+_groups_made = itertools.count()  # every rank creates its groups in the same order
 
 
 class CoordinationError(UnbrokenError):
@@ -53,7 +63,7 @@ class Comm:
     def group(self) -> Any:
         """The private gloo group (None at world size 1), created again after :meth:`close`."""
         if self.world > 1 and self._group is None:
-            self._group = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
+            self._group = _fresh_group(self.rank, self.world, self.timeout_s)
         return self._group
 
     @property
@@ -125,6 +135,36 @@ class Comm:
                 pass
 
 
+def _fresh_group(rank: int, world: int, timeout_s: float) -> Any:
+    """``new_group(backend="gloo")`` whose keys lie under a prefix no earlier round used.
+
+    ``new_group`` takes no store: it names groups by a counter that starts again at 1 in
+    every process and keys them in the default group's store, which torchrun keeps across
+    restarts. For the time of the call the default group's entry in torch's registry points
+    at the same store under the agreed prefix (the group is registered with that store).
+    """
+    dist = torch.distributed
+    c10d = dist.distributed_c10d
+    timeout = timedelta(seconds=timeout_s)
+    key = f"group{next(_groups_made)}"
+    try:
+        default = c10d._get_default_group()
+        backend, store = c10d._world.pg_map[default]
+    except (AttributeError, KeyError, TypeError):  # another torch's internals: its own naming
+        return dist.new_group(backend="gloo", timeout=timeout)
+
+    def failed(why: str) -> CoordinationError:
+        return CoordinationError(f"rank {rank}/{world}: the ranks could not set up unbroken's gloo group: {why}. "
+                                 "Every rank must create its Checkpointer at the same point")
+
+    prefix = fresh_prefix(store, rank, world, key, timeout_s, failed)
+    c10d._world.pg_map[default] = (backend, dist.PrefixStore(prefix, store))
+    try:
+        return dist.new_group(backend="gloo", timeout=timeout)
+    finally:
+        c10d._world.pg_map[default] = (backend, store)
+
+
 def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> tuple[int, int]:
     """``torch.distributed.init_process_group`` that survives ``torchrun --max-restarts``.
 
@@ -132,9 +172,11 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> t
     agent's store, and torch 2.x keeps the previous round's keys in it: a fast rank of the
     new round can read a dead peer's address and fail to connect ("Gloo connectFullMesh
     failed ... Connection refused"), so the group never comes back. Here the store is
-    prefixed with the restart count (``TORCHELASTIC_RESTART_COUNT``), so each round meets
-    only its own keys. Outside torchrun this is the plain ``init_process_group`` (env://).
-    Returns ``(rank, world_size)``; a no-op if the group is already initialized.
+    prefixed with a token the ranks of this round agree on through the store
+    (:func:`~unbroken.dist.rendezvous.fresh_prefix`; not the restart count, which nodes
+    count differently), so each round meets only its own keys. Outside torchrun this is
+    the plain ``init_process_group`` (env://). Returns ``(rank, world_size)``; a no-op if
+    the group is already initialized.
     """
     dist = torch.distributed
     if dist.is_initialized():
@@ -145,9 +187,10 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> t
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
                               timeout=timeout)
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group(backend, store=dist.PrefixStore(f"unbroken/attempt_{attempt}", store), rank=rank,
-                                world_size=world, timeout=timeout)
+        prefix = fresh_prefix(store, rank, world, "init", timeout_s, lambda why: CoordinationError(
+            f"rank {rank}/{world}: init_distributed: {why}; is every rank started?"))
+        dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world,
+                                timeout=timeout)
     else:
         dist.init_process_group(backend, timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
