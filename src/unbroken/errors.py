@@ -56,3 +56,9 @@ class StorageError(UnbrokenError, OSError):
     installed, a bucket that does not exist, credentials that are refused, a server that
     stays unreachable, or a local path that is not a folder. The message says which, and
     what to do."""
+
+
+class ConfigurationError(UnbrokenError, ValueError):
+    """An argument was refused where it was passed, before anything was created (an uncatchable
+    signal in ``Preemption``, a negative grace period, ...). The message names it and what to
+    pass instead."""
