@@ -119,6 +119,41 @@ def test_a_repeat_within_seconds_is_the_same_request_and_a_later_one_aborts() ->
         signal.signal(signal.SIGUSR1, old)
 
 
+def test_a_copy_handled_seconds_late_is_still_a_copy() -> None:
+    """The copy arrives 0 ms after the first while the main thread is inside one long call (here: it
+    blocks the signal, so the kernel hands it to another thread and the Python handler runs only when
+    the main thread runs Python again, seconds later, as after a long wait for the GPU). What counts
+    is when it arrived: it is the same request, not an abort."""
+    seen = []
+    mine = lambda s, f: seen.append(s)  # noqa: E731
+    old = signal.signal(signal.SIGUSR1, mine)
+    try:
+        w = SignalWatcher([signal.SIGUSR1])
+        w.install()
+        ours = signal.getsignal(signal.SIGUSR1)
+        assert signals._dispatcher.arrivals.active  # nobody else holds the wakeup fd here
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert w.received == signal.SIGUSR1
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+        try:
+            os.kill(os.getpid(), signal.SIGUSR1)  # arrives now, in another thread
+            time.sleep(SAME_REQUEST_S + 0.5)  # the main thread is busy
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
+        for _ in range(100):  # the handler runs at the next bytecodes
+            if len(seen) == 2:
+                break
+            time.sleep(0.01)
+        assert seen == [signal.SIGUSR1] * 2
+        assert signal.getsignal(signal.SIGUSR1) is ours  # a copy: still waiting for the step boundary
+        w.clear()
+        w.uninstall()
+        assert signal.getsignal(signal.SIGUSR1) is mine
+        assert not signals._dispatcher.arrivals.active  # the wakeup fd is given back with the signals
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+
+
 def test_a_deliberate_repeat_is_delivered_to_the_previous_handling(instant_repeats: None) -> None:
     seen = []
     mine = lambda s, f: seen.append(s)  # noqa: E731

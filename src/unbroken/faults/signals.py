@@ -32,6 +32,10 @@ dispatcher owns each watched signal while any watcher is installed, marks every
 installed watcher, and gives the signal back to the handling it found when the last
 watcher leaves.
 
+Times are arrival times (:mod:`.arrivals`), not the handler's: a copy that arrived 20 ms after
+the first while the main thread was busy in one long C call (waiting for the GPU) is handled
+seconds later, and is still a copy.
+
 Under torchrun the dispatcher also asks the kernel to signal the worker when its
 launcher dies (:mod:`.launcher`): that signal takes the same path as a scheduler's.
 """
@@ -49,6 +53,7 @@ from typing import Any, Iterable
 
 from ..errors import ConfigurationError
 from . import launcher
+from .arrivals import Arrivals
 
 log = logging.getLogger("unbroken")
 DEFAULT_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -149,6 +154,8 @@ class _Dispatcher:
         # straggling copies are swallowed (see the module docstring); signal -> first arrival
         self.lingering: dict[signal.Signals, float] = {}
         self._pid = os.getpid()  # a forked child (a DataLoader worker) inherits the handler: it stays quiet
+        self.arrivals = Arrivals()  # when signals arrived (their handler may run seconds later)
+        self.handled: dict[signal.Signals, float] = {}  # when the handler last ran, per signal
 
     @property
     def watchers(self) -> list[SignalWatcher]:
@@ -168,7 +175,7 @@ class _Dispatcher:
                 # our own handler, put back by someone who had saved it: the handling before it is
                 # unknown (never chain to ourselves: that recursed)
                 self.found[s] = signal.SIG_DFL if prev == self._handle else prev
-        self._settle()
+        self._settle(fresh=w.signals)
 
     def remove(self, w: SignalWatcher) -> None:
         live = [x for x in self.watchers if x is not w]
@@ -180,7 +187,7 @@ class _Dispatcher:
                 self.lingering[s] = min(t, self.lingering.get(s, t))
         self._settle(live)
 
-    def _settle(self, live: list[SignalWatcher] | None = None) -> None:
+    def _settle(self, live: list[SignalWatcher] | None = None, fresh: Iterable[int] = ()) -> None:
         """Give back what no watcher needs any more; keep the launcher watch in step with the watchers."""
         live = self.watchers if live is None else live
         now = time.monotonic()
@@ -191,6 +198,11 @@ class _Dispatcher:
             still.add(signal.Signals(_SIGCHLD))  # a preemption is still under way
         for s in [s for s in self.found if s not in still]:
             self._give_back(s)
+        if live or self.lingering:
+            self.arrivals.start()
+        else:
+            self.arrivals.stop()
+        self.arrivals.own(self._owned(), fresh)
         launcher.watch(self._launcher_signal(live))
 
     @staticmethod
@@ -217,23 +229,26 @@ class _Dispatcher:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         sig = signal.Signals(signum)
         now = time.monotonic()
+        # arrivals since the last handling: several if they came while the main thread was busy in C
+        arrived = self.arrivals.take(sig, self.handled.get(sig, float("-inf"))) or [now]
+        self.handled[sig] = now
         watching = [w for w in self.watchers if sig in w.signals]
         prev = self._previous(sig)
         if not watching:  # the run closed: a straggling copy of its preemption, or the handling found
             first = self.lingering.get(sig)
-            if first is None or now - first > SAME_REQUEST_S:
+            if first is None or arrived[-1] - first > SAME_REQUEST_S:
                 self._deliver(sig, prev, frame)
             elif callable(prev) and prev is not signal.default_int_handler:
                 prev(signum, frame)
             return
         first = watching[-1].first.get(sig)
-        if first is not None and now - first > SAME_REQUEST_S:  # deliberate: abort now
-            self._abort(sig, now - first, prev, frame)
+        if first is not None and arrived[-1] - first > SAME_REQUEST_S:  # deliberate: abort now
+            self._abort(sig, arrived[-1] - first, prev, frame)
             return
         mine = os.getpid() == self._pid
         if first is None:
             for w in watching:
-                w._mark(sig, now)
+                w._mark(sig, arrived[0])
             self._quiet_children()
             if mine:
                 cause = " (the launcher died)" if launcher.died() else ""
@@ -242,7 +257,7 @@ class _Dispatcher:
                             SAME_REQUEST_S)
         elif mine:
             log.info("%s again %.3f s after the first: the same request (repeats within %.0f s are)", sig.name,
-                     now - first, SAME_REQUEST_S)
+                     arrived[-1] - first, SAME_REQUEST_S)
         if callable(prev) and prev is not signal.default_int_handler:
             prev(signum, frame)
 
@@ -255,9 +270,13 @@ class _Dispatcher:
                         "from its last committed one)", sig.name, after)
         self._deliver(sig, signal.SIG_DFL if prev is signal.default_int_handler else prev, frame)
 
+    def _owned(self) -> set[signal.Signals]:
+        return {s for s in self.found if s != _SIGCHLD}
+
     def _deliver(self, sig: signal.Signals, prev: Any, frame: FrameType | None) -> None:
         self.found.pop(sig, None)
         self.lingering.pop(sig, None)
+        self.arrivals.own(self._owned())
         signal.signal(sig, prev)  # handlers run on the main thread: this cannot fail here
         if callable(prev):
             prev(int(sig), frame)
