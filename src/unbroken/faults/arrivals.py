@@ -49,6 +49,7 @@ class Arrivals:
             os.set_blocking(w, False)
             self._pid, self._write, self._times = os.getpid(), w, {}
             threading.Thread(target=self._read, args=(r,), name="unbroken-signal-arrivals", daemon=True).start()
+            os.register_at_fork(after_in_child=self._forked)
         try:
             old = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
         except (ValueError, OSError):  # not the main thread
@@ -69,6 +70,15 @@ class Arrivals:
                 signal.set_wakeup_fd(current)
         except (ValueError, OSError):
             pass
+
+    def _forked(self) -> None:
+        """In a forked child (a DataLoader worker): its signals are not the parent's arrivals."""
+        if self.active and self._pid != os.getpid():
+            self.active = False
+            try:
+                signal.set_wakeup_fd(-1)
+            except (ValueError, OSError):
+                pass
 
     def own(self, signals: Iterable[int], fresh: Iterable[int] = ()) -> None:
         """Record only ``signals`` (a delivery to someone else's handler also writes to the wakeup
