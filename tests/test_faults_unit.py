@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import gc
+import math
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 import unbroken
-from unbroken.faults import EXIT_PREEMPTED
-from unbroken.faults.signals import SignalWatcher
+from unbroken.errors import ConfigurationError  # noqa
+from unbroken.faults import EXIT_PREEMPTED, signals
+from unbroken.faults.signals import SAME_REQUEST_S, SignalWatcher
+
+
+@pytest.fixture()
+def instant_repeats(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every repeat of a signal counts as deliberate (no window): what these tests check is the
+    handling around it (chaining, giving back), not the window, tested on its own below."""
+    monkeypatch.setattr(signals, "SAME_REQUEST_S", 0.0)
 
 
 def _model() -> torch.nn.Module:
@@ -21,7 +31,7 @@ def _model() -> torch.nn.Module:
                                torch.nn.Linear(8, 1))
 
 
-def test_signal_sets_a_flag_and_chains_the_previous_handler() -> None:
+def test_signal_sets_a_flag_and_chains_the_previous_handler(instant_repeats: None) -> None:
     seen = []
     mine = lambda s, f: seen.append(s)  # noqa: E731
     old = signal.signal(signal.SIGUSR1, mine)
@@ -36,7 +46,7 @@ def test_signal_sets_a_flag_and_chains_the_previous_handler() -> None:
         signal.signal(signal.SIGUSR1, old)
 
 
-def test_watchers_closed_in_any_order_give_the_signal_back_and_a_left_one_is_harmless() -> None:
+def test_watchers_closed_in_any_order_give_the_signal_back_and_a_left_one_is_harmless(instant_repeats: None) -> None:
     """Several Checkpointers in one process, closed out of order or one never closed: each
     watcher still sees a signal while installed, the original handling comes back when the
     last leaves, and an old watcher that saw a signal before does not turn a later watcher's
@@ -73,7 +83,78 @@ def test_watchers_closed_in_any_order_give_the_signal_back_and_a_left_one_is_har
         signal.signal(signal.SIGUSR1, old)
 
 
-def test_a_second_signal_before_the_step_boundary_is_delivered_to_the_previous_handling() -> None:
+def test_a_repeat_within_seconds_is_the_same_request_and_a_later_one_aborts() -> None:
+    """The same signal twice within milliseconds (a scheduler and torchrun both deliver it) is one
+    request: the run keeps waiting for its step boundary (it gave the signal back and delivered it:
+    the save was skipped, 30-37 steps lost); a copy arriving after the run closed is still absorbed;
+    a repeat later than SAME_REQUEST_S is deliberate: the previous handling takes over, at once."""
+    seen = []
+    mine = lambda s, f: seen.append(s)  # noqa: E731
+    old = signal.signal(signal.SIGUSR1, mine)
+    try:
+        w = SignalWatcher([signal.SIGUSR1])
+        w.install()
+        ours = signal.getsignal(signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGUSR1)  # the launcher's copy of the same preemption
+        assert w.received == signal.SIGUSR1
+        assert signal.getsignal(signal.SIGUSR1) is ours  # still waiting for the step boundary
+        assert seen == [signal.SIGUSR1] * 2  # the handler found before sees every delivery
+        w.uninstall()  # the preemption's close(), while copies may still be on their way
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert seen == [signal.SIGUSR1] * 3 and signal.getsignal(signal.SIGUSR1) is ours
+        time.sleep(SAME_REQUEST_S + 0.2)
+        os.kill(os.getpid(), signal.SIGUSR1)  # later: the handling found before is back
+        assert seen == [signal.SIGUSR1] * 4 and signal.getsignal(signal.SIGUSR1) is mine
+
+        deliberate = SignalWatcher([signal.SIGUSR1])
+        deliberate.install()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(SAME_REQUEST_S + 0.2)
+        os.kill(os.getpid(), signal.SIGUSR1)  # pressed again, seconds later
+        assert seen == [signal.SIGUSR1] * 6 and signal.getsignal(signal.SIGUSR1) is mine
+        deliberate.uninstall()
+        assert signal.getsignal(signal.SIGUSR1) is mine
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+
+
+def test_a_copy_handled_seconds_late_is_still_a_copy() -> None:
+    """The copy arrives 0 ms after the first while the main thread is inside one long call (here: it
+    blocks the signal, so the kernel hands it to another thread and the Python handler runs only when
+    the main thread runs Python again, seconds later, as after a long wait for the GPU). What counts
+    is when it arrived: it is the same request, not an abort."""
+    seen = []
+    mine = lambda s, f: seen.append(s)  # noqa: E731
+    old = signal.signal(signal.SIGUSR1, mine)
+    try:
+        w = SignalWatcher([signal.SIGUSR1])
+        w.install()
+        ours = signal.getsignal(signal.SIGUSR1)
+        assert signals._dispatcher.arrivals.active  # nobody else holds the wakeup fd here
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert w.received == signal.SIGUSR1
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+        try:
+            os.kill(os.getpid(), signal.SIGUSR1)  # arrives now, in another thread
+            time.sleep(SAME_REQUEST_S + 0.5)  # the main thread is busy
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
+        for _ in range(100):  # the handler runs at the next bytecodes
+            if len(seen) == 2:
+                break
+            time.sleep(0.01)
+        assert seen == [signal.SIGUSR1] * 2
+        assert signal.getsignal(signal.SIGUSR1) is ours  # a copy: still waiting for the step boundary
+        w.clear()
+        w.uninstall()
+        assert signal.getsignal(signal.SIGUSR1) is mine
+        assert not signals._dispatcher.arrivals.active  # the wakeup fd is given back with the signals
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+
+
+def test_a_deliberate_repeat_is_delivered_to_the_previous_handling(instant_repeats: None) -> None:
     seen = []
     mine = lambda s, f: seen.append(s)  # noqa: E731
     old = signal.signal(signal.SIGUSR1, mine)
@@ -90,7 +171,54 @@ def test_a_second_signal_before_the_step_boundary_is_delivered_to_the_previous_h
         signal.signal(signal.SIGUSR1, old)
 
 
-def test_sigterm_saves_at_the_step_boundary_and_exits(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(signals=(signal.SIGKILL,)), "SIGKILL cannot be caught"),
+    (dict(signals=(signal.SIGTERM, signal.SIGSTOP)), "SIGSTOP cannot be caught"),
+    (dict(signals=(signal.SIGSEGV,)), "fault of the process"),
+    (dict(signals=(signal.SIGABRT,)), "fault of the process"),
+    (dict(signals=(signal.SIGCHLD,)), "SIGCHLD"),
+    (dict(signals=(999,)), "not a signal number"),
+    (dict(signals=(0,)), "not a signal number"),
+    (dict(signals=(-15,)), "not a signal number"),
+    (dict(signals=(signal.SIGTERM, signal.SIGTERM)), "listed twice"),
+    (dict(signals=(signal.SIGTERM, 15)), "listed twice"),
+    (dict(signals=signal.SIGTERM), "pass a tuple"),
+    (dict(signals="SIGTERM"), "pass a tuple"),
+    (dict(signals=None), "pass a tuple"),
+    (dict(signals=("SIGTERM",)), "not a signal"),
+    (dict(signals=(True,)), "not a signal"),
+    (dict(signals=(15.0,)), "not a signal"),
+    (dict(grace_period=-1), "grace_period"),
+    (dict(grace_period=0), "grace_period"),
+    (dict(grace_period=math.nan), "grace_period"),
+    (dict(grace_period=math.inf), "grace_period"),
+    (dict(grace_period="120"), "grace_period"),
+    (dict(grace_period=True), "grace_period"),
+    (dict(requeue="no"), "requeue"),
+    (dict(requeue=1), "requeue"),
+])
+def test_preemption_refuses_bad_arguments_before_anything_exists(tmp_path: Path, kwargs: dict, match: str) -> None:
+    """Refused where it is written: SIGKILL used to be accepted until the first step, after the run
+    folder and its .lock were created (then a raw OSError); a negative grace period was accepted."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    with pytest.raises(ConfigurationError, match=match):
+        ckpt = unbroken.Checkpointer(tmp_path / "run", preemption=unbroken.Preemption(**kwargs))
+        ckpt.step({"w": torch.zeros(1)})
+    assert not (tmp_path / "run").exists()
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_preemption_arguments_that_are_accepted(tmp_path: Path) -> None:
+    p = unbroken.Preemption(signals=[signal.SIGUSR1, int(signal.SIGHUP)], grace_period=90, requeue=True)
+    assert p.signals == (signal.SIGUSR1, signal.SIGHUP) and hash(p) == hash(p)
+    assert unbroken.Preemption(signals=()).signals == ()
+    assert unbroken.Preemption(grace_period=0.5).grace_period == 0.5
+    with pytest.raises(ConfigurationError, match="unbroken.Preemption"):
+        unbroken.Checkpointer(tmp_path / "run", preemption=(signal.SIGTERM,))  # type: ignore[arg-type]
+    assert not (tmp_path / "run").exists()
+
+
+def test_sigterm_saves_at_the_step_boundary_and_exits(tmp_path: Path, instant_repeats: None) -> None:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     state = {"model": model, "optimizer": opt}
@@ -222,7 +350,7 @@ def test_submit_script_is_written_under_slurm(tmp_path: Path, monkeypatch: pytes
     assert [c.step for c in ckpt.checkpoints()] == [0]  # not mistaken for a checkpoint
 
 
-def test_a_handler_installed_over_ours_is_chained_and_given_back() -> None:
+def test_a_handler_installed_over_ours_is_chained_and_given_back(instant_repeats: None) -> None:
     """A framework installs its own handler while a watcher is installed; the next watcher
     takes the signal again (chaining to that handler) and gives it back to it."""
     first = SignalWatcher([signal.SIGUSR1])
@@ -242,7 +370,7 @@ def test_a_handler_installed_over_ours_is_chained_and_given_back() -> None:
         signal.signal(signal.SIGUSR1, old)
 
 
-def test_our_handler_put_back_by_someone_else_is_not_chained_to_itself() -> None:
+def test_our_handler_put_back_by_someone_else_is_not_chained_to_itself(instant_repeats: None) -> None:
     """Code that saved the dispatcher's handler and restores it later leaves it installed with
     no record of what it replaced: the next watcher must not chain to itself (it recursed
     until the RecursionError, in CI)."""

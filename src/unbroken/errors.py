@@ -83,3 +83,9 @@ class ReadOnlyRunError(StorageError):
     """The run location cannot be written: a read-only filesystem or mount, or a folder this
     user may not write. Reading it works (restore, ``load``, ``unbroken ls``/``verify``);
     saving, pruning and tagging raise this, naming the folder."""
+
+
+class ConfigurationError(UnbrokenError, ValueError):
+    """An argument was refused where it was passed, before anything was created (an uncatchable
+    signal in ``Preemption``, a negative grace period, ...). The message names it and what to
+    pass instead."""

@@ -25,7 +25,7 @@ from .exithooks import at_exit
 from .api import CheckpointInfo
 from .background import BackgroundSaves
 from .environment import EnvCheck, fingerprint
-from .errors import NoCheckpointError
+from .errors import ConfigurationError, NoCheckpointError
 from .events import EventBus, Saved, StepEnded, Tagged
 from .faults import Preemption, slurm
 from .faults.guard import StepGuard
@@ -120,6 +120,9 @@ class Checkpointer:
                  async_save: bool | Literal["lazy"] = False, allow_unsaved: Iterable[str] = (),
                  incremental: bool = False) -> None:
         console.install()
+        if preemption is not None and not isinstance(preemption, Preemption):  # checked before anything is created
+            raise ConfigurationError(f"preemption={preemption!r}: pass unbroken.Preemption(...), or None to leave "
+                                     "signals alone")
         location = selftest.run_location(location)  # `unbroken selftest` owns the run folders
         self.schedule = Schedule(save_every, trigger, keep_last, retention)
         self.events = EventBus()

@@ -1,12 +1,29 @@
-"""Signal handlers that only set a flag (DESIGN decision 7).
+"""Signal handlers that only set a flag (DESIGN decision 7), and when a repeat aborts.
 
 A handler runs between two Python bytecodes of the main thread, possibly in the
 middle of a save or an optimizer step; doing real work there corrupts state. So the
 handler records the signal and returns; :meth:`unbroken.Checkpointer.step` sees the
 flag at the next step boundary, saves, and exits. The handler that was there before
-is still called (chained). The same signal a second time, before the newest watcher
-acted on the first, restores the previous handling and delivers the signal again:
-pressing Ctrl-C twice aborts at once.
+is still called (chained), for every delivery.
+
+**One request, or an abort.** Schedulers and launchers deliver one preemption to a
+worker several times within milliseconds: SLURM and Kubernetes signal every process
+and torchrun forwards the SIGTERM it got to its workers. So a repeat of the same
+signal within :data:`SAME_REQUEST_S` seconds of its first arrival is the same request:
+nothing more happens. A repeat later is deliberate (Ctrl-C pressed again, a second
+``kill``): the run aborts at once, also in the middle of the preemption save, without
+a checkpoint: the handling found before unbroken takes over and receives the signal
+(Python's default Ctrl-C handling, ``KeyboardInterrupt``, is replaced by the
+system's: the process ends by SIGINT at once, since a ``KeyboardInterrupt`` can be
+caught and turned into more work). Each signal counts on its own: SLURM's USR1 followed
+by its SIGTERM at the time limit is not a repeat. Nothing is lost by the abort that a
+SIGKILL would not lose: the interrupted save is never committed.
+
+A preemption ends with ``close()`` and the exit; a straggling copy of the signal can
+still arrive then. So the handler of a signal that arrived less than
+:data:`SAME_REQUEST_S` seconds ago stays installed after the last watcher left, swallows
+the copies arriving in that window and gives the signal back to the handling it found
+at the first later delivery (or when a watcher is installed or removed).
 
 One process may hold several Checkpointers, opened and closed in any order, and a
 Checkpointer may be left open. So the handlers are not stacked one per watcher (closing
@@ -14,6 +31,13 @@ out of order would reinstate a stale handler, or drop a live one); one process-w
 dispatcher owns each watched signal while any watcher is installed, marks every
 installed watcher, and gives the signal back to the handling it found when the last
 watcher leaves.
+
+Times are arrival times (:mod:`.arrivals`), not the handler's: a copy that arrived 20 ms after
+the first while the main thread was busy in one long C call (waiting for the GPU) is handled
+seconds later, and is still a copy.
+
+Under torchrun the dispatcher also asks the kernel to signal the worker when its
+launcher dies (:mod:`.launcher`): that signal takes the same path as a scheduler's.
 """
 
 from __future__ import annotations
@@ -27,9 +51,54 @@ import weakref
 from types import FrameType
 from typing import Any, Iterable
 
+from ..errors import ConfigurationError
+from . import launcher
+from .arrivals import Arrivals
+
 log = logging.getLogger("unbroken")
 DEFAULT_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 _SIGCHLD = getattr(signal, "SIGCHLD", None)
+
+SAME_REQUEST_S = 2.0
+"""A repeat of a watched signal within this many seconds of its first arrival is the same
+request (schedulers and torchrun deliver one preemption several times within milliseconds);
+a repeat later aborts the run at once."""
+
+_UNCATCHABLE = {getattr(signal, n) for n in ("SIGKILL", "SIGSTOP") if hasattr(signal, n)}
+_FAULTS = {getattr(signal, n) for n in ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGTRAP", "SIGABRT", "SIGSYS")
+           if hasattr(signal, n)}
+
+
+def check_signals(signals: Any) -> tuple[signal.Signals, ...]:
+    """The signals a :class:`~unbroken.Preemption` may watch, as ``signal.Signals``, or a
+    :class:`~unbroken.errors.ConfigurationError` that names the one refused and why."""
+    if isinstance(signals, (int, str, bytes)) or not hasattr(signals, "__iter__"):
+        raise ConfigurationError(f"Preemption(signals={signals!r}): pass a tuple of signals, e.g. "
+                                 "signals=(signal.SIGTERM, signal.SIGUSR1), or () to watch none")
+    out: list[signal.Signals] = []
+    for s in signals:
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise ConfigurationError(f"Preemption(signals=...): {s!r} is not a signal; use the constants of the "
+                                     "signal module, e.g. signal.SIGTERM")
+        try:
+            sig = signal.Signals(s)
+        except ValueError:
+            raise ConfigurationError(f"Preemption(signals=...): {s} is not a signal number of this system "
+                                     "(see signal.valid_signals())") from None
+        if sig in _UNCATCHABLE:
+            raise ConfigurationError(f"Preemption(signals=...): {sig.name} cannot be caught, so no checkpoint "
+                                     "can be saved on it; watch SIGTERM or SIGUSR1 instead (what schedulers "
+                                     "send before they kill)")
+        if sig in _FAULTS:
+            raise ConfigurationError(f"Preemption(signals=...): {sig.name} reports a fault of the process itself "
+                                     "(a handler that returns runs into it again); it cannot be watched")
+        if sig == _SIGCHLD:
+            raise ConfigurationError("Preemption(signals=...): SIGCHLD reports a child process that ended (a "
+                                     "DataLoader worker), not a preemption; it cannot be watched")
+        if sig in out:
+            raise ConfigurationError(f"Preemption(signals=...): {sig.name} is listed twice; list each signal once")
+        out.append(sig)
+    return tuple(out)
 
 
 class SignalWatcher:
@@ -39,6 +108,7 @@ class SignalWatcher:
         self.signals = tuple(signal.Signals(s) for s in signals)
         self.received: signal.Signals | None = None
         self.received_at: float | None = None
+        self.first: dict[signal.Signals, float] = {}  # when each signal first arrived
         self._installed = False
 
     @property
@@ -64,10 +134,12 @@ class SignalWatcher:
 
     def clear(self) -> None:
         self.received = self.received_at = None
+        self.first.clear()
 
-    def _mark(self, sig: signal.Signals) -> None:
+    def _mark(self, sig: signal.Signals, now: float) -> None:
+        self.first.setdefault(sig, now)
         if self.received is None:
-            self.received, self.received_at = sig, time.monotonic()
+            self.received, self.received_at = sig, now
 
 
 class _Dispatcher:
@@ -78,6 +150,12 @@ class _Dispatcher:
         # watching when it is collected, and is not kept alive by its handler.
         self._watchers: list[weakref.ref[SignalWatcher]] = []
         self.found: dict[signal.Signals, Any] = {}  # the handling before the dispatcher took a signal
+        # signals whose last watcher left less than SAME_REQUEST_S after their first arrival: their
+        # straggling copies are swallowed (see the module docstring); signal -> first arrival
+        self.lingering: dict[signal.Signals, float] = {}
+        self._pid = os.getpid()  # a forked child (a DataLoader worker) inherits the handler: it stays quiet
+        self.arrivals = Arrivals()  # when signals arrived (their handler may run seconds later)
+        self.handled: dict[signal.Signals, float] = {}  # when the handler last ran, per signal
 
     @property
     def watchers(self) -> list[SignalWatcher]:
@@ -89,6 +167,7 @@ class _Dispatcher:
     def add(self, w: SignalWatcher) -> None:
         self._watchers = [weakref.ref(x) for x in self.watchers] + [weakref.ref(w)]
         for s in w.signals:
+            self.lingering.pop(s, None)  # a new run watches it: its next arrival is a new request
             if s not in self.found or signal.getsignal(s) != self._handle:
                 # not ours yet, or someone installed their own handler over ours since: theirs
                 # is now the handling to chain to and to give back
@@ -96,43 +175,113 @@ class _Dispatcher:
                 # our own handler, put back by someone who had saved it: the handling before it is
                 # unknown (never chain to ourselves: that recursed)
                 self.found[s] = signal.SIG_DFL if prev == self._handle else prev
+        self._settle(fresh=w.signals)
 
     def remove(self, w: SignalWatcher) -> None:
         live = [x for x in self.watchers if x is not w]
         self._watchers = [weakref.ref(x) for x in live]
         still = {s for x in live for s in x.signals}
+        now = time.monotonic()
+        for s, t in w.first.items():  # a preemption is ending: copies of its signal may still come
+            if s not in still and s in self.found and now - t <= SAME_REQUEST_S:
+                self.lingering[s] = min(t, self.lingering.get(s, t))
+        self._settle(live)
+
+    def _settle(self, live: list[SignalWatcher] | None = None, fresh: Iterable[int] = ()) -> None:
+        """Give back what no watcher needs any more; keep the launcher watch in step with the watchers."""
+        live = self.watchers if live is None else live
+        now = time.monotonic()
+        for s in [s for s, t in self.lingering.items() if now - t > SAME_REQUEST_S]:
+            del self.lingering[s]
+        still = {s for x in live for s in x.signals} | set(self.lingering)
         if _SIGCHLD is not None and any(x.received for x in live):
             still.add(signal.Signals(_SIGCHLD))  # a preemption is still under way
         for s in [s for s in self.found if s not in still]:
             self._give_back(s)
+        if live or self.lingering:
+            self.arrivals.start()
+        else:
+            self.arrivals.stop()
+        self.arrivals.own(self._owned(), fresh)
+        launcher.watch(self._launcher_signal(live))
+
+    @staticmethod
+    def _launcher_signal(live: list[SignalWatcher]) -> signal.Signals | None:
+        """The signal a dead launcher sends: SIGTERM if watched, else the newest watcher's first."""
+        watched = [s for x in live for s in x.signals]
+        if signal.SIGTERM in watched:
+            return signal.SIGTERM
+        return live[-1].signals[0] if live and live[-1].signals else None
 
     def _give_back(self, s: signal.Signals) -> None:
         prev = self.found.pop(s)
+        self.lingering.pop(s, None)
         try:
             if signal.getsignal(s) == self._handle:  # replaced after us by someone else: theirs now
                 signal.signal(s, prev if prev is not None else signal.SIG_DFL)
         except (ValueError, OSError):  # interpreter shutting down, or not the main thread
             pass
 
+    def _previous(self, sig: signal.Signals) -> Any:
+        prev = self.found.get(sig)
+        return signal.SIG_DFL if prev is None or prev == self._handle else prev
+
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         sig = signal.Signals(signum)
+        now = time.monotonic()
+        # arrivals since the last handling: several if they came while the main thread was busy in C
+        arrived = self.arrivals.take(sig, self.handled.get(sig, float("-inf"))) or [now]
+        self.handled[sig] = now
         watching = [w for w in self.watchers if sig in w.signals]
-        prev = self.found.get(sig)
-        if prev is None or prev == self._handle:
-            prev = signal.SIG_DFL
-        if not watching or watching[-1].received == sig:  # a second time: stop waiting for a step boundary
-            self.found.pop(sig, None)
-            signal.signal(sig, prev)  # handlers run on the main thread: this cannot fail here
-            if callable(prev):
+        prev = self._previous(sig)
+        if not watching:  # the run closed: a straggling copy of its preemption, or the handling found
+            first = self.lingering.get(sig)
+            if first is None or arrived[-1] - first > SAME_REQUEST_S:
+                self._deliver(sig, prev, frame)
+            elif callable(prev) and prev is not signal.default_int_handler:
                 prev(signum, frame)
-            elif prev != signal.SIG_IGN:
-                os.kill(os.getpid(), signum)
             return
-        for w in watching:
-            w._mark(sig)
-        self._quiet_children()
+        first = watching[-1].first.get(sig)
+        if first is not None and arrived[-1] - first > SAME_REQUEST_S:  # deliberate: abort now
+            self._abort(sig, arrived[-1] - first, prev, frame)
+            return
+        mine = os.getpid() == self._pid
+        if first is None:
+            for w in watching:
+                w._mark(sig, arrived[0])
+            self._quiet_children()
+            if mine:
+                cause = " (the launcher died)" if launcher.died() else ""
+                log.warning("%s received%s: saving at the end of this step, then exiting; the same signal "
+                            "again more than %.0f s later aborts at once, without a checkpoint", sig.name, cause,
+                            SAME_REQUEST_S)
+        elif mine:
+            log.info("%s again %.3f s after the first: the same request (repeats within %.0f s are)", sig.name,
+                     arrived[-1] - first, SAME_REQUEST_S)
         if callable(prev) and prev is not signal.default_int_handler:
             prev(signum, frame)
+
+    def _abort(self, sig: signal.Signals, after: float, prev: Any, frame: FrameType | None) -> None:
+        """A deliberate repeat: the handling found before unbroken takes over now, and gets the signal.
+        Python's KeyboardInterrupt can be caught (by a step guard writing an emergency checkpoint, by
+        the script): the system's default ends the process at once, as Ctrl-C twice promises."""
+        if os.getpid() == self._pid:
+            log.warning("%s again %.1f s after the first: aborting now, without a checkpoint (the run resumes "
+                        "from its last committed one)", sig.name, after)
+        self._deliver(sig, signal.SIG_DFL if prev is signal.default_int_handler else prev, frame)
+
+    def _owned(self) -> set[signal.Signals]:
+        return {s for s in self.found if s != _SIGCHLD}
+
+    def _deliver(self, sig: signal.Signals, prev: Any, frame: FrameType | None) -> None:
+        self.found.pop(sig, None)
+        self.lingering.pop(sig, None)
+        self.arrivals.own(self._owned())
+        signal.signal(sig, prev)  # handlers run on the main thread: this cannot fail here
+        if callable(prev):
+            prev(int(sig), frame)
+        elif prev != signal.SIG_IGN:
+            os.kill(os.getpid(), sig)
 
     def _quiet_children(self) -> None:
         """After a preemption signal, a DataLoader worker killed by the same signal (sent to the

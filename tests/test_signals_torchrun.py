@@ -1,0 +1,157 @@
+"""Signals under a real torchrun (2 ranks, gloo): a scheduler's SIGTERM to the agent and to every worker
+at once is one preemption, and workers whose agent was SIGKILLed save, exit and free the run.
+
+The job is tests/dist_train.py (DDP) through tests/signals_train.py, which records each rank's exit
+status (torchrun reaps its workers without reporting it). When the agent is SIGKILLed its workers are
+adopted by a subreaper started by the test, which reports their real exit statuses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from test_distributed import losses, same_final
+from unbroken.faults import EXIT_PREEMPTED
+from unbroken.store import open_store
+
+pytestmark = pytest.mark.e2e
+SCRIPT = str(Path(__file__).parent / "signals_train.py")
+STEPS, SAVE_EVERY, TARGET = 16, 4, 6
+ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+
+# Runs torchrun as its child and, as a child subreaper (prctl PR_SET_CHILD_SUBREAPER), adopts the
+# workers if the agent dies; writes {pid: exit status} of every process it reaped to argv[1].
+REAPER = """
+import ctypes, json, os, subprocess, sys
+if ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) != 0:
+    raise OSError(ctypes.get_errno(), "PR_SET_CHILD_SUBREAPER")
+agent = subprocess.Popen(sys.argv[2:])
+with open(sys.argv[1] + ".agent", "w") as f:
+    f.write(str(agent.pid))
+ended = {}
+while True:
+    try:
+        pid, status = os.wait()
+    except ChildProcessError:
+        break
+    ended[pid] = os.waitstatus_to_exitcode(status)
+with open(sys.argv[1], "w") as f:
+    json.dump(ended, f)
+"""
+
+
+def torchrun(base: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=0",
+            SCRIPT, "--run-dir", str(base / "run"), "--out", str(base / "out"), "--mode", "ddp", "--steps",
+            str(STEPS), "--save-every", str(SAVE_EVERY), *extra]
+
+
+def worker_pids(base: Path) -> list[int]:
+    return [int((base / "out" / f"pid-r{r}").read_text()) for r in (0, 1)]
+
+
+def run(cmd: list[str], base: Path, on_line: Callable[[str, subprocess.Popen], None] | None = None
+        ) -> tuple[int, str]:
+    """Run ``cmd`` to its end, streaming its output to ``on_line``; (exit code, output). Whatever goes
+    wrong, no worker is left behind (they run in sessions of their own)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
+                            start_new_session=True)
+
+    def kill_all() -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(OSError, ValueError):
+            for pid in worker_pids(base):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+    timer = threading.Timer(400, kill_all)  # a test gone wrong must not hang the suite
+    timer.start()
+    lines: list[str] = []
+    try:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if on_line is not None:
+                on_line(line, proc)
+        proc.wait()
+    finally:
+        timer.cancel()
+        if proc.poll() is None:
+            kill_all()
+            proc.wait()
+    return proc.returncode, "".join(lines)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = tmp_path_factory.mktemp("reference")
+    code, out = run(torchrun(base), base)
+    assert code == 0, out
+    return base / "out"
+
+
+def check_one_preemption_and_resume(reference: Path, base: Path, out: str) -> int:
+    """Both ranks saved the same step, the last one each finished (no step lost), and exited 75;
+    a relaunch resumes there and ends bitwise equal to the uninterrupted run. The step."""
+    records = [base / "out" / f"exit-r{r}" for r in (0, 1)]
+    ended = [p.read_text() if p.exists() else "killed by a signal (no exit record)" for p in records]
+    assert ended == [str(EXIT_PREEMPTED)] * 2, out
+    preempted = {int(s) for s in re.findall(r"^preempted at step (\d+)$", out, re.M)}
+    assert len(preempted) == 1 and out.count("preempted at step") == 2, out
+    step = preempted.pop()
+    assert step >= TARGET and all(max(losses(base / "out", r)) == step for r in (0, 1)), out
+    assert f"step-{step:09d}" in open_store(base / "run").list_committed()
+    code, again = run(torchrun(base), base)  # the lock is free: the relaunch becomes the writer
+    assert code == 0 and f"rank 0: resumed from step {step}" in again, again
+    assert same_final(reference, base / "out")
+    for rank in (0, 1):
+        assert losses(base / "out", rank) == losses(reference, rank)
+    return step
+
+
+def test_sigterm_to_the_agent_and_every_worker_at_once_is_one_preemption(reference: Path, tmp_path: Path) -> None:
+    """The scheduler signals every process; torchrun forwards the SIGTERM it got to its workers a few
+    milliseconds later. Before: the forwarded copy was taken as "abort now": no preemption save,
+    the workers died of SIGTERM, the steps since the last save lost."""
+    sent: list[int] = []
+
+    def on_line(line: str, proc: subprocess.Popen) -> None:
+        if not sent and f"rank 1 step {TARGET}" in line:
+            sent.extend([proc.pid, *worker_pids(tmp_path)])  # proc is torchrun's agent
+            for pid in sent:
+                os.kill(pid, signal.SIGTERM)
+
+    _, out = run(torchrun(tmp_path), tmp_path, on_line)
+    assert sent, out
+    check_one_preemption_and_resume(reference, tmp_path, out)
+
+
+def test_workers_whose_agent_was_sigkilled_save_exit_and_free_the_run(reference: Path, tmp_path: Path) -> None:
+    """Before: with the agent SIGKILLed the workers trained on to the end, holding the run's lock, and
+    a preemption at that point would have lost every step since the last save."""
+    ended = tmp_path / "ended.json"
+    killed: list[int] = []
+
+    def on_line(line: str, proc: subprocess.Popen) -> None:
+        if not killed and f"rank 1 step {TARGET}" in line:
+            killed.append(int(Path(f"{ended}.agent").read_text()))
+            os.kill(killed[0], signal.SIGKILL)
+
+    code, out = run([sys.executable, "-c", REAPER, str(ended), *torchrun(tmp_path)], tmp_path, on_line)
+    assert code == 0 and killed, out
+    statuses = {int(pid): status for pid, status in json.loads(ended.read_text()).items()}
+    assert statuses.pop(killed[0]) == -signal.SIGKILL
+    assert statuses == {pid: EXIT_PREEMPTED for pid in worker_pids(tmp_path)}, out  # adopted, then reaped here
+    assert "the launcher died" in out, out
+    check_one_preemption_and_resume(reference, tmp_path, out)
