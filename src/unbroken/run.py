@@ -23,19 +23,19 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
 import threading
 from typing import Any, Callable, Iterator, Mapping
 
 from .api import CheckpointInfo
 from .chunks import ChunkWriter, LiveChunks, collect
+from .damage import Damage
 from .discovery import discover, manifests
 from .errors import CorruptCheckpointError, ReadOnlyRunError, RunLockedError, StorageError, UnbrokenError
-from .events import CorruptionFound, Event, Pruned, Quarantined
+from .events import Event, Pruned
 from .format.manifest import Manifest
 from . import collective
 from .dist.comm import Comm
-from .reader import LoadedCheckpoint, read_checkpoint, vanished, verify_share
+from .reader import LoadedCheckpoint, read_checkpoint, verify_share
 from .scheduling import Schedule
 from .snapshot import Snapshot
 from .store import open_store
@@ -44,7 +44,6 @@ from .tags import TAGS_FILE, load_tags, save_tags, tags_by_checkpoint
 from .tiers import Remote, Uploader, copy_checkpoint
 
 log = logging.getLogger("unbroken")
-_DAMAGED_CHUNK = re.compile(r"chunk ([0-9a-f]{64}): (?:checksum mismatch|damaged)")
 RELISTS = 10
 """How often :meth:`Run.newest_valid` looks again after checkpoints vanished while it read them."""
 
@@ -72,11 +71,10 @@ class Run:
         self._remote_ok = True
         self._prune_lock = threading.Lock()
         self._writing = False
-        self._unmoved: list[tuple[str, str]] = []  # found invalid, left in place: (checkpoint, reason)
+        self.damage = Damage(self.publish)
         self._remote_unlisted = False  # the remote tier could not be listed by the last restore
         self._readonly = ""  # why the run cannot be written (set by begin), "" if it can
         self._readonly_errno = errno.EROFS
-        self._vanished = False  # a checkpoint was deleted while newest_valid read it
         self._schedule: Schedule | None = None  # the local retention, for prunes after uploads
 
     @property
@@ -278,10 +276,10 @@ class Run:
             return read_checkpoint(self.store, name, rank, files, all_shards=world == 1)
 
         for _ in range(RELISTS):  # a checkpoint pruned while read (a read-only run's writer): look again
-            self._vanished = False
+            self.damage.vanished = False
             chosen = collective.choose(self.comm, self._candidates(seen) if self.comm.coordinator else None, attempt,
                                        lambda name, reason: self.invalid(self.store, name, reason))
-            if not self.comm.broadcast(self._vanished and self.comm.coordinator and self._newer_than(chosen)):
+            if not self.comm.broadcast(self.damage.vanished and self.comm.coordinator and self._newer_than(chosen)):
                 break
         seen_all = self.comm.broadcast(seen[0])
         if chosen is None:
@@ -359,55 +357,19 @@ class Run:
         return final
 
     def unrestorable(self) -> list[tuple[str, str]]:
-        """Why the run may hold progress that :meth:`newest_valid` could not restore, as
-        ``(where, reason)``: checkpoints found invalid that could not be moved away, every
-        quarantined checkpoint (with its recorded reason), a remote tier that could not be
-        listed. Empty for a new run. A collective (the coordinator looks; every rank gets it)."""
+        """Why the run may hold progress that :meth:`newest_valid` could not restore
+        (:meth:`unbroken.damage.Damage.unrestorable`); empty for a new run. A collective: the
+        coordinator looks, every rank gets the list."""
         found: list[tuple[str, str]] = []
         if self.comm.coordinator:
-            found = list(self._unmoved)
-            if self.remote_store is not None and (not self._remote_ok or self._remote_unlisted):
-                found.append((self.remote_store.url, "the remote tier could not be listed, so its checkpoints "
-                              "are unknown"))
-            for store in [s for s in (self.store, self.remote_store) if s is not None]:
-                try:
-                    q = store.quarantined()
-                    names = q.list_committed() if q is not None else []
-                except Exception as e:  # noqa: BLE001 - cannot look: say so rather than guess "nothing"
-                    found.append((f"{store.url} quarantine", f"cannot be listed: {e}"))
-                    continue
-                for name in names:
-                    try:
-                        raw = q.read_meta(f"{name}.reason.txt")
-                    except Exception:  # noqa: BLE001 - an odd reason file: the checkpoint still counts
-                        raw = None
-                    reason = raw.decode("utf-8", "replace").strip() if raw else "quarantined (no reason recorded)"
-                    head, sep, rest = reason.partition(": ")
-                    found.append((q.describe(name), rest if sep and "/" in head else reason))  # not the old path
+            unknown = self.remote_store is not None and (not self._remote_ok or self._remote_unlisted)
+            found = self.damage.unrestorable([s for s in (self.store, self.remote_store) if s is not None],
+                                             self.remote_store.url if unknown and self.remote_store else None)
         return [(str(a), str(b)) for a, b in self.comm.broadcast(found)]
 
     def invalid(self, store: Any, name: str, reason: str, tier: str = "primary") -> None:
-        if vanished(store, name):  # deleted while read (by another process's retention): not damage
-            self._vanished = True
-            log.info("checkpoint %s was deleted while it was being read (not damaged); skipped", store.describe(name))
-            return
-        self.publish(CorruptionFound(name, reason, tier))
-        if self._readonly and store is self.store:
-            log.warning("checkpoint %s is invalid (left in place: the run is read-only): %s", store.describe(name),
-                        reason)
-            return
-        for cid in sorted(set(_DAMAGED_CHUNK.findall(reason))):  # the next save writes it again
-            where = store.quarantine_chunk(cid, reason)
-            if where:
-                log.warning("chunk %s is damaged and was quarantined to %s", cid, where)
-        moved = store.quarantine(name, reason)
-        if moved:
-            self.publish(Quarantined(name, reason, moved, tier))
-            log.warning("checkpoint %s is invalid and was quarantined to %s: %s", store.describe(name), moved, reason)
-        else:
-            self._unmoved.append((store.describe(name), reason))
-            log.warning("checkpoint %s is invalid (and could not be moved to quarantine/): %s",
-                        store.describe(name), reason)
+        """Report, quarantine and remember an invalid checkpoint (:mod:`unbroken.damage`)."""
+        self.damage.invalid(store, name, reason, tier, readonly=bool(self._readonly) and store is self.store)
 
     # ------------------------------------------------------------------ retention
     def prune(self, schedule: Schedule, keep: str | None) -> list[str]:
