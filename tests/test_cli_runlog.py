@@ -197,6 +197,32 @@ def test_plot_default_file_name_and_metric(resumed: Path, tmp_path: Path, monkey
     assert res.stdout.strip() == "run-loss.png" and (tmp_path / "run-loss.png").stat().st_size > 10_000
 
 
+def test_plot_replaces_only_its_own_png_never_a_users_file_a_link_target_or_a_checkpoint_file(
+        resumed: Path, tmp_path: Path) -> None:
+    """The same class as export --to: plot -o must not destroy what unbroken did not write."""
+    mine = tmp_path / "loss.png"
+    assert invoke("plot", resumed, "-o", mine).exit_code == 0
+    assert invoke("plot", resumed, "-o", mine).exit_code == 0  # its own plot: replaced, no --force needed
+    users = tmp_path / "notes.png"
+    users.write_bytes(b"the user's own picture")
+    res = invoke("plot", resumed, "-o", users)
+    assert res.exit_code != 0 and "--force" in res.output and users.read_bytes() == b"the user's own picture"
+    assert invoke("plot", resumed, "-o", users, "--force").exit_code == 0 and users.stat().st_size > 10_000
+    precious = tmp_path / "precious.txt"
+    precious.write_bytes(b"keep")
+    link = tmp_path / "link.png"
+    link.symlink_to(precious)
+    res = invoke("plot", resumed, "-o", link, "--force")
+    assert res.exit_code == 0 and precious.read_bytes() == b"keep" and not link.is_symlink()  # replaced, not followed
+    ckpt = next(p for p in sorted(resumed.iterdir()) if p.name.startswith("step-"))
+    before = {f.name: f.read_bytes() for f in ckpt.iterdir()}
+    for name in ["state.json", "new.png"]:
+        res = invoke("plot", resumed, "-o", ckpt / name, "--force")
+        assert res.exit_code != 0 and "inside" in res.output
+    assert {f.name: f.read_bytes() for f in ckpt.iterdir()} == before
+    unbroken.verify(ckpt)
+
+
 def test_plot_curves_draws_reference_curves_and_markers(tmp_path: Path) -> None:
     steps = list(range(1, 21))
     png = plot_curves([Curve("reference", steps, [1 / s for s in steps], reference=True),

@@ -9,12 +9,15 @@ interruptions and resumes.
 
 from __future__ import annotations
 
+import io
 import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
+
+from .store.dirfd import write_file_atomic
 
 if TYPE_CHECKING:
     from .index import RunIndex
@@ -50,6 +53,10 @@ class Marker:
     kind: MarkerKind
     step: int
     value: float | None = None
+
+
+SOFTWARE = "unbroken plot"
+"""Written into every PNG (a tEXt chunk): a later plot may replace a file that carries it."""
 
 
 def plot_curves(curves: Sequence[Curve], out: str | Path, *, markers: Sequence[Marker] = (), title: str = "",
@@ -95,8 +102,20 @@ def plot_curves(curves: Sequence[Curve], out: str | Path, *, markers: Sequence[M
     ax.legend(fontsize="small", loc="best")
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", metadata={"Software": SOFTWARE})
+    write_file_atomic(path, buf.getvalue(), sync_dir=False)  # a link at ``path`` is replaced, never written through
     return path
+
+
+def made_here(path: str | Path) -> bool:
+    """Whether ``path`` is a PNG this module wrote (so replacing it destroys nothing of the user's)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    return head.startswith(b"\x89PNG\r\n\x1a\n") and b"Software\x00" + SOFTWARE.encode() in head
 
 
 def run_curves(index: RunIndex, metric: str) -> tuple[list[Curve], list[Marker]]:

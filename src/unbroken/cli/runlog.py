@@ -17,7 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..index import Continuity, RunIndex
-from ..plotting import plot_run
+from ..plotting import made_here, plot_run
 from .base import JSON_OPTION, app, emit_json, fail, open_location, out, plural, require_run, warn, when
 
 MESSAGE_CHARS = 100
@@ -122,14 +122,22 @@ def plot(run: str = typer.Argument(..., metavar="RUN", help="Run folder or URL."
          output: Path | None = typer.Option(None, "--output", "-o", metavar="FILE.png",
                                             help="Where to write the PNG (default: ./<run>-<metric>.png)."),
          metric: str | None = typer.Option(None, "--metric", metavar="NAME", help="The metric to draw "
-                                           "(default: loss if logged, else the first in alphabetical order).")
-         ) -> None:
-    """Draw a metric over steps as a PNG: one colour per run segment, saves, interruptions, resumes."""
+                                           "(default: loss if logged, else the first in alphabetical order)."),
+         force: bool = typer.Option(False, "--force", help="Replace an existing FILE.png that unbroken did "
+                                    "not draw.")) -> None:
+    """Draw a metric over steps as a PNG: one colour per run segment, saves, interruptions, resumes.
+
+    An existing FILE.png is replaced only if unbroken drew it (or with --force); never one inside a
+    checkpoint or a run's folders, and a link there is replaced, not written through."""
+    from ..convert.exporting import check_target
+
     with open_index(run) as index:
         known = index.metric_names()
         chosen = metric or ("loss" if "loss" in known else known[0] if known else "loss")
         if chosen not in known:
             fail(_unknown_metric(chosen, known))
         stem = re.sub(r"[^A-Za-z0-9._-]", "_", f"{Path(index.store.url).name or 'run'}-{chosen}")
-        png = plot_run(index, chosen, output or Path(f"{stem}.png"), title=f"{chosen}: {index.store.url}")
+        target = output or Path(f"{stem}.png")
+        check_target(target, force=force or made_here(target), folder=False)
+        png = plot_run(index, chosen, target, title=f"{chosen}: {index.store.url}")
     typer.echo(str(png))
