@@ -12,17 +12,27 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures.thread  # noqa: F401 - registers its exit hook first: ours run before it
+import os
 import threading
 from typing import Callable
 
 
 def at_exit(fn: Callable[[], None]) -> Callable[[], None]:
-    """Register ``fn`` to run at normal exit, before thread pools shut down; returns ``fn``."""
+    """Register ``fn`` to run at normal exit of *this* process, before thread pools shut down;
+    returns ``fn``. Never in a forked child (a DataLoader worker): :mod:`threading`'s exit hooks
+    also run when a ``multiprocessing`` child ends, and closing the parent's Checkpointers there
+    would wait on futures and threads that do not exist in the child and write the parent's files."""
+    owner = os.getpid()
+
+    def hook() -> None:
+        if os.getpid() == owner:
+            fn()
+
     register = getattr(threading, "_register_atexit", None)
     try:
         if register is None:
             raise RuntimeError("no threading exit hooks")
-        register(fn)
+        register(hook)
     except RuntimeError:  # already shutting down, or an interpreter without the hook
-        atexit.register(fn)
+        atexit.register(hook)
     return fn

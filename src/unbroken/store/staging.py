@@ -82,7 +82,7 @@ class LocalStaging:
     def _make(self) -> int:
         with self.store.folder.open(create=True) as rfd:
             assert rfd is not None
-            os.mkdir(self.token, 0o755, dir_fd=rfd)
+            os.mkdir(self.token, 0o777, dir_fd=rfd)  # the umask decides
             return open_dir(self.token, rfd, where=self.store.root)
 
     def open(self, file: str) -> BinaryIO:
