@@ -377,3 +377,60 @@ def test_an_empty_location_is_refused_and_leaves_nothing(tmp_path: Path, monkeyp
     res = subprocess.run([*CLI, "ls", location or ""], capture_output=True, text=True)
     assert res.returncode != 0 and "no run location" in (res.stdout + res.stderr).lower()
     assert list(tmp_path.iterdir()) == []
+
+
+HOLDER = """
+import sys, torch, unbroken
+ck = unbroken.Checkpointer(sys.argv[1], preemption=None)
+ck.restore({"w": torch.zeros(2)})
+print("holding", flush=True)
+sys.stdin.read()
+ck.close()
+"""
+
+OTHER_USER = """
+import sys, torch, unbroken
+ck = unbroken.Checkpointer(sys.argv[1], save_every=1, preemption=None)
+state = {"w": torch.zeros(2)}
+try:
+    info = ck.restore(state)
+    print("restored", info.step, flush=True)
+    ck.step(state)
+    print("stepped", flush=True)
+except unbroken.UnbrokenError as e:
+    print(type(e).__name__, e, flush=True)
+"""
+
+
+def test_a_lock_file_another_user_owns_still_keeps_its_live_writer_exclusive(tmp_path: Path) -> None:
+    """A shared run folder whose ``.lock`` belongs to a teammate (0644, another uid): a process that
+    cannot write it is refused while the teammate's writer lives (the flock is taken through a
+    read-only descriptor), not opened "read-only" beside it; once the writer is gone it opens the
+    run read-only, restores, and its first step raises instead of training for nothing."""
+    import subprocess
+    import sys
+
+    import torch
+
+    run = tmp_path / "run"
+    first = unbroken.Checkpointer(run, preemption=None)
+    first.save({"w": torch.ones(2)})
+    first.close()
+    os.chmod(run, 0o777)
+    os.chown(run / ".lock", 54321, 54321)  # a teammate's lock file: not writable by this user
+    no_dac = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner", "--"]
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        r = subprocess.run([*no_dac, sys.executable, "-c", OTHER_USER, str(run)], capture_output=True, text=True,
+                           timeout=120)
+        assert r.stdout.startswith("RunLockedError") and "being written by another process" in r.stdout, \
+            r.stdout + r.stderr
+    finally:
+        holder.communicate("", timeout=60)
+    r = subprocess.run([*no_dac, sys.executable, "-c", OTHER_USER, str(run)], capture_output=True, text=True,
+                       timeout=120)
+    lines = r.stdout.splitlines()
+    assert lines[0] == "restored 0" and lines[1].startswith("ReadOnlyRunError cannot train and save into"), r.stdout
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith("step-")) == ["step-000000000"]

@@ -199,8 +199,8 @@ def test_restore_from_a_readonly_filesystem_reads_and_the_first_save_raises(tmp_
             assert info is not None and info.name == "step-000000004"  # the invalid newest skipped, left in place
             assert torch.equal(state["a"], torch.zeros(4)) and torch.equal(state["b"], torch.ones(4))
             assert "the run is read-only" in caplog.text and "left in place" in caplog.text
-            for attempt, what in ((lambda: ck.step(state), "save a checkpoint to"),  # save_every=1: the first save
-                                  (ck.prune, "prune"), (lambda: ck.tag("best", "step-000000004"), "tag")):
+            for attempt, what in ((lambda: ck.step(state), "train and save into"),  # the first step, not a save later
+                                  (lambda: ck.save(state), "save a checkpoint to"), (ck.prune, "prune"), (lambda: ck.tag("best", "step-000000004"), "tag")):
                 with pytest.raises(StorageError, match=f"cannot {what} .*run.*cannot be written") as e:
                     attempt()
                 assert type(e.value).__name__ == "ReadOnlyRunError"

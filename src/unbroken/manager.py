@@ -299,6 +299,8 @@ class Checkpointer:
         :data:`~unbroken.faults.EXIT_PREEMPTED` (``SystemExit``, so ``finally`` blocks run).
         """
         self._begin()
+        if self.run.readonly:  # fail at the first step, not after a save interval of lost compute
+            self.run.require_writable("train and save into")
         if self._background.finished() and self.comm.world == 1:
             self.flush()  # a failed background save is raised here (several ranks: at the next save)
         # The step boundary is one transition: everything that can fail is computed first.

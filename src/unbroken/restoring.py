@@ -213,7 +213,9 @@ def restore_into(ckpt: Any, state: MutableMapping[str, Any], path: Any, tag: str
         loaded = read_path(path, opts, ckpt.comm.rank)
         ckpt.run.use_base(loaded, path)
         return apply_checkpoint(ckpt, state, loaded, os.fspath(path))
-    repair = LiveChunks(ckpt.run.store, ckpt.saved_part(state)) if ckpt.run.chunks is not None else None
+    # a read-only run is not written, not even to repair a chunk
+    repair = LiveChunks(ckpt.run.store, ckpt.saved_part(state)) if ckpt.run.chunks is not None and \
+        not ckpt.run.readonly else None
     loaded, where, _ = ckpt.run.newest_valid(repair)
     if loaded is not None:
         return apply_checkpoint(ckpt, state, loaded, where)

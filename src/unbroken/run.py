@@ -139,7 +139,8 @@ class Run:
                         "to a writable folder", readonly)
         self._writing = True
 
-    def _require_writable(self, what: str) -> None:
+    def require_writable(self, what: str) -> None:
+        """Raise :class:`ReadOnlyRunError` (naming the run and why) if this run was opened read-only."""
         if self._readonly:
             err = ReadOnlyRunError(f"cannot {what} {self.url}: {self._readonly}; copy the run to a writable folder "
                                    "and resume from there, or make the folder writable")
@@ -251,7 +252,7 @@ class Run:
         :mod:`unbroken.collective`, over ``comm``: the background saves' own group when they
         run beside the training loop's step collectives); the coordinator queues its upload.
         A read-only run raises :class:`ReadOnlyRunError` on every rank, before any collective."""
-        self._require_writable("save a checkpoint to")
+        self.require_writable("save a checkpoint to")
         final, manifest = collective.write(comm or self.comm, self.store, self.lock, name, shared, mine,
                                            self.next_seq, broken, chunks=self.chunks, **fields)
         self._next_seq = manifest.seq + 1
@@ -377,7 +378,7 @@ class Run:
         newest, never ``keep``, never a checkpoint waiting for its upload; during an outage,
         never the newest one waiting: see :mod:`unbroken.tiers`)."""
         self._schedule = schedule
-        self._require_writable("prune")
+        self.require_writable("prune")
         if not self.comm.coordinator:
             return []
         with self._prune_lock:  # the uploader thread prunes too, after each upload
@@ -419,7 +420,7 @@ class Run:
         return load_tags(self.store)
 
     def set_tags(self, tags: dict[str, str]) -> None:
-        self._require_writable("tag a checkpoint of")
+        self.require_writable("tag a checkpoint of")
         self.lock.verify()
         save_tags(self.store, tags)
         if self.remote_store is not None and self.uploader is not None:

@@ -108,6 +108,8 @@ def _take(key: str, root: Path) -> _Held:
         if e.errno == errno.ELOOP:
             raise RunLockedError(f"{path} is a symbolic link; remove it (unbroken never follows "
                                  "links inside a run folder)") from None
+        if e.errno in (errno.EACCES, errno.EPERM):
+            _refuse_if_held(path, root)  # another user's .lock: not "read-only" while its owner writes
         raise lock_error(root, path, e) from None
     try:
         st = os.fstat(fd)
@@ -122,6 +124,21 @@ def _take(key: str, root: Path) -> _Held:
             raise lock_error(root, path, e) from None
         raise
     return _Held(fd, (st.st_dev, st.st_ino), path)
+
+
+def _refuse_if_held(path: str, root: Path) -> None:
+    """``.lock`` exists but this user may not write it: a flock works on a descriptor opened for
+    reading, so a live writer (its owner) is still detected and refused (:class:`RunLockedError`)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+                     | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            _flock(fd, root, path)  # raises RunLockedError if held; released with the close below
+    finally:
+        os.close(fd)
 
 
 def _flock(fd: int, root: Path, path: str) -> None:
