@@ -350,6 +350,31 @@ def test_submit_script_is_written_under_slurm(tmp_path: Path, monkeypatch: pytes
     assert [c.step for c in ckpt.checkpoints()] == [0]  # not mistaken for a checkpoint
 
 
+def test_submit_script_never_replaces_a_users_own_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user's own ``submit.slurm`` in the run folder (or ours with the marker line deleted) is never
+    replaced; ours, with the marker, is rewritten for the current job."""
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    run = tmp_path / "run"
+    run.mkdir()
+    mine = "#!/bin/bash\n#SBATCH --time=7-00:00:00\nsrun python train.py  # my own\n"
+    (run / "submit.slurm").write_text(mine)
+    ckpt = unbroken.Checkpointer(run, preemption=None)
+    ckpt.save({"w": torch.zeros(1)})
+    ckpt.close()
+    assert (run / "submit.slurm").read_text() == mine
+    (run / "submit.slurm").unlink()
+    monkeypatch.setenv("SLURM_JOB_NAME", "first")
+    ckpt = unbroken.Checkpointer(run, preemption=None)
+    ckpt.save({"w": torch.zeros(1)})
+    ckpt.close()
+    assert "--job-name=first" in (run / "submit.slurm").read_text()
+    monkeypatch.setenv("SLURM_JOB_NAME", "second")
+    ckpt = unbroken.Checkpointer(run, preemption=None)
+    ckpt.save({"w": torch.zeros(1)})
+    ckpt.close()
+    assert "--job-name=second" in (run / "submit.slurm").read_text()  # ours: rewritten
+
+
 def test_a_handler_installed_over_ours_is_chained_and_given_back(instant_repeats: None) -> None:
     """A framework installs its own handler while a watcher is installed; the next watcher
     takes the signal again (chaining to that handler) and gives it back to it."""

@@ -52,6 +52,9 @@ def requeue() -> bool:
     return True
 
 
+MARKER = "# Written by unbroken:"
+"""The line that makes ``submit.slurm`` unbroken's to rewrite; without it the file is the user's."""
+
 _SBATCH_FROM_ENV = (
     ("SLURM_JOB_NAME", "--job-name"), ("SLURM_JOB_PARTITION", "--partition"),
     ("SLURM_JOB_NUM_NODES", "--nodes"), ("SLURM_NTASKS", "--ntasks"),
@@ -62,8 +65,9 @@ _SBATCH_FROM_ENV = (
 
 def submit_script(run_dir: str | os.PathLike[str], signal_seconds: int = 120) -> str:
     """A batch script that resubmits this job as it is running now, resuming automatically."""
-    lines = ["#!/bin/bash", "# Written by unbroken: `sbatch submit.slurm` continues this run from its newest",
-             "# valid checkpoint. Edit freely."]
+    lines = ["#!/bin/bash", f"{MARKER} `sbatch submit.slurm` continues this run from its newest",
+             "# valid checkpoint. unbroken rewrites this file while it has this line: delete the line to keep",
+             "# your own edits."]
     for var, flag in _SBATCH_FROM_ENV:
         if os.environ.get(var):
             lines.append(f"#SBATCH {flag}={os.environ[var]}")
@@ -80,6 +84,16 @@ def write_submit_script(run_dir: str | os.PathLike[str]) -> Path:
     from ..store.local import write_file_atomic
 
     path = Path(run_dir) / "submit.slurm"
+    try:
+        with open(path, "rb", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW | os.O_NONBLOCK)) as f:
+            head = f.read(512)
+    except FileNotFoundError:
+        head = MARKER.encode()
+    except OSError:  # a link, a FIFO, a folder: not ours
+        head = b""
+    if MARKER.encode() not in head:  # the user's own script (or ours, edited and unmarked): never replaced
+        log.info("%s exists and was not written by unbroken; left as it is", path)
+        return path
     write_file_atomic(path, submit_script(run_dir).encode(), mode=0o755)
     return path
 
