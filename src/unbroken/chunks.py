@@ -206,6 +206,8 @@ def live_tensors(tree: Any) -> Iterable[torch.Tensor]:
         seen.add(id(x))
         if isinstance(x, torch.Tensor):
             yield x.to_local() if hasattr(x, "to_local") else x
+        elif isinstance(x, torch.nn.Module):  # its tensors, without state_dict() (a collective under FSDP1)
+            stack.extend([*x.parameters(), *x.buffers()])
         elif isinstance(x, dict):
             stack.extend(x.values())
         elif isinstance(x, (list, tuple)):

@@ -278,7 +278,7 @@ class Checkpointer:
         this run carrying that tag. Nothing of ``state`` changes unless the restore succeeds.
         """
         if if_unrestorable not in ("raise", "start_fresh"):
-            raise ValueError(f"if_unrestorable must be 'raise' or 'start_fresh', not {if_unrestorable!r}")
+            raise ConfigurationError(f"if_unrestorable must be 'raise' or 'start_fresh', not {if_unrestorable!r}")
         self.rules.check_reserved(state)
         self.rules.validate(state)
         self._begin()

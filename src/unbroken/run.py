@@ -48,6 +48,11 @@ RELISTS = 10
 """How often :meth:`Run.newest_valid` looks again after checkpoints vanished while it read them."""
 
 
+def _identity(store: Any) -> str:
+    """Where a store's data lives, however it was spelled (a store passed in may not say: its URL)."""
+    return str(getattr(store, "identity", None) or store.url)
+
+
 class Run:
     """One run location (plus an optional remote tier), opened by URL or path."""
 
@@ -60,7 +65,7 @@ class Run:
         self._has_chunks = incremental
         self.remote: Remote | None = remote
         self.remote_store = open_store(remote.location, remote.storage_options) if remote else None
-        if self.remote_store is not None and self.remote_store.identity == self.store.identity:
+        if self.remote_store is not None and _identity(self.remote_store) == _identity(self.store):
             raise StorageError("the remote tier must be another location than the run itself")
         self.remote_schedule = Schedule(None, None, remote.keep_last, remote.retention) if remote else None
         self.publish = publish or (lambda e: None)

@@ -80,25 +80,56 @@ def apply_state(live: MutableMapping[str, Any], saved: dict[str, Any], strict: b
     apply_parts([(live, saved)])
 
 
-def _unchecked(obj: Any) -> bool:
-    """A Stateful whose ``load_state_dict`` may refuse after :func:`check_state` passed."""
-    return is_stateful(obj) and not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer))
+UNDO_MAX_BYTES = 256 * 1024 * 1024
+"""An object whose state holds more tensor bytes than this is not copied for a rollback (a
+``Stateful`` wrapping a whole model would double its memory at restore); it is loaded with the
+checked modules instead."""
+
+
+def _undo_copy(obj: Any) -> Any:
+    """A copy of ``obj``'s state to put back if a later part refuses, or ``None`` when ``obj`` is
+    checked beforehand (a module, an optimizer) or too large to copy (:data:`UNDO_MAX_BYTES`)."""
+    if not is_stateful(obj) or isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
+        return None
+    state = obj.state_dict()
+    size, stack = 0, [state]
+    while stack and size <= UNDO_MAX_BYTES:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            size += x.numel() * x.element_size()
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return _own(state, {}) if size <= UNDO_MAX_BYTES else None
 
 
 def apply_parts(parts: list[tuple[MutableMapping[str, Any], dict[str, Any]]],
                 between: Callable[[], None] | None = None, late: Callable[[Any], bool] | None = None) -> None:
     """Load each ``(live, saved)`` pair (already checked) in place, all or nothing: first every
     top-level object whose own ``load_state_dict`` may refuse, each with a copy of its state to
-    roll back to; if one raises, those loaded are put back and the error is raised with nothing
-    else touched. Then ``between()`` (sharded tensors are loaded there) and the rest: modules,
-    optimizers, tensors and plain values, whose fit :func:`check_state` proved, and the saved
-    values ``late`` picks (those ``between`` completes)."""
+    roll back to (:func:`_undo_copy`); if one raises, those loaded are put back and the error is
+    raised with nothing else touched. Then ``between()`` (sharded tensors are loaded there) and
+    the rest: modules, optimizers, tensors and plain values, whose fit :func:`check_state`
+    proved, large objects, and the saved values ``late`` picks (those ``between`` completes); if
+    one of those still raises, the objects of the first pass are put back too."""
     undo: list[tuple[Any, Any]] = []
+    done: set[tuple[int, str]] = set()
     try:
-        for live, saved in parts:
+        for i, (live, saved) in enumerate(parts):
             for key, value in saved.items():
-                if key in live and _unchecked(live[key]) and not (late and late(value)):
-                    undo.append((live[key], _own(live[key].state_dict(), {})))
+                if key not in live or (late and late(value)):
+                    continue
+                before = _undo_copy(live[key])
+                if before is not None:
+                    undo.append((live[key], before))
+                    live[key] = _apply(live[key], value, (key,))
+                    done.add((i, key))
+        if between is not None:
+            between()
+        for i, (live, saved) in enumerate(parts):
+            for key, value in saved.items():
+                if key in live and (i, key) not in done:
                     live[key] = _apply(live[key], value, (key,))
     except BaseException:
         for obj, before in reversed(undo):
@@ -108,12 +139,6 @@ def apply_parts(parts: list[tuple[MutableMapping[str, Any], dict[str, Any]]],
                 warnings.warn(f"could not put back the state of a {type(obj).__name__} after a refused restore: "
                               f"{type(e).__name__}: {e}", stacklevel=2)
         raise
-    if between is not None:
-        between()
-    for live, saved in parts:
-        for key, value in saved.items():
-            if key in live and (not _unchecked(live[key]) or (late and late(value))):
-                live[key] = _apply(live[key], value, (key,))
 
 
 def _check_stateful(live: Any, saved: StatefulValue, path: PathT) -> None:

@@ -313,7 +313,7 @@ class LeaseLock:
         """Take the lease, or raise :class:`RunLockedError` naming the holder."""
         if self._lease is not None:
             return
-        key = self.store.identity
+        key = str(getattr(self.store, "identity", None) or self.store.url)
         with _mutex:
             lease = _held.get(key)
             if lease is not None:
