@@ -592,16 +592,27 @@ def test_all_checkpoints_damaged_raises_instead_of_starting_at_step_0(run: Path,
     assert again.progress.step == 0
     assert_bitwise(values(model, opt), before)
     again.close()
-    monkeypatch.setenv("UNBROKEN_START_FRESH", "1")  # the same for a script that cannot be edited
+    # a relaunch before the first new save: the fresh start was recorded, no need to keep the override
     third = unbroken.Checkpointer(run, save_every=10, keep_last=None)
     assert third.restore(state) is None
     third.save(state)
     third.close()
+    DAMAGES["flipped_byte_in_tensor_data"](run / "step-000000000", run.parent)  # the new run's only one, damaged
+    fourth = unbroken.Checkpointer(run, save_every=10, keep_last=None)
+    with pytest.raises(unbroken.NoValidCheckpointError, match="step-000000000") as err:
+        fourth.restore(state)  # new damage is never covered by the old acknowledgement
+    assert "step-000000010" not in str(err.value)
+    fourth.close()
+    monkeypatch.setenv("UNBROKEN_START_FRESH", "1")  # the same for a script that cannot be edited
+    fifth = unbroken.Checkpointer(run, save_every=10, keep_last=None)
+    assert fifth.restore(state) is None
+    fifth.save(state)
+    fifth.close()
     monkeypatch.delenv("UNBROKEN_START_FRESH")
     last = unbroken.Checkpointer(run, save_every=10, keep_last=None)  # a valid checkpoint again: no error
     assert last.restore(state) is not None
     last.close()
-    assert sorted(p.name for p in q.iterdir() if p.is_dir()) == names  # the damaged ones are kept
+    assert sorted(p.name for p in q.iterdir() if p.is_dir()) == sorted(names + ["step-000000000"])  # all kept
 
 
 # ------------------------------------------------------- files that can block

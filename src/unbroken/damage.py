@@ -10,6 +10,7 @@ run with progress is never silently restarted from step 0.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from typing import Any, Callable
@@ -56,8 +57,13 @@ class Damage:
     def unrestorable(self, stores: list[Any], unknown: str | None = None) -> list[tuple[str, str]]:
         """Why the run may hold progress that could not be restored, as ``(where, reason)``:
         checkpoints found invalid and left in place, every quarantined checkpoint of ``stores``
-        (with its recorded reason), and ``unknown`` (a tier that could not be listed). Empty
-        for a new run."""
+        (with its recorded reason) not acknowledged by a fresh start on purpose
+        (:func:`acknowledge`), and ``unknown`` (a tier that could not be listed, never
+        acknowledged: it is not known what it holds). Empty for a new run."""
+        seen = acknowledged(stores[0]) if stores else set()
+        return [x for x in self._found(stores, unknown) if x[0] not in seen or x[0] == unknown]
+
+    def _found(self, stores: list[Any], unknown: str | None) -> list[tuple[str, str]]:
         found = list(self.unmoved)
         if unknown:
             found.append((unknown, "the remote tier could not be listed, so its checkpoints are unknown"))
@@ -77,3 +83,28 @@ class Damage:
                 head, sep, rest = reason.partition(": ")
                 found.append((q.describe(name), rest if sep and "/" in head else reason))  # not the old path
         return found
+
+
+FRESH_STARTS = "fresh-starts.json"
+"""Run-level file: the damaged checkpoints a fresh start on purpose acknowledged (so a relaunch
+before the first new save does not raise again, and the user need not keep the override set)."""
+
+
+def acknowledged(store: Any) -> set[str]:
+    """The checkpoints acknowledged by earlier fresh starts on purpose (unreadable: none)."""
+    try:
+        raw = store.read_meta(FRESH_STARTS)
+        doc = json.loads(raw) if raw else {}
+        return {str(x) for x in doc.get("acknowledged", [])} if isinstance(doc, dict) else set()
+    except Exception:  # noqa: BLE001 - damaged or odd: acknowledge nothing (the safe side)
+        return set()
+
+
+def acknowledge(store: Any, lost: list[tuple[str, str]], unknown: str | None) -> None:
+    """Record that the user started fresh knowing ``lost`` (a tier that could not be listed is
+    never recorded). Best effort: a run that cannot be written keeps asking."""
+    names = sorted(acknowledged(store) | {where for where, _ in lost if where != unknown})
+    try:
+        store.write_meta(FRESH_STARTS, json.dumps({"acknowledged": names}, indent=1).encode())
+    except Exception as e:  # noqa: BLE001 - read-only or full: the next start asks again
+        log.warning("could not record the fresh start in %s (%s); the next start will ask again", FRESH_STARTS, e)

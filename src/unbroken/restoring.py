@@ -224,8 +224,9 @@ def restore_into(ckpt: Any, state: MutableMapping[str, Any], path: Any, tag: str
         raise NoValidCheckpointError(unrestorable_message(ckpt.location, lost))
     ckpt.events.publish(Started(None, 0))
     if lost:
-        log.warning("starting %s from scratch on purpose; %d checkpoint(s) that could not be restored are kept in "
-                    "quarantine/", ckpt.location, len(lost))
+        ckpt.run.acknowledge(lost)
+        log.warning("starting %s from scratch on purpose, past %d checkpoint(s) that could not be restored (kept "
+                    "where they are, in quarantine/ if they could be moved)", ckpt.location, len(lost))
     else:
         log.info("no checkpoint in %s; starting from scratch", ckpt.location)
     return None

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from .api import CheckpointInfo
 from .chunks import ChunkWriter, LiveChunks, collect
-from .damage import Damage
+from .damage import Damage, acknowledge
 from .discovery import discover, manifests
 from .errors import CorruptCheckpointError, ReadOnlyRunError, RunLockedError, StorageError, UnbrokenError
 from .events import Event, Pruned
@@ -372,6 +372,12 @@ class Run:
             found = self.damage.unrestorable([s for s in (self.store, self.remote_store) if s is not None],
                                              self.remote_store.url if unknown and self.remote_store else None)
         return [(str(a), str(b)) for a, b in self.comm.broadcast(found)]
+
+    def acknowledge(self, lost: list[tuple[str, str]]) -> None:
+        """A fresh start on purpose past ``lost`` (:meth:`unrestorable`): recorded, so the next
+        start does not ask again (the coordinator writes it; not in a read-only run)."""
+        if self.comm.coordinator and not self.readonly:
+            acknowledge(self.store, lost, self.remote_store.url if self.remote_store is not None else None)
 
     def invalid(self, store: Any, name: str, reason: str, tier: str = "primary") -> None:
         """Report, quarantine and remember an invalid checkpoint (:mod:`unbroken.damage`)."""
