@@ -242,7 +242,11 @@ class Uploader:
                 mine = Manifest.from_json(raw)
             except Exception:  # noqa: BLE001 - deleted or damaged meanwhile: the upload reports it
                 continue
-            if name in remote and bytes(self.remote.read(name, MANIFEST)) == raw:
+            try:  # a remote copy that cannot be read is not "the same": it is uploaded again
+                same = name in remote and bytes(self.remote.read(name, MANIFEST)) == raw
+            except CorruptCheckpointError:  # (never taken for damage of the *local* copy)
+                same = False
+            if same:
                 self.uploaded[name] = name
                 skip.add(name)
             elif mine.seq <= newest:
