@@ -118,11 +118,23 @@ class S3Store(FsspecStore):
         return out.get("ETag")
 
     def delete_conditional(self, path: str, etag: str) -> None:
+        """Delete ``path`` only while it still has ``etag`` (the lease is still ours): never a
+        lease another writer took over meanwhile."""
         bucket, key = self.split(path)
         try:
             self.s3("release lease", "delete_object", Bucket=bucket, Key=key, IfMatch=etag)
-        except Exception:  # If-Match on DELETE is recent; fall back to a plain delete
-            self.s3("release lease", "delete_object", Bucket=bucket, Key=key)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            if "condition" in str(e).lower():  # 412 / 409: another writer's lease now, not ours to delete
+                return
+            # If-Match on DELETE is recent (servers that do not know it refuse it): check, then delete
+            try:
+                head = self.s3("release lease", "head_object", Bucket=bucket, Key=key)
+            except FileNotFoundError:
+                return
+            if head.get("ETag") == etag:
+                self.s3("release lease", "delete_object", Bucket=bucket, Key=key)
 
 
 def _read_body(fs: Any, body: Any) -> bytes:
