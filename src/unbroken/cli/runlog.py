@@ -18,6 +18,7 @@ from rich.table import Table
 
 from ..index import Continuity, RunIndex
 from ..plotting import made_here, plot_run
+from ..targets import check_target
 from .base import JSON_OPTION, app, emit_json, fail, open_location, out, plural, require_run, warn, when
 
 MESSAGE_CHARS = 100
@@ -129,8 +130,6 @@ def plot(run: str = typer.Argument(..., metavar="RUN", help="Run folder or URL."
 
     An existing FILE.png is replaced only if unbroken drew it (or with --force); never one inside a
     checkpoint or a run's folders, and a link there is replaced, not written through."""
-    from ..convert.exporting import check_target
-
     with open_index(run) as index:
         known = index.metric_names()
         chosen = metric or ("loss" if "loss" in known else known[0] if known else "loss")
@@ -138,6 +137,6 @@ def plot(run: str = typer.Argument(..., metavar="RUN", help="Run folder or URL."
             fail(_unknown_metric(chosen, known))
         stem = re.sub(r"[^A-Za-z0-9._-]", "_", f"{Path(index.store.url).name or 'run'}-{chosen}")
         target = output or Path(f"{stem}.png")
-        check_target(target, force=force or made_here(target), folder=False)
+        check_target(target, force=force or made_here(target), folder=False, tool="plot", option="-o")
         png = plot_run(index, chosen, target, title=f"{chosen}: {index.store.url}")
     typer.echo(str(png))

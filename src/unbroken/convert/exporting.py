@@ -18,7 +18,7 @@ a flat mapping of names to tensors. They are verified on read like any load, opt
 Tensors that share memory (tied weights) are written once each as separate copies, since
 safetensors cannot store aliases; ``from_pretrained`` ties them again.
 
-Export never destroys what it did not write (:func:`check_target`): an existing target file (or,
+Export never destroys what it did not write (:func:`unbroken.targets.check_target`): an existing target file (or,
 for ``hf``, an existing ``model.safetensors``/``config.json`` in the folder) is refused unless
 ``force=True`` (``--force``), which replaces it by an atomic rename; a link at the target is
 replaced, never written through; a folder is never replaced (``--format checkpoint`` needs a new
@@ -36,6 +36,7 @@ import torch
 
 from ..api import load
 from ..errors import TargetExistsError, UnbrokenError
+from ..targets import check_target
 from ..store.local import fsync_dir, write_file_atomic
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -158,47 +159,3 @@ def export_weights(checkpoint: str | os.PathLike[str], to: str | os.PathLike[str
         write_file_atomic(targets[1], config_bytes, sync_dir=False)
     fsync_dir(targets[0].parent)
     return targets
-
-
-def check_target(out: Path, *, force: bool, folder: bool, checkpoint: bool = False) -> None:
-    """Refuse (:class:`~unbroken.errors.TargetExistsError`) an export target that would destroy what
-    export did not write: an existing file without ``force``, a folder where a file goes, a link
-    where a folder goes, anything inside a checkpoint folder or a run's folders, and an existing or hidden
-    file in a run (``force`` or not).
-    ``folder``: the target is a folder export writes files into (``hf``) or creates (``checkpoint``);
-    ``checkpoint``: it becomes a checkpoint folder, so it must not land in a run either."""
-    from ..api import is_run as _is_run
-
-    def is_run(place: Path) -> bool:  # a folder this user may not read (/home at 0711) is not a run
-        try:
-            return _is_run(place)
-        except (OSError, UnbrokenError):
-            return False
-
-    if os.path.islink(out) and folder:
-        raise TargetExistsError(f"{out} is a symbolic link: export does not write through a link; give the "
-                                "folder it points to, or a new path, with --to")
-    if os.path.lexists(out) and not os.path.islink(out):
-        if os.path.isdir(out) != folder:
-            what = "a folder" if os.path.isdir(out) else "a file"
-            raise TargetExistsError(f"{out} exists and is {what}: export never replaces it; choose another --to")
-        if not folder and not force:
-            raise TargetExistsError(f"{out} exists: export does not overwrite files it did not write; choose "
-                                    "another --to, or pass --force to replace it")
-    elif os.path.islink(out) and not force:
-        raise TargetExistsError(f"{out} exists (a symbolic link): export does not replace it; choose another "
-                                "--to, or pass --force to replace the link (what it points to is not touched)")
-    here = Path(os.path.realpath(out if folder and os.path.isdir(out) else out.parent))
-    for place in (here, *here.parents):
-        if (place / "manifest.json").exists():
-            inside = f"the checkpoint {place}"
-        elif place != place.parent and is_run(place.parent):
-            inside = f"{place}, a folder of the run {place.parent}"
-        else:
-            continue
-        raise TargetExistsError(f"{out} is inside {inside}: export never writes into a checkpoint or a run's "
-                                "folders (it would alter or break them); choose a --to outside the run")
-    if is_run(here) and (checkpoint or os.path.lexists(out) or out.name.startswith(".")):
-        what = "a checkpoint" if checkpoint else "a file of the run" if os.path.lexists(out) else "a hidden file"
-        raise TargetExistsError(f"{out} would be {what} in the run {here}: export never adds checkpoints to a run "
-                                "nor replaces its files; choose a --to outside the run")

@@ -159,7 +159,7 @@ class Folder:
         with self._mutex:
             if self._fd is not None:
                 if os.fstat(self._fd).st_nlink > 0:
-                    return self._fd
+                    return os.dup(self._fd)  # a duplicate: another thread may replace the kept one
                 assert self._close is not None
                 self._close()  # removed (and maybe made again) since: open the path anew
                 self._fd = None
@@ -174,14 +174,21 @@ class Folder:
             except NotADirectoryError:
                 raise StorageError(f"{self.path} exists and is not a folder; choose another run location") from None
             self._fd, self._close = fd, weakref.finalize(self, os.close, fd)
-            return fd
+            return os.dup(fd)
 
     @contextmanager
     def open(self, create: bool = False) -> Iterator[int | None]:
         """The folder's descriptor for the ``with`` block; None if it does not exist (unless
         ``create``)."""
         if self.parent is None:
-            yield self._root_fd(create)
+            fd = self._root_fd(create)  # a duplicate of the kept descriptor, closed after the block
+            if fd is None:
+                yield None
+                return
+            try:
+                yield fd
+            finally:
+                os.close(fd)
             return
         with self.parent.open(create) as pfd:
             if pfd is None:
