@@ -156,3 +156,33 @@ def test_plain_values_are_kept_at_the_step_start(tmp_path: Path) -> None:
         ckpt.restore(state)
     assert state["stats"] == {"tokens": 16}  # two steps done: the start of step 3
     assert run(tmp_path / "b", {"seen": torch.zeros(())}) == []
+
+
+def test_a_large_plain_value_is_not_copied_at_every_step_and_gets_no_emergency_checkpoint(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A long history list kept as a plain value: copying it at every step start would cost O(n) per
+    step, so it is not copied, and a step that raises gets no emergency checkpoint (it could not be
+    proven exact); the log says why and names the fix."""
+    import logging
+
+    import torch
+
+    from unbroken.faults import guard
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model, "optimizer": opt, "history": [0.0] * (guard.PLAIN_MAX_LEAVES + 1)}
+    ckpt = unbroken.Checkpointer(tmp_path / "run", save_every=100, keep_last=None, preemption=None)
+    caplog.set_level(logging.INFO, logger="unbroken")
+    with pytest.raises(RuntimeError, match="bad batch"), ckpt.guard(state):
+        for step in range(1, 4):
+            if step == 3:
+                raise RuntimeError("bad batch")
+            model(torch.ones(1, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            state["history"].append(float(step))
+            ckpt.step(state)
+    ckpt.close()
+    assert ckpt.checkpoints() == []
+    assert "too large to copy at every step start" in caplog.text and "Stateful" in caplog.text

@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import itertools
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,8 +111,8 @@ def plot_curves(curves: Sequence[Curve], out: str | Path, *, markers: Sequence[M
 
 def made_here(path: str | Path) -> bool:
     """Whether ``path`` is a PNG this module wrote (so replacing it destroys nothing of the user's)."""
-    try:
-        with open(path, "rb") as f:
+    try:  # never through a link, never blocking on a FIFO
+        with open(path, "rb", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW | os.O_NONBLOCK)) as f:
             head = f.read(4096)
     except OSError:
         return False

@@ -68,6 +68,30 @@ def _copy_tree(x: Any) -> Any:
     return copy.deepcopy(x)
 
 
+PLAIN_MAX_LEAVES, PLAIN_MAX_BYTES = 10_000, 1 << 20
+"""A plain value in the state is copied at every step start only up to this size; a larger one
+(a dict of tensors, a long history list) is not copied (per-step cost), so a step that raises
+gets no emergency checkpoint (it could not be proven exact) and the last committed one is used."""
+
+
+def _small(x: Any) -> Any:
+    """``x`` itself, if it is small enough to copy at every step start; else ``ValueError``."""
+    leaves, size, stack = 0, 0, [x]
+    while stack:
+        y = stack.pop()
+        if isinstance(y, dict):
+            stack.extend(y.values())
+        elif isinstance(y, (list, tuple, set)):
+            stack.extend(y)
+        else:
+            leaves += 1
+            size += y.numel() * y.element_size() if isinstance(y, torch.Tensor) else 0
+        if leaves > PLAIN_MAX_LEAVES or size > PLAIN_MAX_BYTES:
+            raise ValueError(f"too large to copy at every step start (over {PLAIN_MAX_LEAVES} values or "
+                             f"{PLAIN_MAX_BYTES >> 20} MiB of tensors); wrap it in a Stateful object")
+    return x
+
+
 def _same(a: Any, b: Any) -> bool:
     """Whether two state-dict trees hold the same values (tensors by value, nan equal to nan)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
@@ -141,7 +165,7 @@ class StepStart:
         elif is_stateful(obj) and not isinstance(obj, _HEAVY):
             self.light[key] = _copy_tree(obj.state_dict())
         elif not is_stateful(obj):
-            self.light[key] = _copy_tree(obj)
+            self.light[key] = _copy_tree(_small(obj))
 
     def params_moved(self, state: Mapping[str, Any], params: Mapping[str, list[torch.nn.Parameter]]) -> list[str]:
         """The modules whose parameters are no longer the start's (other objects, or written in place)."""
