@@ -37,8 +37,22 @@ def under_launcher() -> bool:
 
 
 def died() -> bool:
-    """True if this worker's launcher has died (it was adopted by another process since)."""
-    return under_launcher() and os.getppid() != _PARENT
+    """True if this worker's launcher has died: it was adopted by another process since, or the
+    launcher's main thread has ended. The kernel sends the death signal when the *thread* that
+    started the worker ends; a SIGKILLed agent's other threads may still be exiting then, and
+    until the last one has, the worker's parent is unchanged (its main thread a zombie)."""
+    return under_launcher() and (os.getppid() != _PARENT or _ended(_PARENT))
+
+
+def _ended(pid: int) -> bool:
+    """True if process ``pid`` is gone or its main thread has exited (state Z or X in /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return True
+    fields = stat[stat.rfind(b")") + 1:].split()  # the name in parentheses may hold spaces
+    return not fields or fields[0] in (b"Z", b"X")
 
 
 def _prctl(sig: int) -> bool:
