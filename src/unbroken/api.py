@@ -22,6 +22,7 @@ from .format.manifest import Manifest
 from .persist import write_snapshot
 from .reader import LoadedCheckpoint, read_checkpoint, vanished, verify_all
 from .snapshot import Snapshotter
+from .state.adapters import adapt
 from .state.apply import apply_state
 from .state.checks import clean_metrics
 from .state.codec import StatefulValue
@@ -130,7 +131,7 @@ def save(path: str | os.PathLike[str], state: Mapping[str, Any], *, step: int = 
     store, name = split_checkpoint(path, storage_options)
     if name in store.list_committed() or (not store.remote and os.path.lexists(os.fspath(path))):
         raise FileExistsError(f"{path} already exists; choose a new checkpoint path")
-    snap = (_staging if async_save else Snapshotter()).capture(state)
+    snap = (_staging if async_save else Snapshotter()).capture(adapt(state))
     clean = clean_metrics(dict(metrics or {}))
 
     def write() -> CheckpointInfo:
@@ -244,7 +245,7 @@ def load(path: str | os.PathLike[str], state: MutableMapping[str, Any] | None = 
         return unwrap(tree)
     if RESERVED not in state:  # a Checkpointer's own part (progress, RNGs): not the user's state
         tree = {k: v for k, v in tree.items() if k != RESERVED}
-    apply_state(state, tree, strict=strict)
+    apply_state(adapt(state), tree, strict=strict)
     return dict(state)
 
 

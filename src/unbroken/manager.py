@@ -43,6 +43,7 @@ from .snapshot import Snapshotter
 from .dist.comm import Comm
 from .restoring import apply_checkpoint, restore_into, sync_data_position
 from .saved_state import StateRules, split
+from .state.adapters import adapt
 from .state.checks import UnbrokenWarning, clean_metrics  # noqa: F401 (UnbrokenWarning: re-exported)
 from .state.stateful import Progress
 from .tags import check_tag
@@ -228,6 +229,7 @@ class Checkpointer:
     def guard(self, state: Mapping[str, Any]) -> StepGuard:
         """``with ckpt.guard(state):`` around the training loop: if a step raises, write an
         exact emergency checkpoint first (see :mod:`unbroken.faults.guard`), then re-raise."""
+        state = adapt(state)
         self._begin()
         def on_error(guard: StepGuard, exc: BaseException | None) -> None:
             got = self._signals.received
@@ -277,6 +279,7 @@ class Checkpointer:
         raise :class:`CorruptCheckpointError` if it is invalid; with ``tag``, the checkpoint of
         this run carrying that tag. Nothing of ``state`` changes unless the restore succeeds.
         """
+        state = adapt(state)
         if if_unrestorable not in ("raise", "start_fresh"):
             raise ConfigurationError(f"if_unrestorable must be 'raise' or 'start_fresh', not {if_unrestorable!r}")
         self.rules.check_reserved(state)
@@ -298,6 +301,7 @@ class Checkpointer:
         If a watched signal arrived, save now (if not just saved) and exit with
         :data:`~unbroken.faults.EXIT_PREEMPTED` (``SystemExit``, so ``finally`` blocks run).
         """
+        state = adapt(state)
         self._begin()
         if self.run.readonly:  # fail at the first step, not after a save interval of lost compute
             self.run.require_writable("train and save into")
@@ -329,6 +333,7 @@ class Checkpointer:
     def end_epoch(self, state: Mapping[str, Any], **metrics: Any) -> CheckpointInfo | None:
         """Mark the end of an epoch (after validation: pass its metrics); save if a trigger
         asks (``AtEpochEnd()``, ``OnImprovement("val_loss")``). Does not advance the step."""
+        state = adapt(state)
         self._begin()
         self.metrics.update({k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()})
         return self.save(state) if self.comm.any(self._due(epoch_end=True)) else None
@@ -350,6 +355,7 @@ class Checkpointer:
         retention. ``progress`` and ``rng`` replace the live counters and RNG states with
         those of another instant (emergency checkpoints of the state at a step's start).
         """
+        state = adapt(state)
         self.rules.check_reserved(state)
         self._begin()
         self.flush(raise_errors=kind == "regular")  # backpressure: at most one save in flight

@@ -35,7 +35,8 @@ from .probe import check_after_resume
 from .data.loader import ResumableLoader
 from .reader import LoadedCheckpoint, ShardedRef, contains_sharded, substitute
 from .state.apply import apply_parts as apply_all, check_keys, check_state
-from .state.codec import StatefulValue
+from .state.adapters import Adapter
+from .state.codec import StatefulValue, is_sharded
 from .state.rng import GlobalRNG
 from .state.stateful import PerRank, Progress, is_stateful
 
@@ -45,7 +46,7 @@ log = logging.getLogger("unbroken")
 def _pair(saved: Any, live: Any, out: dict[str, torch.Tensor]) -> None:
     """Find the live tensor at the place of every sharded reference in ``saved``."""
     if isinstance(saved, ShardedRef):
-        if isinstance(live, torch.Tensor):
+        if isinstance(live, torch.Tensor) or is_sharded(live):
             out[saved.fqn] = live
         return
     if isinstance(saved, StatefulValue):
@@ -76,6 +77,8 @@ def load_sharded_parts(live: MutableMapping[str, Any], saved: dict[str, Any], lo
             from torch.distributed.checkpoint.state_dict import _init_optim_state
 
             _init_optim_state(obj)  # a shard to load into (overwritten by the load)
+        if isinstance(obj, Adapter):
+            obj.prepare_load(value.value if isinstance(value, StatefulValue) else value)
         _pair(value, obj.state_dict() if is_stateful(obj) else obj, targets)
     metadata = loaded.sharded_metadata()
     assert loaded.files is not None

@@ -148,10 +148,10 @@ def save_sharded(sharded: dict[str, torch.Tensor], rank: int, group: Any,
     """Write this rank's pieces of ``sharded`` (a collective: every rank calls it); the
     coordinator gets the metadata JSON to store as ``sharded.json``."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from .flatshard import SavePlanner as Planner
 
     writer = ShardWriter(rank, write_file)
-    dcp.save(sharded, storage_writer=writer, planner=DefaultSavePlanner(), process_group=group,
+    dcp.save(sharded, storage_writer=writer, planner=Planner(), process_group=group,
              no_dist=group is None)
     return writer.metadata
 
@@ -213,9 +213,9 @@ def load_sharded(targets: dict[str, torch.Tensor], metadata: Metadata, group: An
     """Fill ``targets`` (this rank's live DTensors, or plain full tensors) in place from the
     saved pieces, whatever the sharding they were saved with (a collective)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from .flatshard import LoadPlanner as Planner
 
-    dcp.load(targets, storage_reader=ShardReader(metadata, tensors), planner=DefaultLoadPlanner(),
+    dcp.load(targets, storage_reader=ShardReader(metadata, tensors), planner=Planner(),
              process_group=group, no_dist=group is None)
 
 

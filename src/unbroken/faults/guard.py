@@ -54,6 +54,8 @@ from typing import Any, Callable, Literal
 
 import torch
 
+from ..errors import UnsupportedStateError
+from ..state.adapters import Adapter
 from ..state.rng import GlobalRNG
 from ..state.stateful import Gradients, PerRank, is_stateful
 
@@ -148,6 +150,8 @@ class StepStart:
 
     def _keep(self, key: str, obj: Any, params: Mapping[str, list[torch.nn.Parameter]]) -> None:
         """Keep what ``state[key]`` looks like now: a copy, or the evidence that it has not moved."""
+        if isinstance(obj, Adapter):
+            raise UnsupportedStateError(f"a {type(obj.target).__name__} is not copied at every step's start")
         if isinstance(obj, torch.nn.Module):
             names = {id(p) for p in params.get(key, ())}
             self.buffers[key] = {name: _copy_tree(t) for name, t in obj.state_dict(keep_vars=True).items()

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ..errors import CorruptCheckpointError, StateMismatchError
+from .adapters import Adapter
 from .codec import PathT, StatefulValue, qualname, render_path
 from .rng import GlobalRNG
 from .stateful import PerRank, Progress, is_stateful
@@ -60,6 +61,12 @@ def check_state(live: Any, saved: Any, path: PathT = ()) -> None:
         except (CorruptCheckpointError, StateMismatchError) as e:
             raise type(e)(f"{render_path(path)}: {e}") from None
         return
+    if isinstance(live, Adapter) and isinstance(saved, StatefulValue):
+        try:
+            live.check(saved.value)
+        except StateMismatchError as e:
+            raise StateMismatchError(f"{render_path(path)}: {e}") from None
+        return
     if is_stateful(live):
         if isinstance(saved, StatefulValue):
             _check_stateful(live, saved, path)
@@ -89,7 +96,7 @@ checked modules instead."""
 def _undo_copy(obj: Any) -> Any:
     """A copy of ``obj``'s state to put back if a later part refuses, or ``None`` when ``obj`` is
     checked beforehand (a module, an optimizer) or too large to copy (:data:`UNDO_MAX_BYTES`)."""
-    if not is_stateful(obj) or isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
+    if not is_stateful(obj) or isinstance(obj, (torch.nn.Module, torch.optim.Optimizer, Adapter)):
         return None
     state = obj.state_dict()
     size, stack = 0, [state]

@@ -81,14 +81,10 @@ def qualname(obj: Any) -> str:
     return f"{t.__module__}.{t.__qualname__}"
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    if type(t) in (torch.Tensor, torch.nn.Parameter):
-        return False
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a build without distributed support
-        return False
-    return isinstance(t, DTensor)
+def is_sharded(t: Any) -> bool:
+    """True for a tensor saved by all ranks together through DCP: a DTensor, or any object that
+    speaks DCP's checkpointable protocol (:class:`unbroken.dist.flatshard.FlatShard`)."""
+    return type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(type(t), "__create_chunk_list__")
 
 
 class Encoder:
@@ -114,6 +110,10 @@ class Encoder:
             if obj != obj and bits != _CANONICAL_NAN:
                 node["bits"] = bits  # keep the sign and payload of a NaN (inf - inf is -nan on x86)
             return node
+        if is_sharded(obj):  # sharded across ranks: saved through torch.distributed.checkpoint
+            ref = dict(self.sink.add_sharded(obj, path))
+            ref[TAG] = "dtensor"
+            return ref
         if isinstance(obj, torch.Tensor):
             return self._tensor(obj, path)
         if isinstance(obj, np.ndarray):
@@ -190,10 +190,6 @@ class Encoder:
         return node
 
     def _tensor(self, t: torch.Tensor, path: PathT) -> dict[str, Any]:
-        if _is_dtensor(t):  # sharded across ranks: saved through torch.distributed.checkpoint
-            ref = dict(self.sink.add_sharded(t, path))
-            ref[TAG] = "dtensor"
-            return ref
         if type(t) not in (torch.Tensor, torch.nn.Parameter):
             raise UnsupportedStateError(
                 f"{render_path(path)} is a tensor subclass {qualname(t)}; save a plain "
