@@ -83,7 +83,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([CLI, *args], capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_a_deepspeed_checkpoint_imports_masters_and_moments_bitwise(stage, trained, tmp_path) -> None:
     base = trained(stage)
     res = cli("import", str(base / "out" / "ds"), str(tmp_path / "run"), "--json")
@@ -95,7 +95,8 @@ def test_a_deepspeed_checkpoint_imports_masters_and_moments_bitwise(stage, train
     assert info.step == K and info.progress["samples"] == K * 16
     engine = unbroken.load(tmp_path / "run")["engine"]
     want = load_file(base / "out" / f"state-{K}.safetensors")
-    assert engine["mode"] == ("zero3" if stage == 3 else "hp") and engine["world_size"] == 2
+    assert engine["mode"] == ("zero3" if stage == 3 else "hp") and engine["stage"] == stage
+    assert engine["world_size"] == 2
     assert engine["counters"]["global_steps"] == K and engine["counters"]["global_samples"] == K * 16
     assert sorted(engine["optimizer_state"]) == ["exp_avg", "exp_avg_sq"]
     trainable = sorted(k.split("/", 1)[1] for k in want if k.startswith("fp32/"))

@@ -2,8 +2,8 @@
 
 Such a folder (also what the HF Trainer writes with DeepSpeed) holds a ``latest`` file naming a
 tag folder (``global_step6/``) with, per rank ``r`` of the data-parallel group,
-``zero_pp_rank_{r}_mp_rank_00_optim_states.pt`` (``bf16_`` in front with the bf16 optimizer:
-the rank's flat fp32 partitions and its optimizer's state of them), and
+``zero_pp_rank_{r}_mp_rank_00_optim_states.pt`` (``bf16_`` in front when bf16 is enabled: the
+rank's flat fp32 partitions and its optimizer's state of them), and
 ``mp_rank_00_model_states.pt`` (ZeRO 1/2) or ``zero_pp_rank_{r}_mp_rank_00_model_states.pt``
 (ZeRO-3: the module, parameter names and shapes, frozen parameters, buffers, the LR scheduler,
 the step counters). Either the run folder or the tag folder can be given.
@@ -13,15 +13,18 @@ from the flat partitions of every rank: the fp32 master weights *and* every per-
 optimizer state (Adam's ``exp_avg``, ``exp_avg_sq``). The result is the state
 :class:`unbroken.integrations.deepspeed.DeepSpeedState` saves, with full one-dimensional tensors
 in place of each rank's piece, under the key ``engine``: ``state = {"engine": engine, ...}`` and
-``ckpt.restore(state, strict=False)`` resume it on any world size and any ZeRO stage 1-3. The
-checkpoint's step is DeepSpeed's ``global_steps``, its samples ``global_samples``.
+``Checkpointer(run, strict=False).restore(state)`` resume it on any world size and any ZeRO stage
+1-3. The checkpoint's step is DeepSpeed's ``global_steps``, its samples ``global_samples``. A
+DeepSpeed checkpoint has no data position: a :class:`~unbroken.data.ResumableLoader` in the state
+keeps its own (the start of the data, for a new one), and is saved from then on.
 
 Every file is loaded by :func:`unbroken.convert.pickles.load_pickle` (``weights_only``): the
 three DeepSpeed globals these pickles hold (the loss-scaler object, ZeRO's stage enum and, in
 ``param_slice_mappings``, ``fragment_address``) are read into inert stand-ins, so nothing of
-DeepSpeed is imported or run (DeepSpeed need not be installed). Model parallelism (``mp_rank``
-other than 00), pipeline and MoE checkpoints, and DeepSpeed's own data sampler states are not
-supported or left out (and said so).
+DeepSpeed is imported or run (DeepSpeed need not be installed). Not supported: model (tensor)
+parallelism (``mp_rank`` other than 00: refused), pipeline and MoE checkpoints, DeepSpeed's
+separate bf16 optimizer (bf16 without ZeRO: refused); DeepSpeed's data sampler and random-LTD
+states are left out (and listed).
 """
 
 from __future__ import annotations
@@ -127,6 +130,9 @@ def read_deepspeed(path: Path, trust: bool) -> tuple[dict[str, Any], dict[str, i
 def _read(folder: Path, trust: bool) -> tuple[dict[str, Any], dict[str, int], list[str]]:
     files = _rank_files(folder)
     optim = [_get(_load(f, trust), "optimizer_state_dict", f) for f in files]
+    if "zero_stage" not in optim[0] and files[0].name.startswith("bf16_"):
+        raise UnbrokenError(f"{files[0]} was written by DeepSpeed's bf16 optimizer (ZeRO stage 0 with bf16), which "
+                            "unbroken import does not read yet; resume it with DeepSpeed, then save with unbroken")
     stage = int(_get(optim[0], "zero_stage", files[0]))
     world = _get(optim[0], "partition_count", files[0])
     world = max(world) if isinstance(world, (list, tuple)) else int(world)
