@@ -137,8 +137,8 @@ def _read(folder: Path, trust: bool) -> tuple[dict[str, Any], dict[str, int], li
     world = _get(optim[0], "partition_count", files[0])
     world = max(world) if isinstance(world, (list, tuple)) else int(world)
     if world != len(files):
-        raise UnbrokenError(f"{folder} has {len(files)} optimizer files, but its checkpoint was written by {world} "
-                            f"ranks: it is incomplete (or holds files of two saves); use another tag")
+        raise UnbrokenError(f"{folder} has the optimizer files of {len(files)} ranks, but its checkpoint was written "
+                            f"by {world} ranks: it is incomplete (or holds files of two saves); use another tag")
     if stage not in (1, 2, 3):
         raise UnbrokenError(f"{files[0]}: ZeRO stage {stage} is not one unbroken import reads (1, 2 or 3)")
     model_names = ([f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world)] if stage == 3
@@ -160,16 +160,7 @@ def _read(folder: Path, trust: bool) -> tuple[dict[str, Any], dict[str, int], li
     buffer_names = set(m0.get("buffer_names") or [])
     frozen = _frozen(models, stage, world, shapes, buffer_names, m0.get("shared_params") or {})
     config = m0.get("ds_config") if isinstance(m0.get("ds_config"), dict) else {}
-    lp = _lp_dtype(config)
-    params: dict[str, Any] = {}
-    for group in shapes:
-        for name, shape in group.items():
-            live = module.get(name) if isinstance(module, dict) else None
-            dtype = live.dtype if isinstance(live, torch.Tensor) and live.numel() == master[name].numel() else lp
-            params[name] = {"shape": [int(s) for s in shape], "dtype": _dtype_name(dtype), "trainable": True}
-    for name, t in frozen.items():
-        params[name] = {"shape": [int(s) for s in _frozen_shape(models[0], name, t)], "dtype": _dtype_name(t.dtype),
-                        "trainable": False}
+    params = _param_info(shapes, module, master, frozen, models[0], _lp_dtype(config))
     accumulation = config.get("gradient_accumulation_steps")
     accumulation = accumulation if isinstance(accumulation, int) and accumulation > 0 else 1
     steps = {c: int(m0.get(c) or 0) for c in ("global_steps", "global_samples", "skipped_steps")}
@@ -187,6 +178,21 @@ def _read(folder: Path, trust: bool) -> tuple[dict[str, Any], dict[str, int], li
             notes.append(f"DeepSpeed's {key} state")
     progress = {"step": steps["global_steps"], "epoch": 0, "micro_step": 0, "samples": steps["global_samples"]}
     return {"engine": state}, progress, notes
+
+
+def _param_info(shapes: list[dict[str, Any]], module: Any, master: dict[str, torch.Tensor],
+                frozen: dict[str, torch.Tensor], model: dict[str, Any], lp: torch.dtype) -> dict[str, Any]:
+    """Shape, dtype (the module's) and trainability of every parameter, as DeepSpeedState records them."""
+    params: dict[str, Any] = {}
+    for group in shapes:
+        for name, shape in group.items():
+            live = module.get(name) if isinstance(module, dict) else None
+            dtype = live.dtype if isinstance(live, torch.Tensor) and live.numel() == master[name].numel() else lp
+            params[name] = {"shape": [int(s) for s in shape], "dtype": _dtype_name(dtype), "trainable": True}
+    for name, t in frozen.items():
+        params[name] = {"shape": [int(s) for s in _frozen_shape(model, name, t)], "dtype": _dtype_name(t.dtype),
+                        "trainable": False}
+    return params
 
 
 def _inner_state(osd: dict[str, Any], path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
