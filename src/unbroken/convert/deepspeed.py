@@ -106,8 +106,8 @@ def _rank_files(folder: Path) -> list[Path]:
                                     "parallelism are not supported by unbroken import")
             found[int(m.group(2))] = p
     if not found:
-        raise UnbrokenError(f"{folder} has no zero_pp_rank_*_mp_rank_00_optim_states.pt: not a DeepSpeed ZeRO checkpoint "
-                            "(stage 0 checkpoints keep a plain optimizer; load them with DeepSpeed)")
+        raise UnbrokenError(f"{folder} has no zero_pp_rank_*_mp_rank_00_optim_states.pt: not a DeepSpeed ZeRO "
+                            "checkpoint (stage 0 checkpoints keep a plain optimizer; load them with DeepSpeed)")
     missing = [r for r in range(max(found) + 1) if r not in found]
     if missing:
         raise UnbrokenError(f"{folder} lacks the optimizer file of rank {missing[0]} (of {max(found) + 1}): the "
@@ -208,7 +208,8 @@ def _inner_state(osd: dict[str, Any], path: Path) -> tuple[list[dict[str, Any]],
 def _element_keys(states: list[dict[str, Any]], flats: list[torch.Tensor]) -> list[str]:
     for st, flat in zip(states, flats):
         if st:
-            return sorted(k for k, v in st.items() if torch.is_tensor(v) and v.dim() == 1 and v.numel() >= flat.numel())
+            return sorted(k for k, v in st.items()
+                          if torch.is_tensor(v) and v.dim() == 1 and v.numel() >= flat.numel())
     return []
 
 
@@ -233,7 +234,8 @@ def _zero12(optim: list[dict[str, Any]], shapes: list[dict[str, Any]], world: in
     master: dict[str, torch.Tensor] = {}
     moments: dict[str, dict[str, torch.Tensor]] = {k: {} for k in keys}
     if any(len(f) != len(shapes) for f in flats):
-        raise UnbrokenError(f"{files[0].parent}: the ranks' fp32 groups do not match the {len(shapes)} parameter groups")
+        raise UnbrokenError(f"{files[0].parent}: the ranks' fp32 groups do not match the {len(shapes)} parameter "
+                            "groups")
     for gi, group in enumerate(shapes):
         vectors = {"fp32": torch.cat([f[gi] for f in flats])}
         for k in keys:

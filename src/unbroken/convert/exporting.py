@@ -68,8 +68,11 @@ def is_engine_state(value: Any) -> bool:
     or an ``unbroken import`` of a DeepSpeed checkpoint), recognised by its layout."""
     from ..integrations.deepspeed import FORMAT
 
-    return (isinstance(value, dict) and value.get("format") == FORMAT and value.get("mode") in ("hp", "zero3", "plain")
-            and ("module" in value if value.get("mode") == "plain" else {"params", "master", "frozen"} <= set(value)))
+    if not isinstance(value, dict) or value.get("format") != FORMAT:
+        return False
+    if value.get("mode") == "plain":
+        return "module" in value
+    return value.get("mode") in ("hp", "zero3") and {"params", "master", "frozen"} <= set(value)
 
 
 def engine_weights(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -80,10 +83,11 @@ def engine_weights(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         return _flat(state["module"])
     out: dict[str, torch.Tensor] = {}
     for name, info in state["params"].items():
-        src = state["master"].get(name) if info.get("trainable", True) else state["frozen"].get(name)
+        part = "master" if info.get("trainable", True) else "frozen"
+        src = state[part].get(name)
         if not isinstance(src, torch.Tensor):
-            raise UnbrokenError(f"the DeepSpeed engine's state has no {'master' if info.get('trainable', True) else 'frozen'}"
-                                f" tensor for {name!r}: the checkpoint is incomplete")
+            raise UnbrokenError(f"the DeepSpeed engine's state has no {part} tensor for {name!r}: the checkpoint "
+                                "is incomplete")
         dtype = getattr(torch, str(info["dtype"]), None)
         if not isinstance(dtype, torch.dtype):
             raise UnbrokenError(f"the DeepSpeed engine's state names the dtype {info['dtype']!r} for {name!r}")

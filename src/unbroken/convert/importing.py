@@ -20,12 +20,12 @@ Four sources, recognized by their shape:
 The imported state has the keys a plain loop uses: ``model``, ``optimizer``, ``scheduler``,
 ``scaler`` (those the source has) plus, where the source has them, ``trainer_state``
 (HF), ``lightning`` (Lightning's counters and loop progress), ``config`` (the HF model
-config) and ``hyper_parameters``; a DeepSpeed checkpoint becomes ``engine`` alone. The step and epoch become the checkpoint's progress; an HF
-RNG state becomes the checkpoint's RNG state (other sources: the RNGs are reseeded from the
-checkpoint on resume). Restore it into a state with the parts you have and ``strict=False``.
-Every pickle is loaded safely (:mod:`unbroken.convert.pickles`), and what it may expand to is
-bounded before anything walks it (:mod:`unbroken.convert.bounds`). ``run`` must be a run, or a
-new or empty folder (:func:`check_run_folder`).
+config) and ``hyper_parameters``; a DeepSpeed checkpoint becomes ``engine`` alone. The step and
+epoch become the checkpoint's progress; an HF RNG state becomes the checkpoint's RNG state (other
+sources: the RNGs are reseeded from the checkpoint on resume). Restore it into a state with the
+parts you have and ``strict=False``. Every pickle is loaded safely (:mod:`unbroken.convert.pickles`),
+and what it may expand to is bounded before anything walks it (:mod:`unbroken.convert.bounds`).
+``run`` must be a run, or a new or empty folder (:func:`check_run_folder`).
 """
 
 from __future__ import annotations
