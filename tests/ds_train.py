@@ -12,7 +12,12 @@ samples it consumed). With ``--dump-at N`` rank 0 writes the consolidated fp32 m
 weights and Adam moments after step N, gathered with DeepSpeed's own
 ``safe_get_full_*`` API (a collective), to ``OUT/state-N.safetensors``; with
 ``--dump-restored`` the same right after the restore, to ``OUT/restored.safetensors``; at
-the end to ``OUT/final.safetensors``.
+the end to ``OUT/final.safetensors``. ``--ds-save-at N`` also writes DeepSpeed's own
+checkpoint after step N (``engine.save_checkpoint(OUT/ds, tag="global_stepN")``, for the import
+tests); ``--restore-nonstrict`` restores with ``Checkpointer(strict=False)`` (a run imported from a DeepSpeed
+checkpoint has no ``data`` part); ``--buffer`` gives the model a persistent buffer and adds
+the frozen parameter and the buffers (``frozen/<name>``, ``buffer/<name>``) to ``final.safetensors``
+(for the export tests).
 """
 
 from __future__ import annotations
@@ -53,10 +58,12 @@ class Data(Dataset):
         return self.x[i] + noise, self.y[i], int(i)
 
 
-def build(stage: int, world: int):
+def build(stage: int, world: int, buffer: bool = False):
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(D, 33), torch.nn.ReLU(), torch.nn.Dropout(0.1),
                                 torch.nn.Linear(33, 17), torch.nn.ReLU(), torch.nn.Linear(17, C))
+    if buffer:  # a persistent buffer the forward does not use (the export tests compare it)
+        model[5].register_buffer("calibration", torch.linspace(-1, 1, C, dtype=torch.float64))
     model[0].bias.requires_grad_(False)  # a frozen parameter: kept as it is
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.05 * s))
@@ -81,8 +88,22 @@ def consolidated(engine) -> dict[str, torch.Tensor]:
     return out
 
 
-def dump(engine, rank: int, path: Path) -> None:
+def frozen_and_buffers(engine) -> dict[str, torch.Tensor]:
+    """The frozen parameters (gathered under ZeRO-3: a collective) and the buffers, as the module holds them."""
+    out = {}
+    for name, p in engine.module.named_parameters():
+        if not p.requires_grad:
+            with deepspeed.zero.GatheredParameters([p], enabled=hasattr(p, "ds_id")):
+                out[f"frozen/{name}"] = p.detach().clone().contiguous()
+    for name, b in engine.module.named_buffers():
+        out[f"buffer/{name}"] = b.detach().clone().contiguous()
+    return out
+
+
+def dump(engine, rank: int, path: Path, extra: bool = False) -> None:
     state = consolidated(engine)
+    if extra:
+        state.update(frozen_and_buffers(engine))
     if rank == 0:
         from safetensors.torch import save_file
 
@@ -99,6 +120,9 @@ def main() -> int:
     p.add_argument("--stop-at", type=int, default=None)
     p.add_argument("--dump-at", type=int, action="append", default=[])
     p.add_argument("--dump-restored", action="store_true")
+    p.add_argument("--ds-save-at", type=int, action="append", default=[])
+    p.add_argument("--restore-nonstrict", action="store_true")
+    p.add_argument("--buffer", action="store_true")
     args = p.parse_args()
     unbroken.init_distributed("gloo")
     deepspeed.init_distributed(dist_backend="gloo")
@@ -108,9 +132,10 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"pid-r{rank}").write_text(str(os.getpid()))
 
-    engine = build(args.stage, world)
+    engine = build(args.stage, world, args.buffer)
     loader = unbroken.data.ResumableLoader(Data(), batch_size=MICRO, seed=5)
-    ckpt = unbroken.Checkpointer(args.run_dir, save_every=args.save_every, keep_last=3)
+    ckpt = unbroken.Checkpointer(args.run_dir, save_every=args.save_every, keep_last=3,
+                                 strict=not args.restore_nonstrict)
     state = {"engine": engine, "data": loader}
     info = ckpt.restore(state)
     print(f"rank {rank}: {'resumed from step %d' % info.step if info else 'fresh start'}", flush=True)
@@ -140,9 +165,11 @@ def main() -> int:
             ckpt.step(state)
             if ckpt.progress.step in args.dump_at:
                 dump(engine, rank, out / f"state-{ckpt.progress.step}.safetensors")
+            if ckpt.progress.step in args.ds_save_at:
+                engine.save_checkpoint(str(out / "ds"), tag=f"global_step{ckpt.progress.step}")
     ckpt.close()
     if ckpt.progress.step >= args.steps:
-        dump(engine, rank, out / "final.safetensors")
+        dump(engine, rank, out / "final.safetensors", extra=args.buffer)
     dist.destroy_process_group()
     print(f"rank {rank}: done", flush=True)
     return 0

@@ -19,8 +19,9 @@ from .base import JSON_OPTION, app, emit_json, options_for, out, size
 
 
 @app.command("import")
-def import_(source: Path = typer.Argument(..., metavar="SRC", help="An HF Trainer checkpoint-N/ folder, a Lightning "
-                                          ".ckpt, or a torch.save .pt/.pth/.bin file."),
+def import_(source: Path = typer.Argument(..., metavar="SRC", help="An HF Trainer checkpoint-N/ folder, a DeepSpeed "
+                                          "checkpoint folder (with 'latest', or its global_stepN/), a Lightning .ckpt, "
+                                          "or a torch.save .pt/.pth/.bin file."),
             run: str = typer.Argument(..., metavar="RUN", help="The run folder (or URL) to add it to; created if "
                                       "needed. The imported checkpoint becomes its newest."),
             trust_pickle: bool = typer.Option(False, "--trust-pickle", help="Load pickles the safe (weights_only) "
@@ -55,7 +56,8 @@ def export(checkpoint: str = typer.Argument(..., metavar="CKPT", help="A checkpo
                                         "run copied in)."),
            dtype: Optional[str] = typer.Option(None, "--dtype", metavar="bf16|fp16|fp32",
                                                help="Cast floating-point tensors (others stay as they are)."),
-           key: str = typer.Option("model", "--key", help="The part of the state that holds the weights."),
+           key: Optional[str] = typer.Option(None, "--key", help="The part of the state that holds the weights "
+                                             "(default: 'model', or the one DeepSpeed engine the state has)."),
            config: Optional[Path] = typer.Option(None, "--config", help="A config.json for --format hf, when "
                                                  "the checkpoint has no 'config' part."),
            force: bool = typer.Option(False, "--force", help="Replace an existing target file (for --format hf: "

@@ -1,7 +1,10 @@
 """``unbroken export``: a checkpoint's model weights as a safetensors file, or an HF model folder.
 
 The weights are one part of the saved state (``model`` by default): a module's state dict,
-a flat mapping of names to tensors. They are verified on read like any load, optionally cast
+a flat mapping of names to tensors, or the state of a DeepSpeed engine (any ZeRO stage, also one
+imported from a DeepSpeed checkpoint; the default when the state has no ``model`` and one engine):
+its module's weights rebuilt from the fp32 masters every rank saved a piece of
+(:func:`engine_weights`). They are verified on read like any load, optionally cast
 (floating-point tensors only: ``bfloat16``, ``float16``, ``float32``), and written as
 
 * ``--to model.safetensors``: one safetensors file, loadable with ``safetensors.torch.load_file``
@@ -43,15 +46,54 @@ DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.floa
           "fp32": torch.float32, "float32": torch.float32}
 
 
-def weights_of(tree: Mapping[str, Any], key: str) -> dict[str, torch.Tensor]:
-    """The flat name → tensor mapping at ``tree[key]`` (nested dicts joined with dots)."""
+def weights_of(tree: Mapping[str, Any], key: str | None = None) -> dict[str, torch.Tensor]:
+    """The flat name → tensor mapping at ``tree[key]`` (nested dicts joined with dots). A DeepSpeed
+    engine's state (:func:`is_engine_state`) gives its module's weights (:func:`engine_weights`).
+    ``key=None``: ``model``, or else the one DeepSpeed engine the tree holds."""
+    if key is None:
+        engines = [k for k, v in tree.items() if is_engine_state(v)]
+        key = "model" if "model" in tree or len(engines) != 1 else engines[0]
     if key not in tree:
         candidates = [k for k, v in tree.items() if isinstance(v, dict) and _flat(v)]
-        raise UnbrokenError(f"the checkpoint has no part {key!r}; parts with tensors: {candidates or 'none'}")
-    flat = _flat(tree[key])
+        raise UnbrokenError(f"the checkpoint has no part {key!r}; parts with tensors: {candidates or 'none'} "
+                            "(choose one with --key)")
+    flat = engine_weights(tree[key]) if is_engine_state(tree[key]) else _flat(tree[key])
     if not flat:
         raise UnbrokenError(f"the checkpoint's part {key!r} holds no tensors")
     return flat
+
+
+def is_engine_state(value: Any) -> bool:
+    """True for the saved state of a DeepSpeed engine (:class:`unbroken.integrations.deepspeed.DeepSpeedState`,
+    or an ``unbroken import`` of a DeepSpeed checkpoint), recognised by its layout."""
+    from ..integrations.deepspeed import FORMAT
+
+    if not isinstance(value, dict) or value.get("format") != FORMAT:
+        return False
+    if value.get("mode") == "plain":
+        return "module" in value
+    return value.get("mode") in ("hp", "zero3") and {"params", "master", "frozen"} <= set(value)
+
+
+def engine_weights(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The module weights of a DeepSpeed engine's saved state, named as the module's ``state_dict``:
+    each trainable parameter from its fp32 master (assembled from every rank's pieces), reshaped and
+    cast to the parameter's dtype, as DeepSpeed derives it after a step; frozen ones and buffers as saved."""
+    if state["mode"] == "plain":  # ZeRO stage 0: the module's own state dict
+        return _flat(state["module"])
+    out: dict[str, torch.Tensor] = {}
+    for name, info in state["params"].items():
+        part = "master" if info.get("trainable", True) else "frozen"
+        src = state[part].get(name)
+        if not isinstance(src, torch.Tensor):
+            raise UnbrokenError(f"the DeepSpeed engine's state has no {part} tensor for {name!r}: the checkpoint "
+                                "is incomplete")
+        dtype = getattr(torch, str(info["dtype"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise UnbrokenError(f"the DeepSpeed engine's state names the dtype {info['dtype']!r} for {name!r}")
+        out[name] = src.reshape([int(s) for s in info["shape"]]).to(dtype)
+    out.update(_flat(state.get("buffers") or {}))
+    return out
 
 
 def _flat(value: Any, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -114,12 +156,13 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], to: str | os.PathLike[
     return out
 
 
-def export_weights(checkpoint: str | os.PathLike[str], to: str | os.PathLike[str], *, key: str = "model",
+def export_weights(checkpoint: str | os.PathLike[str], to: str | os.PathLike[str], *, key: str | None = None,
                    dtype: str | None = None, fmt: str = "safetensors", config: str | os.PathLike[str] | None = None,
                    storage_options: Mapping[str, Any] | None = None, force: bool = False) -> list[Path]:
     """Write the weights of ``checkpoint`` (one checkpoint, or a run: its newest valid one) to
     ``to``; return the files written. See the module docstring for ``fmt`` and ``dtype``;
-    ``force``: replace an existing target file (never a folder, never inside a checkpoint or run)."""
+    ``force``: replace an existing target file (never a folder, never inside a checkpoint or run);
+    ``key``: the part holding the weights (see :func:`weights_of`)."""
     from safetensors.torch import save
 
     if fmt == "checkpoint":

@@ -1,6 +1,6 @@
 """``unbroken import``: turn another tool's checkpoint into a verified, pickle-free unbroken checkpoint.
 
-Three sources, recognized by their shape:
+Four sources, recognized by their shape:
 
 * an **HF Trainer** ``checkpoint-N/`` folder (``trainer_state.json``): model weights
   (``model.safetensors``, sharded ``model-*.safetensors`` or ``pytorch_model.bin``),
@@ -10,17 +10,22 @@ Three sources, recognized by their shape:
 * a **Lightning** ``.ckpt`` file: ``state_dict``, the optimizer and LR-scheduler states,
   ``global_step``, ``epoch``, the loops' progress, the AMP scaler, the hyper-parameters;
 * a **torch.save** ``.pt``/``.pth``/``.bin`` file: a dict of tensors (a model's weights) or a
-  dict of named parts (``{"model": ..., "optimizer": ...}``).
+  dict of named parts (``{"model": ..., "optimizer": ...}``);
+* a **DeepSpeed** ZeRO 1/2/3 checkpoint folder (``engine.save_checkpoint(dir)``, or the HF Trainer
+  with DeepSpeed: a folder with a ``latest`` file, or a ``global_stepN/`` tag folder itself): the
+  fp32 master weights and optimizer moments put back together per parameter from every rank's
+  partitions, under the key ``engine`` (:mod:`unbroken.convert.deepspeed`), for
+  ``state = {"engine": engine, ...}`` on any world size and ZeRO stage.
 
 The imported state has the keys a plain loop uses: ``model``, ``optimizer``, ``scheduler``,
 ``scaler`` (those the source has) plus, where the source has them, ``trainer_state``
 (HF), ``lightning`` (Lightning's counters and loop progress), ``config`` (the HF model
-config) and ``hyper_parameters``. The step and epoch become the checkpoint's progress; an HF
-RNG state becomes the checkpoint's RNG state (other sources: the RNGs are reseeded from the
-checkpoint on resume). Restore it into a state with the parts you have and ``strict=False``.
-Every pickle is loaded safely (:mod:`unbroken.convert.pickles`), and what it may expand to is
-bounded before anything walks it (:mod:`unbroken.convert.bounds`). ``run`` must be a run, or a
-new or empty folder (:func:`check_run_folder`).
+config) and ``hyper_parameters``; a DeepSpeed checkpoint becomes ``engine`` alone. The step and
+epoch become the checkpoint's progress; an HF RNG state becomes the checkpoint's RNG state (other
+sources: the RNGs are reseeded from the checkpoint on resume). Restore it into a state with the
+parts you have and ``strict=False``. Every pickle is loaded safely (:mod:`unbroken.convert.pickles`),
+and what it may expand to is bounded before anything walks it (:mod:`unbroken.convert.bounds`).
+``run`` must be a run, or a new or empty folder (:func:`check_run_folder`).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from ..errors import TargetExistsError, UnbrokenError, UnsupportedStateError
 from ..manager import Checkpointer
 from ..state.validate import validate_state
 from .bounds import check_config, check_tree, read_json
+from .deepspeed import is_deepspeed_folder, read_deepspeed
 from .pickles import load_pickle
 
 
@@ -54,12 +60,15 @@ class Imported:
 
 
 def detect(src: str | os.PathLike[str]) -> str:
-    """``"hf"``, ``"lightning"`` or ``"torch"`` for the source at ``src``; raises if it is none."""
+    """``"hf"``, ``"deepspeed"``, ``"lightning"`` or ``"torch"`` for the source at ``src``; raises if it is none."""
     path = Path(src)
     if path.is_dir():
+        if is_deepspeed_folder(path):  # before HF: the HF Trainer's folder holds DeepSpeed's too
+            return "deepspeed"
         if (path / "trainer_state.json").is_file():
             return "hf"
-        raise UnbrokenError(f"{src} is a folder without trainer_state.json: not an HF Trainer checkpoint folder")
+        raise UnbrokenError(f"{src} is a folder with neither trainer_state.json nor a DeepSpeed 'latest' file or "
+                            "*_optim_states.pt files: not an HF Trainer checkpoint folder, nor a DeepSpeed one")
     if not path.is_file():
         raise UnbrokenError(f"{src} does not exist")
     return "lightning" if path.suffix == ".ckpt" else "torch"
@@ -68,7 +77,7 @@ def detect(src: str | os.PathLike[str]) -> str:
 def read_source(src: str | os.PathLike[str], trust_pickle: bool = False) -> Imported:
     """Read ``src`` (see the module docstring) without writing anything."""
     kind = detect(src)
-    reader = {"hf": _read_hf, "lightning": _read_lightning, "torch": _read_torch}[kind]
+    reader = {"hf": _read_hf, "deepspeed": _read_deepspeed, "lightning": _read_lightning, "torch": _read_torch}[kind]
     imported = reader(Path(src), trust_pickle)
     check_tree(imported.state, str(src))  # shared references walked once, before any walk per value
     _drop_unsavable(imported)
@@ -124,6 +133,14 @@ def _progress(step: Any, epoch: Any) -> dict[str, int]:
     step = int(step) if isinstance(step, (int, float)) and step >= 0 else 0
     epoch = int(epoch) if isinstance(epoch, (int, float)) and epoch >= 0 else 0
     return {"step": step, "epoch": epoch, "micro_step": 0, "samples": 0}
+
+
+def _read_deepspeed(folder: Path, trust: bool) -> Imported:
+    state, progress, notes = read_deepspeed(folder, trust)
+    if (folder / "trainer_state.json").is_file():
+        notes.append("the HF Trainer's own files beside DeepSpeed's (trainer_state.json, RNG states): only the "
+                     "DeepSpeed engine's state is imported")
+    return Imported("deepspeed", state, progress, left_out=notes)
 
 
 def _read_hf(folder: Path, trust: bool) -> Imported:
@@ -276,7 +293,7 @@ def _drop_unsavable(imported: Imported) -> None:
         try:
             validate_state({key: imported.state[key]})
         except UnsupportedStateError as e:
-            if key == "model":
+            if key in ("model", "engine"):
                 raise
             del imported.state[key]
             imported.left_out.append(f"{key} ({e})")

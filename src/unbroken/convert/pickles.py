@@ -6,6 +6,11 @@ whose unpickler builds only tensors, containers and plain values and refuses eve
 global. numpy arrays (RNG states) are allowed through the same allow-list the HF Trainer uses
 (``numpy``'s array reconstructor, ``ndarray``, ``dtype``): data constructors, no code.
 
+A reader may name more globals, each mapped to an inert *stand-in* of unbroken's own (never the
+class the pickle names, so nothing of the tool that wrote it is imported or run): DeepSpeed's
+optimizer files hold a loss-scaler object and a stage enum, read as a plain record of attributes
+and as the enum's value (:mod:`unbroken.convert.deepspeed`).
+
 A file that needs anything else is refused with :class:`UntrustedPickleError`, which names the
 globals it would import, unless the caller passes ``trust=True`` (``--trust-pickle``): then
 it is loaded with the full unpickler, which can run arbitrary code from the file.
@@ -17,7 +22,7 @@ import logging
 import os
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -36,15 +41,18 @@ def _numpy_globals() -> list[Any]:
     return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
-def load_pickle(path: str | os.PathLike[str], trust: bool = False) -> Any:
+def load_pickle(path: str | os.PathLike[str], trust: bool = False,
+                stand_ins: Mapping[str, Callable[..., Any]] | None = None) -> Any:
     """The object in the ``torch.save`` file ``path``, on the CPU, loaded safely (see the module
-    docstring); ``trust=True`` allows a file that the safe loader refuses."""
+    docstring); ``trust=True`` allows a file that the safe loader refuses. ``stand_ins`` maps a
+    global's full name (``module.QualName``) to the inert callable or class built in its place."""
     path = Path(path)
+    extra = [(obj, name) for name, obj in (stand_ins or {}).items()]
     try:
-        with torch.serialization.safe_globals(_numpy_globals()):
+        with torch.serialization.safe_globals([*_numpy_globals(), *extra]):
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        unsafe = _unsafe_globals(path)
+        unsafe = [g for g in _unsafe_globals(path) if g not in (stand_ins or {})]
         if not trust:
             names = ", ".join(unsafe) if unsafe else str(e).splitlines()[0]
             raise UntrustedPickleError(
