@@ -38,6 +38,14 @@ def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
 
 
 @pytest.fixture(scope="session")
+def deepspeed_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The environment of the DeepSpeed jobs: its CPU accelerator, and one folder for the C++ op it
+    compiles at its first start (about a minute), shared by every DeepSpeed test of the session."""
+    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+                TORCH_EXTENSIONS_DIR=str(tmp_path_factory.mktemp("torch-extensions")))
+
+
+@pytest.fixture(scope="session")
 def s3_server() -> S3Server:
     """One SeaweedFS server for the session (fresh folder, explicit ports, stopped at the end)."""
     server = S3Server()

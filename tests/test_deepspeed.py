@@ -33,9 +33,8 @@ STEPS, SAVE_EVERY, CUT = 12, 3, 6
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
-                TORCH_EXTENSIONS_DIR=str(tmp_path_factory.mktemp("torch-extensions")))
+def env(deepspeed_env: dict[str, str]) -> dict[str, str]:
+    return deepspeed_env
 
 
 def torchrun(n: int, base: Path, stage: int, *extra: str, restarts: int = 0) -> list[str]:

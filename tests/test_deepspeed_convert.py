@@ -11,7 +11,6 @@ the full weights, the frozen parameter and the buffer the job gathered itself.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -34,9 +33,8 @@ CLI = str(Path(sys.executable).parent / "unbroken")
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
-                TORCH_EXTENSIONS_DIR=str(tmp_path_factory.mktemp("torch-extensions")))
+def env(deepspeed_env: dict[str, str]) -> dict[str, str]:
+    return deepspeed_env
 
 
 def torchrun(n: int, run: Path, out: Path, stage: int, *extra: str) -> list[str]:

@@ -22,7 +22,7 @@ from .format.manifest import Manifest
 from .persist import write_snapshot
 from .reader import LoadedCheckpoint, read_checkpoint, vanished, verify_all
 from .snapshot import Snapshotter
-from .state.adapters import adapt
+from .adapting import adapt
 from .state.apply import apply_state
 from .state.checks import clean_metrics
 from .state.codec import StatefulValue

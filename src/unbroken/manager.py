@@ -43,7 +43,7 @@ from .snapshot import Snapshotter
 from .dist.comm import Comm
 from .restoring import apply_checkpoint, restore_into, sync_data_position
 from .saved_state import StateRules, split
-from .state.adapters import adapt
+from .adapting import adapt
 from .state.checks import UnbrokenWarning, clean_metrics  # noqa: F401 (UnbrokenWarning: re-exported)
 from .state.stateful import Progress
 from .tags import check_tag

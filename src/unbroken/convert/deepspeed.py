@@ -11,7 +11,7 @@ the step counters). Either the run folder or the tag folder can be given.
 As DeepSpeed's ``zero_to_fp32.py`` does for the weights, every parameter is put back together
 from the flat partitions of every rank: the fp32 master weights *and* every per-element
 optimizer state (Adam's ``exp_avg``, ``exp_avg_sq``). The result is the state
-:class:`unbroken.integrations.deepspeed.DeepSpeedState` saves, with full one-dimensional tensors
+:class:`unbroken.dist.deepspeed.DeepSpeedState` saves, with full one-dimensional tensors
 in place of each rank's piece, under the key ``engine``: ``state = {"engine": engine, ...}`` and
 ``Checkpointer(run, strict=False).restore(state)`` resume it on any world size and any ZeRO stage
 1-3. The checkpoint's step is DeepSpeed's ``global_steps``, its samples ``global_samples``. A
@@ -37,7 +37,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import UnbrokenError
-from ..integrations.deepspeed import FORMAT, SCALAR_TYPES
+from ..dist.deepspeed import FORMAT, SCALAR_TYPES
 from .pickles import load_pickle
 
 _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")

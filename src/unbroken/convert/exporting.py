@@ -64,9 +64,9 @@ def weights_of(tree: Mapping[str, Any], key: str | None = None) -> dict[str, tor
 
 
 def is_engine_state(value: Any) -> bool:
-    """True for the saved state of a DeepSpeed engine (:class:`unbroken.integrations.deepspeed.DeepSpeedState`,
+    """True for the saved state of a DeepSpeed engine (:class:`unbroken.dist.deepspeed.DeepSpeedState`,
     or an ``unbroken import`` of a DeepSpeed checkpoint), recognised by its layout."""
-    from ..integrations.deepspeed import FORMAT
+    from ..dist.deepspeed import FORMAT
 
     if not isinstance(value, dict) or value.get("format") != FORMAT:
         return False
