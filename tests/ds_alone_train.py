@@ -11,10 +11,15 @@ DeepSpeed keeps no data position, so the data is a plain DataLoader over a Distr
 (seed, ``set_epoch``) and a resumed process skips the micro-batches the restored steps consumed
 (loading them, as users do). Each sample's noise is drawn from a generator seeded by (epoch,
 index), so the data never depends on the global RNG. The one unbroken call is
-``unbroken.init_distributed`` (as in ds_train.py): torch's own process-group init does not
-survive a ``torchrun --max-restarts`` round on gloo (the restarted ranks read the dead round's
-addresses: "Gloo connectFullMesh failed ... Connection refused"), which has nothing to do with
-checkpointing.
+``unbroken.init_distributed`` (as in ds_train.py), for a reason that has nothing to do with
+checkpointing: with torch's own process-group init, a ``torchrun --max-restarts`` round on gloo
+can meet the dead round's addresses in the agent's store (measured once with this job: the
+restarted rank 0 failed in DeepSpeed's ``new_group`` with "Gloo connectFullMesh failed ...
+Connection refused").
+
+With ``--rng-in-client-state`` the job also puts ``torch.get_rng_state()`` in ``client_state``
+and restores it after a load: DeepSpeed keeps only rank 0's ``client_state``, which is right
+here only because every rank of this job draws the same dropout masks.
 
 Two fault points inside ``save_checkpoint`` (test hooks around DeepSpeed's checkpoint engine,
 which writes each file with ``torch.save``; a SIGKILL mid-file leaves a prefix of its bytes):
@@ -118,6 +123,8 @@ def main() -> int:
     p.add_argument("--dump-restored", action="store_true")
     p.add_argument("--kill-after-files", type=int, default=None)
     p.add_argument("--kill-mid-file", type=int, default=None)
+    p.add_argument("--rng-in-client-state", action="store_true",
+                   help="also save rank 0's torch RNG state in client_state and restore it on every rank")
     args = p.parse_args()
     unbroken.init_distributed("gloo")  # restart-safe process group, as in ds_train.py (no checkpointing)
     deepspeed.init_distributed(dist_backend="gloo")
@@ -150,6 +157,8 @@ def main() -> int:
     batches = iter(loader)
     for _ in range(skip):
         next(batches)
+    if step and args.rng_in_client_state:  # after iter(loader), which draws its base seed from this RNG
+        torch.set_rng_state(client["rng"])
     stop = args.stop_at or args.steps
     with open(out / f"losses-r{rank}.jsonl", "a") as log:
         while step < stop:
@@ -174,7 +183,10 @@ def main() -> int:
             log.flush()
             print(f"rank {rank} step {step}", flush=True)
             if step % args.save_every == 0:
-                engine.save_checkpoint(str(ckpt_dir), client_state={"step": step})
+                client_state: dict[str, Any] = {"step": step}
+                if args.rng_in_client_state:
+                    client_state["rng"] = torch.get_rng_state()
+                engine.save_checkpoint(str(ckpt_dir), client_state=client_state)
             if step in args.dump_at:
                 dump(engine, rank, out / f"state-{step}.safetensors")
     if step >= args.steps:

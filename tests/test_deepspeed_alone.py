@@ -120,6 +120,21 @@ def test_rank_0_killed_inside_a_save_before_latest_resumes_from_the_previous_sav
     check_diverged_after(reference / "out", tmp_path / "out", SAVE_EVERY)
 
 
+def test_the_only_difference_is_the_rng_a_user_who_saves_it_in_client_state_resumes_bitwise(reference, env,
+                                                                                            tmp_path) -> None:
+    """The same fault with the RNG state in ``client_state`` (restored after ``iter(loader)``):
+    every micro-batch loss and the final masters and moments are bitwise the uninterrupted
+    run's (which saved no RNG; saving it changes nothing else), so the differences above come
+    from dropout's RNG alone."""
+    code, out = launch(torchrun(2, tmp_path, "--kill-after-files", str(CUT), "--rng-in-client-state", restarts=1),
+                       env, tmp_path)
+    assert code == 0 and out.count(f"resumed from step {SAVE_EVERY} ") == 2, out
+    check_lost_steps(tmp_path / "out", CUT, SAVE_EVERY)
+    assert not same_tensors(reference / "out" / "final.safetensors", tmp_path / "out" / "final.safetensors")
+    for rank in (0, 1):
+        assert rows(tmp_path / "out", rank) == rows(reference / "out", rank)
+
+
 def test_rank_1_killed_inside_a_save_after_rank_0_wrote_latest_crashes_every_restart(env, tmp_path) -> None:
     """Rank 0 writes ``latest`` once its own files are written; nothing waits for the other
     ranks' files. Rank 1 SIGKILLed half-way through its optimizer partition of the save of step
