@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_deepspeed import global_samples, launch, rows, same_tensors
+from test_deepspeed import launch, rows, same_tensors
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is installed by `make test` (the test extra)")
 pytestmark = pytest.mark.e2e
@@ -33,9 +33,8 @@ STEPS, SAVE_EVERY, CUT = 12, 3, 6
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
-                TORCH_EXTENSIONS_DIR=str(tmp_path_factory.mktemp("torch-extensions")))
+def env(deepspeed_env: dict[str, str]) -> dict[str, str]:
+    return deepspeed_env
 
 
 def torchrun(n: int, base: Path, *extra: str, stage: int = 2, restarts: int = 0) -> list[str]:
