@@ -54,7 +54,7 @@ from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 import unbroken  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ds_train import D, MICRO, Data, build, dump  # noqa: E402
+from ds_train import D, MICRO, Data, build, dump, finish  # noqa: E402
 
 SEED = 5
 
@@ -191,15 +191,7 @@ def main() -> int:
                 dump(engine, rank, out / f"state-{step}.safetensors")
     if step >= args.steps:
         dump(engine, rank, out / "final.safetensors")
-    dist.destroy_process_group()
-    print(f"rank {rank}: done", flush=True)
-    # DeepSpeed on gloo, like FSDP2 in dist_train.py: torch's teardown at interpreter exit sometimes
-    # aborts ("terminate called without an active exception", SIGABRT) after all work is done and the
-    # process group destroyed (seen once in ~40 runs here). Not unbroken's doing: nothing of it runs
-    # then (the Checkpointer is closed). Leave without that teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    finish(rank)
 
 
 if __name__ == "__main__":

@@ -170,12 +170,16 @@ def main() -> int:
     ckpt.close()
     if ckpt.progress.step >= args.steps:
         dump(engine, rank, out / "final.safetensors", extra=args.buffer)
+    finish(rank)
+
+
+def finish(rank: int) -> None:
+    """End the job once its work is done. DeepSpeed on gloo, like FSDP2 in dist_train.py: torch's
+    teardown at interpreter exit sometimes aborts ("terminate called without an active exception",
+    SIGABRT) after the process group is destroyed (seen once in ~40 runs here). Not unbroken's doing:
+    nothing of it runs then (the Checkpointer is closed). Leave without that teardown."""
     dist.destroy_process_group()
     print(f"rank {rank}: done", flush=True)
-    # DeepSpeed on gloo, like FSDP2 in dist_train.py: torch's teardown at interpreter exit sometimes
-    # aborts ("terminate called without an active exception", SIGABRT) after all work is done and the
-    # process group destroyed (seen once in ~40 runs here). Not unbroken's doing: nothing of it runs
-    # then (the Checkpointer is closed). Leave without that teardown.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

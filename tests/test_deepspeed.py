@@ -10,6 +10,7 @@ once per session (about a minute), into a folder of the session's own.
 
 from __future__ import annotations
 
+import importlib.util
 import contextlib
 import json
 import os
@@ -26,7 +27,7 @@ from safetensors.torch import load_file
 from test_distributed import run
 from unbroken.store import open_store
 
-pytest.importorskip("deepspeed", reason="DeepSpeed is installed by `make test` (the test extra)")
+assert importlib.util.find_spec("deepspeed"), "DeepSpeed is missing: `make test` installs it (the test extra)"
 pytestmark = pytest.mark.e2e
 SCRIPT = str(Path(__file__).parent / "ds_train.py")
 STEPS, SAVE_EVERY, CUT = 12, 3, 6

@@ -10,6 +10,7 @@ the full weights, the frozen parameter and the buffer the job gathered itself.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -23,7 +24,7 @@ from safetensors.torch import load_file
 import unbroken
 from unbroken.convert import UntrustedPickleError, import_checkpoint, read_source
 
-pytest.importorskip("deepspeed", reason="DeepSpeed is installed by `make test` (the test extra)")
+assert importlib.util.find_spec("deepspeed"), "DeepSpeed is missing: `make test` installs it (the test extra)"
 from test_deepspeed import launch, same_tensors  # noqa: E402
 
 pytestmark = pytest.mark.e2e

@@ -232,9 +232,8 @@ class DeepSpeedState(Adapter):
                 self.engine.optimizer._lazy_init_hp_params_optimizer_state()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.check(state_dict)
         e, mode, sd = self.engine, self._mode(), state_dict
-        self.prepare_load(sd)  # again, harmless, when the restore called it before loading the pieces
+        self.prepare_load(sd)  # checks; again, harmless, when the restore called it before loading the pieces
         if mode == "plain":
             e.module.load_state_dict(sd["module"])
             if sd["optimizer"] is not None:
