@@ -40,9 +40,16 @@ def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
 @pytest.fixture(scope="session")
 def deepspeed_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """The environment of the DeepSpeed jobs: its CPU accelerator, and one folder for the C++ op it
-    compiles at its first start (about a minute), shared by every DeepSpeed test of the session."""
+    compiles at its first start (about a minute), shared by every DeepSpeed test of the session —
+    and by every pytest-xdist worker of it (the folder is in the run's common temp root; torch's
+    extension builder locks the build folder, so concurrent first starts build once)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # .../pytest-N/popen-gwK -> .../pytest-N, common to the workers
+    extensions = root / "torch-extensions"
+    extensions.mkdir(exist_ok=True)
     return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
-                TORCH_EXTENSIONS_DIR=str(tmp_path_factory.mktemp("torch-extensions")))
+                TORCH_EXTENSIONS_DIR=str(extensions))
 
 
 @pytest.fixture(scope="session")
