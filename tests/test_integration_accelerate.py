@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 from test_distributed import run
+from unbroken.reader import read_manifest
 from unbroken.store import open_store
 
 pytestmark = pytest.mark.e2e
@@ -112,6 +113,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory):
             code, out = launch(launch_cmd(2, base, "--dump-at", str(CUT), fsdp=fsdp, mode=mode), base)
             assert code == 0, out
             assert out.count(f"{'FSDP' if fsdp else 'MULTI_CPU'}, fsdp2={fsdp}") == 2, out
+            if mode == "unbroken":  # FSDP2: DTensor shards written by each process through DCP's planners
+                files = read_manifest(open_store(base / "run"), f"step-{CUT:09d}").files
+                assert ({"s00000.safetensors", "s00001.safetensors", "sharded.json"} <= set(files)) == fsdp, files
             _references[key] = base
         return _references[key]
 
@@ -180,6 +184,7 @@ def test_a_checkpoint_of_2_processes_resumes_on_1(reference, tmp_path, fsdp) -> 
                "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), *args]
     code, log = launch(cmd, tmp_path)
     assert code == 0 and f"resumed from step {CUT}" in log and "world size changed from 2 to 1" in log, log
+    assert f"{'FSDP' if fsdp else 'NO'}, fsdp2={fsdp}" in log, log
     assert differing(ref / "out" / f"state-{CUT}.safetensors", tmp_path / "out" / "restored.safetensors") == []
     want, got = global_samples(ref / "out"), global_samples(tmp_path / "out")
     assert sorted(got) == list(range(CUT + 1, STEPS + 1))
