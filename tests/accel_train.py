@@ -33,12 +33,15 @@ losses and samples) and one per evaluation to ``OUT/eval-r<rank>.jsonl``; writes
 LR, ``accelerator.step``; gathered from FSDP2 shards) goes to ``OUT/final.safetensors`` at the end,
 ``OUT/state-N.safetensors`` after step N (``--dump-at``), ``OUT/restored.safetensors`` after a
 restore (``--dump-restored``). ``--kill-in-save N`` (alone): process 0 SIGKILLs itself inside
-``save_state`` of step N, once the model file is written and before the optimizer's.
+``save_state`` of step N, once the model and optimizer are written, before the scheduler's file.
+``--rng-after-iter`` (alone): the torch RNG state ``load_state`` restored is set again right after the
+resumed epoch's iterator is created (which draws a seed from it).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -168,6 +171,11 @@ def main(args) -> int:
             train.set_epoch(epoch)
             data.epoch = epoch
             batches = accelerator.skip_first_batches(train, skip * GA) if skip else train
+            if skip and args.rng_after_iter:  # the restored RNG, set again once the iterator has drawn from it
+                rng, it = torch.get_rng_state(), iter(batches)
+                first = next(it)  # Accelerate's iterator starts (and draws) at its first batch
+                torch.set_rng_state(rng)
+                batches = itertools.chain([first], it)
             skip = 0
         for x, y, idx in batches:
             with accelerator.accumulate(model):
@@ -209,8 +217,9 @@ def main(args) -> int:
 
 
 def install_save_fault(step: int | None, rank: int, out: Path) -> None:
-    """``--kill-in-save``: process 0 SIGKILLs itself inside ``save_state`` of ``step``, right after
-    Accelerate wrote the model file, before the optimizer's (once per ``out`` folder)."""
+    """``--kill-in-save``: process 0 SIGKILLs itself inside ``save_state`` of ``step``, once the model and
+    optimizer are written (a file each with DDP, DCP folders with FSDP2), before the scheduler's file
+    (once per ``out`` folder)."""
     if step is None:
         return
     import accelerate.checkpointing as ac
@@ -218,12 +227,12 @@ def install_save_fault(step: int | None, rank: int, out: Path) -> None:
     real, marker = ac.save, out / "fault-fired"
 
     def save(obj, f, *a, **k):
-        real(obj, f, *a, **k)
         p = Path(f)
-        if rank == 0 and p.parent.name == f"step_{step}" and p.name.startswith("model") and not marker.exists():
+        if rank == 0 and p.parent.name == f"step_{step}" and p.name.startswith("scheduler") and not marker.exists():
             marker.write_text(str(os.getpid()))
-            print(f"rank 0: killed inside save_state of step {step}, after {p.name}", flush=True)
+            print(f"rank 0: killed inside save_state of step {step}, before {p.name}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+        real(obj, f, *a, **k)
 
     ac.save = save
 
@@ -259,6 +268,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dump-at", type=int, action="append", default=[])
     p.add_argument("--dump-restored", action="store_true")
     p.add_argument("--kill-in-save", type=int, default=None)
+    p.add_argument("--rng-after-iter", action="store_true",
+                   help="alone: set the torch RNG load_state restored again after the resumed iterator is created")
     return p.parse_args(argv)
 
 
