@@ -235,6 +235,22 @@ def test_what_would_break_exactness_is_refused_with_the_fix(accelerator, tmp_pat
     ckpt.close()
 
 
+@pytest.mark.parametrize("kind", ["FSDP1", "DEEPSPEED"])
+def test_fsdp1_and_deepspeed_through_accelerate_are_refused(accelerator, tmp_path, kind) -> None:
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    from unbroken import UnsupportedStateError
+    from unbroken.integrations.accelerate import Checkpointer
+
+    acc = accelerator()
+    acc.prepare(*_parts()[:2])
+    acc.state.distributed_type = DistributedType.FSDP if kind == "FSDP1" else DistributedType.DEEPSPEED
+    acc.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=1)
+    with pytest.raises(UnsupportedStateError, match="use FSDP2" if kind == "FSDP1" else "put the engine in"):
+        Checkpointer(acc, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
 def test_split_batches_is_refused(accelerator, tmp_path) -> None:
     from accelerate.utils import DataLoaderConfiguration
 
@@ -281,6 +297,44 @@ def test_after_a_checkpoint_of_an_epochs_last_step_the_next_loop_is_empty(accele
     assert list(b) == [] and (b.epoch, b.position) == (1, 0)
     rest = list(it)  # the uninterrupted loop ends the epoch, then starts the next one
     assert rest == [] and [x.tolist() for (x,) in b] == [x.tolist() for (x,) in a]
+
+
+def test_step_counts_optimizer_steps_and_a_restore_loads_every_part(accelerator, tmp_path) -> None:
+    """``step()`` is a no-op between the micro-batches of a window, ``save()`` there is refused; a
+    checkpoint restores model, optimizer, data position and ``accelerator.step`` in place."""
+    from unbroken.integrations.accelerate import Checkpointer, ResumableLoader
+
+    acc = accelerator(gradient_accumulation_steps=2)
+    model, opt, data = _parts()
+    model, opt, loader = acc.prepare(model, opt, ResumableLoader(data, batch_size=2, seed=1))
+    ckpt = Checkpointer(acc, tmp_path / "run")
+    assert ckpt.restored is None
+    batches = iter(loader)
+    for i in range(3):  # one whole window (2 micro-batches), then the first micro-batch of the next
+        with acc.accumulate(model):
+            acc.backward(model(next(batches)[0]).sum())
+            opt.step()
+            opt.zero_grad()
+        assert ckpt.step() is None and ckpt.progress.step == (0, 1, 1)[i]
+    with pytest.raises(RuntimeError, match="between the micro-batches"):
+        ckpt.save()
+    with acc.accumulate(model):
+        acc.backward(model(next(batches)[0]).sum())
+        opt.step()
+        opt.zero_grad()
+    ckpt.step()
+    info = ckpt.save()
+    assert info is not None and info.step == 2 and (loader.position, acc.step) == (8, 4)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    ckpt.close()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    loader.load_state_dict({**loader.state_dict(), "position": 0})
+    acc.step = 0
+    with Checkpointer(acc, tmp_path / "run") as again:
+        assert again.restored is not None and again.restored.step == 2 and again.progress.step == 2
+        assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+        assert (loader.position, acc.step) == (8, 4) and opt.state_dict()["state"] == {}  # SGD: no state
 
 
 def test_import_without_accelerate_names_the_extra() -> None:

@@ -33,6 +33,5 @@ except ImportError as e:  # pragma: no cover - exercised in a subprocess by the 
 
 from .checkpointer import Checkpointer
 from .loader import ResumableLoader
-from .registered import AcceleratorCounters
 
-__all__ = ["Checkpointer", "ResumableLoader", "AcceleratorCounters"]
+__all__ = ["Checkpointer", "ResumableLoader"]

@@ -58,7 +58,7 @@ def check_setup(accelerator: Accelerator) -> None:
     kind = accelerator.distributed_type
     if kind in _REFUSED:
         raise UnsupportedStateError(_REFUSED[kind])
-    if kind == DistributedType.FSDP and not accelerator.is_fsdp2:
+    if kind == DistributedType.FSDP and not getattr(accelerator, "is_fsdp2", False):
         raise UnsupportedStateError(
             "FSDP1 is not supported (its flat parameters' optimizer state needs FSDP1's own state-dict calls): use "
             "FSDP2, FullyShardedDataParallelPlugin(fsdp_version=2) or `accelerate launch --fsdp_version 2`")
@@ -95,11 +95,13 @@ def _loader_problem(dl: Any, i: int, accelerator: Accelerator) -> str | None:
 def collect(accelerator: Accelerator, eval_loaders: Iterable[Any] = ()) -> dict[str, Any]:
     """The unbroken state of everything ``accelerator.prepare`` registered (see the module docstring)."""
     check_setup(accelerator)
+    eval_loaders = list(eval_loaders)
     skip = {id(dl) for dl in eval_loaders}
     problems: list[str] = []
     state: dict[str, Any] = {}
     for i, model in enumerate(accelerator._models):
-        state[_name("model", i)] = accelerator.unwrap_model(model)
+        module = accelerator.unwrap_model(model)  # no DDP wrapper: the same names on any number of processes
+        state[_name("model", i)] = getattr(module, "_orig_mod", module)  # nor torch.compile's
     for i, opt in enumerate(accelerator._optimizers):
         inner = getattr(opt, "optimizer", opt)  # the torch optimizer inside AcceleratedOptimizer
         state[_name("optimizer", i)] = inner
