@@ -34,6 +34,8 @@ LR, ``accelerator.step``; gathered from FSDP2 shards) goes to ``OUT/final.safete
 ``OUT/state-N.safetensors`` after step N (``--dump-at``), ``OUT/restored.safetensors`` after a
 restore (``--dump-restored``). ``--kill-in-save N`` (alone): process 0 SIGKILLs itself inside
 ``save_state`` of step N, once the model and optimizer are written, before the scheduler's file.
+``--wait-at N``: after logging step N every process waits until ``OUT/go-N`` exists, so a test's
+signal lands at that step whatever the machine's load (the file stays: later rounds do not wait).
 ``--rng-after-iter`` (alone): the torch RNG state ``load_state`` restored is set again right after the
 resumed epoch's iterator is created (which draws a seed from it).
 """
@@ -46,6 +48,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -195,6 +198,8 @@ def main(args) -> int:
                 log.flush()
                 micro, samples = [], []
                 print(f"rank {rank} step {step}", flush=True)
+                if step in args.wait_at:
+                    wait_for(out / f"go-{step}")
                 if args.mode == "alone" and step % args.save_every == 0:
                     accelerator.save_state(str(Path(args.ckpt_dir) / f"step_{step}"))
             if args.mode == "unbroken":
@@ -214,6 +219,13 @@ def main(args) -> int:
         dump(accelerator, model, opt, sched, out / "final.safetensors")
     print(f"rank {rank}: done", flush=True)
     return 0
+
+
+def wait_for(path: Path, timeout_s: float = 300.0) -> None:
+    """``--wait-at``: park here until the test has sent its signal (and created ``path``)."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def install_save_fault(step: int | None, rank: int, out: Path) -> None:
@@ -268,6 +280,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dump-at", type=int, action="append", default=[])
     p.add_argument("--dump-restored", action="store_true")
     p.add_argument("--kill-in-save", type=int, default=None)
+    p.add_argument("--wait-at", type=int, action="append", default=[],
+                   help="after logging step N, every process waits until OUT/go-N exists")
     p.add_argument("--rng-after-iter", action="store_true",
                    help="alone: set the torch RNG load_state restored again after the resumed iterator is created")
     return p.parse_args(argv)

@@ -130,9 +130,9 @@ def test_killed_inside_a_save_then_a_rank_sigkilled_then_sigterm_resumes_bitwise
        never commits, step 4 stays the newest checkpoint;
     2. relaunched with ``--max_restarts 1`` (saving every 5 steps): process 1 SIGKILLed after
        step 7, torchrun restarts both, which resume from step 5, the last step of epoch 0 (its
-       evaluation still to come); then SIGTERM to the launcher and both processes: every process
-       saves the same step and exits with 75;
-    3. relaunched: resumes from that step and finishes.
+       evaluation still to come); then SIGTERM to the launcher and both processes during step 9:
+       every process finishes it, step 9 is saved once, every process exits with 75;
+    3. relaunched: resumes from step 9 and finishes.
 
     Every step's losses and samples, every evaluation and the final state are bitwise the
     uninterrupted run's."""
@@ -145,26 +145,27 @@ def test_killed_inside_a_save_then_a_rank_sigkilled_then_sigterm_resumes_bitwise
 
     events: list[str] = []
 
-    def on_line(line: str, proc) -> None:
+    def on_line(line: str, proc) -> None:  # the processes wait after steps 7 and 9 until the go file
         if not events and "rank 1 step 7" in line:
             os.kill(int((out / "pid-r1").read_text()), signal.SIGKILL)
             events.append("killed")
+            (out / "go-7").touch()
         elif events == ["killed"] and "rank 1 step 9" in line:  # only the restarted round gets here
             for pid in [proc.pid] + [int(f.read_text()) for f in sorted(out.glob("pid-r*"))]:
                 os.kill(pid, signal.SIGTERM)
             events.append("sigterm")
+            (out / "go-9").touch()
 
-    code, log = launch(launch_cmd(2, tmp_path, "--save-every", "5", fsdp=fsdp, restarts=1), tmp_path, on_line)
+    cmd = launch_cmd(2, tmp_path, "--save-every", "5", "--wait-at", "7", "--wait-at", "9", fsdp=fsdp, restarts=1)
+    code, log = launch(cmd, tmp_path, on_line)
     assert events == ["killed", "sigterm"] and code != 0, log
     assert log.count(f"resumed from step {SAVE_EVERY}") == 2 and log.count("resumed from step 5") == 2, log
     assert [(out / f"exit-r{r}").read_text() for r in (0, 1)] == ["75", "75"], log
-    preempted = {int(line.split()[-1]) for line in log.splitlines() if line.startswith("preempted at step")}
-    assert len(preempted) == 1 and preempted <= {9, 10}, log  # one step, the same on every process
-    stopped = preempted.pop()
-    assert f"step-{stopped:09d}" in open_store(tmp_path / "run").list_committed()
+    assert log.count("preempted at step 9") == 2, log  # the step both were in, saved once
+    assert "step-000000009" in open_store(tmp_path / "run").list_committed()
 
     code, log = launch(launch_cmd(2, tmp_path, fsdp=fsdp), tmp_path)
-    assert code == 0 and log.count(f"resumed from step {stopped}") == 2, log
+    assert code == 0 and log.count("resumed from step 9") == 2, log
     check_bitwise(ref, out)
     assert len(logged_steps(out, 1)) > STEPS  # steps really ran twice, identically
 
