@@ -57,10 +57,14 @@ class Checkpointer:
         """The :class:`unbroken.Checkpointer` underneath (listing, tags, ``wait()``, events)."""
         self.restored: unbroken.CheckpointInfo | None = None
         """The checkpoint this process resumed from (``None``: a fresh start)."""
-        if resume is True:
-            self.restored = self.checkpointer.restore(self.state)
-        elif resume is not False:
-            self.restored = self.checkpointer.restore(self.state, path=resume)
+        try:
+            if resume is True:
+                self.restored = self.checkpointer.restore(self.state)
+            elif resume is not False:
+                self.restored = self.checkpointer.restore(self.state, path=resume)
+        except BaseException:
+            self.checkpointer.close()  # release the run: nothing was restored
+            raise
 
     @property
     def progress(self) -> unbroken.Progress:

@@ -61,7 +61,6 @@ class ResumableLoader(_CoreLoader, DataLoader, DataLoaderStateMixin):  # type: i
         # DataLoader.__init__ is not called: the DataLoader that iterates is the one inside
         # (``self._loader``); DataLoader attributes this object lacks are read from it.
         self.device = device
-        self.gradient_state = GradientState()
 
     def __getattr__(self, name: str) -> Any:
         if name == "_loader":  # not created yet (inside __init__)
@@ -73,6 +72,11 @@ class ResumableLoader(_CoreLoader, DataLoader, DataLoaderStateMixin):  # type: i
     def total_batch_size(self) -> int:
         """Samples per global batch (Accelerate's name for it)."""
         return self.global_batch
+
+    @property
+    def gradient_state(self) -> GradientState:
+        """Accelerate's shared gradient state (looked up when iterating: creating a loader touches nothing)."""
+        return GradientState()
 
     @property
     def _drop_last(self) -> bool:
