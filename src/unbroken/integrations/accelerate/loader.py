@@ -83,9 +83,9 @@ class ResumableLoader(_CoreLoader, DataLoader, DataLoaderStateMixin):  # type: i
         return self.drop_last
 
     def _target(self) -> torch.device | None:
-        if self.device != AUTO:
-            return None if self.device is None else torch.device(self.device)
-        return PartialState().device if PartialState._shared_state else None
+        if isinstance(self.device, str) and self.device == AUTO:
+            return PartialState().device if PartialState._shared_state else None
+        return None if self.device is None else torch.device(self.device)
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[Any]:
