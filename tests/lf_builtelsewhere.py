@@ -1,24 +1,28 @@
-"""Job for tests/test_llamafactory.py: a real LLaMA-Factory SFT run (``llamafactory.train.tuner.run_exp``).
+"""Jobs for Trainers unbroken does not construct: LLaMA-Factory SFT, TRL's SFTTrainer, a plain Trainer.
 
-Runs in the LLaMA-Factory test environment (``scripts/llamafactory_env.sh``), with unbroken from the
-work tree on ``PYTHONPATH``. Nothing is downloaded: ``prepare ASSETS`` writes a tiny randomly
-initialised Llama (2 layers, attention dropout), a word-level tokenizer and an alpaca-format
-dataset of 26 examples with its ``dataset_info.json``; ``train`` runs LLaMA-Factory's SFT on them
-(full fine-tuning, the ``default`` template, batches of 2 with ``gradient_accumulation_steps=2``:
-13 micro-batches an epoch, so every 7th step has one; AdamW, warmup + cosine, clipping, a loss
-logged every step).
+Used by tests/test_llamafactory.py (``prepare``, ``llamafactory``, ``trl``: in the LLaMA-Factory test
+environment of ``scripts/llamafactory_env.sh``, with unbroken from the work tree on ``PYTHONPATH``) and
+tests/test_integration_hf_builtelsewhere.py (``plain``: the project's environment). Nothing is
+downloaded: ``prepare --assets DIR`` writes a tiny randomly initialised Llama (2 layers, attention
+dropout), a word-level tokenizer and an alpaca-format dataset of 26 examples with its
+``dataset_info.json``. Every job trains 20 steps (``--steps``) with batches of 2 and
+``gradient_accumulation_steps=2`` (13 micro-batches an epoch: every 7th step has one), AdamW, warmup +
+cosine, clipping:
 
-``--mode unbroken``: ``run_exp(args, callbacks=[UnbrokenTrainerCallback(OUT/run, save_every=...)])``
-with LLaMA-Factory's defaults otherwise, its own checkpoints included (``save_strategy="steps"``,
-``save_steps=500``, which this short run never reaches) unless ``--hf-saves``; restarted with the
-same arguments. ``--mode lf``: LLaMA-Factory alone, ``save_steps=--save-every``; restarted with the
-same arguments, it resumes by itself from ``output_dir``'s last ``checkpoint-N``
-(``overwrite_output_dir`` false).
+- ``llamafactory``: ``llamafactory.train.tuner.run_exp(args, callbacks=[...])``, full SFT with the
+  ``default`` template and a loss logged every step; LLaMA-Factory builds the Trainer and calls
+  ``train(resume_from_checkpoint=...)`` itself (its last ``output_dir/checkpoint-N`` when there is one
+  and ``overwrite_output_dir`` is false). Its own saves keep LLaMA-Factory's default
+  (``save_steps=500``: one at the end) unless ``--mode alone`` or ``--hf-saves`` (every ``--save-every``);
+- ``trl``: ``SFTTrainer(..., callbacks=[...])`` built inside a function, prompt-completion data;
+- ``plain``: :func:`plain_trainer`.
 
-Prints ``fresh start`` / ``resumed from step N`` when training begins, ``step N <params sha256>``
-after each optimizer step, ``log {...}`` for each logged entry, and at the end ``final <sha256>`` of
-the parameters, optimizer state and scheduler; ``OUT/final.json`` has that hash, the counters, the
-log history (timings left out) and ``train_loss``.
+``--mode unbroken`` adds ``UnbrokenTrainerCallback(OUT/run, save_every=--save-every)`` to the callbacks,
+and nothing else; ``--mode alone`` relies on the framework's own checkpoints. Prints ``fresh start`` /
+``resumed from step N`` when training begins, ``step N <sha256 of the parameters>`` after each optimizer
+step, ``log {...}`` for each logged entry, and at the end ``final <sha256>`` of the parameters, optimizer
+state and scheduler; ``OUT/final.json`` has that hash, the counters, the log history (timings left out)
+and ``train_loss``.
 """
 
 from __future__ import annotations
@@ -191,11 +195,44 @@ def trl_sft(a: argparse.Namespace, assets: Path, out: Path, callbacks: list[Any]
     return trainer.train().training_loss
 
 
+def plain_trainer(a: argparse.Namespace, assets: Path, out: Path, callbacks: list[Any]) -> float:
+    """A plain ``transformers.Trainer`` built inside a function that takes only callbacks, resumed the
+    way LLaMA-Factory does it: its own saves on, ``train(resume_from_checkpoint=<output_dir's last
+    checkpoint-N>)``. Runs in the project's environment: a tiny random-init Llama built here, random
+    token sequences, an evaluation every 7 steps and a loss logged every 3 (its accumulators span saves)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments, set_seed
+    from transformers.trainer_utils import get_last_checkpoint
+
+    class Tokens(torch.utils.data.Dataset):
+        def __init__(self, n: int, seed: int) -> None:
+            self.x = torch.randint(0, 64, (n, 16), generator=torch.Generator().manual_seed(seed))
+
+        def __len__(self) -> int:
+            return len(self.x)
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            return {"input_ids": self.x[i], "labels": self.x[i]}
+
+    args = TrainingArguments(
+        output_dir=str(out / "hf"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        max_steps=a.steps, learning_rate=3e-3, weight_decay=0.01, lr_scheduler_type="cosine", warmup_steps=2,
+        logging_steps=3, eval_strategy="steps", eval_steps=7, per_device_eval_batch_size=4, report_to=[],
+        use_cpu=True, disable_tqdm=True, seed=7, save_strategy="steps", save_steps=a.save_every)
+    set_seed(args.seed)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16,
+                                         attention_dropout=0.1))
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(26, 1), eval_dataset=Tokens(8, 2),
+                      callbacks=callbacks)
+    last = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
+    return trainer.train(resume_from_checkpoint=last).training_loss
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("command", choices=["prepare", "llamafactory", "trl"])
-    p.add_argument("--assets", required=True)
-    p.add_argument("--out")
+    p.add_argument("command", choices=["prepare", "llamafactory", "trl", "plain"])
+    p.add_argument("--assets", help="what prepare writes (not used by plain)")
+    p.add_argument("--out", help="where a run writes")
     p.add_argument("--mode", choices=["unbroken", "alone"], default="unbroken")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--save-every", type=int, default=4)
@@ -204,12 +241,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill-in-hf-save", type=int, default=0,
                    help="SIGKILL inside the Nth save of the Trainer's own checkpointing (after the weights)")
     a = p.parse_args(argv)
-    assets = Path(a.assets)
+    assets = Path(a.assets or ".")
     if a.command == "prepare":
         prepare(assets)
         return 0
     torch.set_num_threads(1)
-    torchaudio_standin()
+    if a.command != "plain":
+        torchaudio_standin()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.kill_in_hf_save:
@@ -220,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         from unbroken.integrations.hf import UnbrokenTrainerCallback
 
         callbacks.append(UnbrokenTrainerCallback(out / "run", save_every=a.save_every, keep_last=3))
-    train = llamafactory_sft if a.command == "llamafactory" else trl_sft
+    train = {"llamafactory": llamafactory_sft, "trl": trl_sft, "plain": plain_trainer}[a.command]
     final["train_loss"] = repr(train(a, assets, out, callbacks))
     (out / "final.json").write_text(json.dumps(final, sort_keys=True))
     print(f"final {final['sha256']}", flush=True)
