@@ -12,8 +12,8 @@ cosine, clipping:
 - ``llamafactory``: ``llamafactory.train.tuner.run_exp(args, callbacks=[...])``, full SFT with the
   ``default`` template and a loss logged every step; LLaMA-Factory builds the Trainer and calls
   ``train(resume_from_checkpoint=...)`` itself (its last ``output_dir/checkpoint-N`` when there is one
-  and ``overwrite_output_dir`` is false). Its own saves keep LLaMA-Factory's default
-  (``save_steps=500``: one at the end) unless ``--mode alone`` or ``--hf-saves`` (every ``--save-every``);
+  and ``overwrite_output_dir`` is false). Its own saves: ``save_strategy="no"`` with unbroken (as the
+  docs recommend), every ``--save-every`` steps with ``--mode alone`` or ``--hf-saves``;
 - ``trl``: ``SFTTrainer(..., callbacks=[...])`` built inside a function, prompt-completion data;
 - ``plain``: :func:`plain_trainer`.
 
@@ -171,6 +171,8 @@ def llamafactory_sft(a: argparse.Namespace, assets: Path, out: Path, callbacks: 
     )
     if a.mode == "alone" or a.hf_saves:
         args.update(save_strategy="steps", save_steps=a.save_every)
+    else:
+        args.update(save_strategy="no")  # what the docs recommend with unbroken
     run_exp(args, callbacks=callbacks)
     return json.loads((out / "lf" / "train_results.json").read_text())["train_loss"]
 

@@ -32,6 +32,15 @@ JOB = Path(__file__).with_name("lf_builtelsewhere.py")
 STEPS, SAVE_EVERY = 20, 4
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """In-process training on one thread (two threads on two busy cores run many times slower)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 class Tokens(torch.utils.data.Dataset):
     def __init__(self, n: int = 12) -> None:
         self.x = torch.randint(0, 32, (n, 8), generator=torch.Generator().manual_seed(0))
