@@ -80,9 +80,9 @@ class UnbrokenTrainerCallback(TrainerCallback):
                                "create one per Trainer (each with its own run location)")
         from . import enable  # the package imports this module first
 
-        self.trainer = trainer
-        self._callback = enable(trainer, self.location, **self._options)
+        callback = enable(trainer, self.location, **self._options)  # raises from Trainer(...) if it refuses
         _govern_resume(trainer, self.location)
+        self.trainer, self._callback = trainer, callback
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._callback is None:
