@@ -129,8 +129,11 @@ def test_outside_a_trainer_it_says_what_to_do(tmp_path: Path) -> None:
 
 
 def test_enable_refusals_surface_when_the_trainer_is_built(tmp_path: Path) -> None:
+    cb = UnbrokenTrainerCallback(tmp_path / "run")
     with pytest.raises(ValueError, match="auto_find_batch_size"):
-        build(tmp_path, [UnbrokenTrainerCallback(tmp_path / "run")], auto_find_batch_size=True)
+        build(tmp_path, [cb], auto_find_batch_size=True)
+    assert cb.trainer is None  # the refused Trainer did not keep it: the corrected one can
+    assert build(tmp_path, [cb]) is cb.trainer
 
 
 # ----------------------------------------------------------------------------- end to end
