@@ -114,31 +114,28 @@ def digest(model: torch.nn.Module, optimizer: Any, scheduler: Any) -> str:
     return h.hexdigest()
 
 
-class Report:
-    """The job's view of training, as a callback: what the test parses (see the module docstring)."""
+def report(final: dict[str, Any]) -> Any:
+    """The job's view of training, as a callback: the lines the test parses, and ``final`` at the end."""
+    from transformers import TrainerCallback
 
-    @staticmethod
-    def make(final: dict[str, Any]) -> Any:
-        from transformers import TrainerCallback
+    class Report(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            print(f"resumed from step {state.global_step}" if state.global_step else "fresh start", flush=True)
 
-        class _Report(TrainerCallback):
-            def on_train_begin(self, args, state, control, **kw):
-                print(f"resumed from step {state.global_step}" if state.global_step else "fresh start", flush=True)
+        def on_step_end(self, args, state, control, model=None, **kw):
+            print(f"step {state.global_step} {digest_params(model).hexdigest()}", flush=True)
 
-            def on_step_end(self, args, state, control, model=None, **kw):
-                print(f"step {state.global_step} {digest_params(model).hexdigest()}", flush=True)
+        def on_log(self, args, state, control, logs=None, **kw):
+            print("log " + json.dumps({k: v for k, v in (logs or {}).items() if not any(t in k for t in TIMING)}),
+                  flush=True)
 
-            def on_log(self, args, state, control, logs=None, **kw):
-                kept = {k: v for k, v in (logs or {}).items() if not any(t in k for t in TIMING)}
-                print("log " + json.dumps(kept), flush=True)
+        def on_train_end(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kw):
+            logs = [{k: v for k, v in e.items() if not any(t in k for t in TIMING)} for e in state.log_history]
+            final.update(sha256=digest(model, optimizer, lr_scheduler), global_step=state.global_step,
+                         epoch=repr(state.epoch), total_flos=repr(state.total_flos),
+                         log_history=json.loads(json.dumps(logs, default=repr)))
 
-            def on_train_end(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kw):
-                logs = [{k: v for k, v in e.items() if not any(t in k for t in TIMING)} for e in state.log_history]
-                final.update(sha256=digest(model, optimizer, lr_scheduler), global_step=state.global_step,
-                             epoch=repr(state.epoch), total_flos=repr(state.total_flos),
-                             log_history=json.loads(json.dumps(logs, default=repr)))
-
-        return _Report()
+    return Report()
 
 
 def kill_inside_hf_save(n: int) -> None:
@@ -255,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.kill_in_hf_save:
         kill_inside_hf_save(a.kill_in_hf_save)
     final: dict[str, Any] = {}
-    callbacks = [Report.make(final)]
+    callbacks = [report(final)]
     if a.mode == "unbroken":
         from unbroken.integrations.hf import UnbrokenTrainerCallback
 

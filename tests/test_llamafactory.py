@@ -76,7 +76,6 @@ class Attempt:
     rc: int = 0
     started: str = ""
     steps: dict[int, str] = field(default_factory=dict)  # step -> sha256 of the parameters after it
-    logs: list[dict] = field(default_factory=list)
     last_step: int = 0
     stderr: str = ""
 
@@ -109,8 +108,6 @@ def attempt(python: Path, command: str, assets: Path, out: Path, *extra: str,
                 if kill and not sent and att.last_step >= kill[1]:
                     proc.send_signal(kill[0])
                     sent = True
-            elif line.startswith("log "):
-                att.logs.append(json.loads(line[4:]))
         att.rc = proc.wait(timeout=600)
         err.seek(0)
         att.stderr = err.read()
