@@ -83,10 +83,11 @@ except ImportError as e:  # pragma: no cover - exercised in a subprocess by the 
 
 import torch
 
+from .attach import UnbrokenTrainerCallback
 from .callback import WRAPPED, UnbrokenCallback
 from .counters import TrainerCounters
 
-__all__ = ["enable", "UnbrokenCallback", "TrainerCounters"]
+__all__ = ["enable", "UnbrokenTrainerCallback", "UnbrokenCallback", "TrainerCounters"]
 
 
 def enable(trainer: Trainer, location: str | os.PathLike[str], *, save_every: int | None = None,
