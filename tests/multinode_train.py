@@ -8,7 +8,8 @@
 - ``--stop-after N[@W]``: the rank stops itself (SIGSTOP) right after step N (only at world size W,
   if given), printing ``stopped after step N (pid P)``: the test then knows where the job is (no
   save can be under way, the other ranks wait in the next step's collectives) when it kills the
-  node, or, at world size 1, holds the job there until a new node has joined.
+  node, or, at world size 1, holds the job there until a new node has joined. Once per rank and
+  run: a worker torchrun restarts does not stop there again (``OUT/stopped-r<rank>-s<N>``).
 - Under torchrun the process group is started at every world size, 1 included, so the model is
   always wrapped in DDP (dist_train.py leaves a single process unwrapped).
 - ``OUT/exit-r<rank>``: the exit status each rank leaves with (torchrun reaps its workers without
@@ -38,16 +39,19 @@ def _take(argv: list[str], flag: str) -> str | None:
     return value
 
 
-def _stop_after(spec: str, world: int) -> None:
-    """``--stop-after N[@W]``: SIGSTOP this process right after ``ckpt.step`` of step N (at world size W)."""
+def _stop_after(spec: str, world: int, out: Path) -> None:
+    """``--stop-after N[@W]``: SIGSTOP this process right after ``ckpt.step`` of step N (at world size W),
+    once per rank and run."""
     n, _, only = spec.partition("@")
-    if only and int(only) != world:
+    marker = out / f"stopped-r{os.environ.get('RANK', '0')}-s{n}"
+    if (only and int(only) != world) or marker.exists():
         return
     real = unbroken.Checkpointer.step
 
     def step(self, state, **metrics):  # type: ignore[no-untyped-def]
         info = real(self, state, **metrics)
-        if self.progress.step == int(n):
+        if self.progress.step == int(n) and not marker.exists():
+            marker.write_text(str(os.getpid()))
             print(f"stopped after step {n} (pid {os.getpid()})", flush=True)
             os.kill(os.getpid(), signal.SIGSTOP)
         return info
@@ -66,10 +70,11 @@ if __name__ == "__main__":
             sys.exit(f"--global-batch {batch} is not a multiple of the world size {world}")
         argv += ["--batch", str(batch // world)]
     stop = _take(argv, "--stop-after")
-    if stop is not None:
-        _stop_after(stop, world)
     sys.argv[1:] = argv
     out = Path(argv[argv.index("--out") + 1])
+    if stop is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        _stop_after(stop, world, out)
     code: object = 1
     try:
         if os.environ.get("TORCHELASTIC_RUN_ID"):
