@@ -9,8 +9,9 @@ as dist_train.py, a ``DistributedSampler`` (shuffled, seeded), and the snapshot 
 and skips the batches of the epoch already done. Signals keep their default action. Each rank
 appends ``{"step", "loss", "samples"}`` rows to ``OUT/losses-r<rank>.jsonl``, as dist_train.py does.
 
-``MULTINODE_FREEZE_IN_SAVE=N``: rank 0 stops itself (SIGSTOP) half-way through writing the N-th
-snapshot of this process (the test then loses its node there).
+Test hooks: ``MULTINODE_FREEZE_IN_SAVE=N``: rank 0 stops itself (SIGSTOP) half-way through writing
+the N-th snapshot of this process (the test then loses its node there); ``MULTINODE_STOP_AFTER=N``:
+the process stops itself right after step N (the test then knows where the job is).
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ def main() -> int:
         step = saved["step"]
         print(f"rank {rank}: resumed from step {step}", flush=True)
     freeze_at, saves = int(os.environ.get("MULTINODE_FREEZE_IN_SAVE", "0")), 0
+    stop_after = int(os.environ.get("MULTINODE_STOP_AFTER", "0"))
     with open(out / f"losses-r{rank}.jsonl", "a") as log:
         while step < args.steps:
             sampler.set_epoch(step // per_epoch)
@@ -102,6 +104,9 @@ def main() -> int:
                     saves += 1
                     save({"model": model.module.state_dict(), "optimizer": opt.state_dict(),
                           "scheduler": sched.state_dict(), "step": step}, snapshot, saves == freeze_at)
+                if step == stop_after:
+                    print(f"stopped after step {step} (pid {os.getpid()})", flush=True)
+                    os.kill(os.getpid(), signal.SIGSTOP)
                 if step >= args.steps:
                     break
     dist.destroy_process_group()

@@ -52,6 +52,7 @@ class Job:
         self.script = script or [SCRIPT, *args(base)]  # the workers' script and its arguments
         self.agents: list[tuple[int, Proc]] = []  # (node, agent) in the order started
         self.lines: list[str] = []
+        self.times: list[float] = []  # when each line arrived (time.monotonic())
 
     def start(self, node: int, *extra: str, nnodes: str = "2", restarts: int = 0,
               env: dict[str, str] | None = None) -> Proc:
@@ -62,6 +63,7 @@ class Job:
                f"--rdzv-conf=is_host={int(node == 0)},{RDZV}", f"--local-addr={here.addr}",
                f"--max-restarts={restarts}", *self.script, *extra]
         def on_line(line: str) -> None:
+            self.times.append(time.monotonic())
             self.lines.append(f"node{node}| {line}")
             if self.on_line is not None:
                 self.on_line(line)
@@ -73,6 +75,10 @@ class Job:
     @property
     def out(self) -> str:
         return "".join(self.lines)
+
+    def first(self, text: str, after: float = 0.0) -> float:
+        """When the first line containing ``text`` arrived after ``after`` (time.monotonic())."""
+        return next(t for t, line in zip(list(self.times), list(self.lines)) if t >= after and text in line)
 
     def until(self, what: str, found: Callable[[], T]) -> T:
         """Poll ``found()`` until it is true; past the deadline, end every process and fail."""
@@ -357,7 +363,9 @@ def test_elastic_job_shrinks_to_the_surviving_node_and_grows_back_at_the_same_gl
     assert committed(tmp_path) == [SAVE_EVERY]
     shutil.copytree(tmp_path / "run" / f"step-{SAVE_EVERY:09d}", planned / "run" / f"step-{SAVE_EVERY:09d}")
     nodes.nodes[1].kill_all()
+    lost = time.monotonic()
     (held,) = job.until("the job, shrunk to node 0, held after step 11", nodes.nodes[0].stopped)
+    joined = time.monotonic()
     job.start(1, **elastic)  # a new node 1
     job.until("node 0's agent stopping its worker for the new node", lambda: pending(held, signal.SIGTERM))
     os.kill(held, signal.SIGCONT)
@@ -368,6 +376,8 @@ def test_elastic_job_shrinks_to_the_surviving_node_and_grows_back_at_the_same_gl
     assert "node0| rank 0: resumed from step 4" in out and "node0| preempted at step 12" in out, out
     assert "world size changed from 1 to 2" in out and "the data continues at global sample 192 of epoch 0" in out
     assert all(f"rank {r}: resumed from step 12" in out for r in (0, 1)), out
+    print(f"elastic: trained again at world size 1 {job.first('step 5', lost) - lost:.1f} s after node 1 was "
+          f"lost, at 2 {job.first('step 13', joined) - joined:.1f} s after the new node's agent started")
 
     ref = [losses(reference, r) for r in (0, 1)]
     got = [losses(tmp_path / "out", r) for r in (0, 1)]
@@ -402,19 +412,17 @@ def test_pytorch_alone_loses_the_steps_since_its_snapshot_resumes_not_bitwise_an
        without deleting it by hand (and losing every step)."""
     script = [ALONE, "--run-dir", str(tmp_path / "run"), "--out", str(tmp_path / "out"), "--steps", str(STEPS),
               "--save-every", str(SAVE_EVERY), "--global-batch", str(GLOBAL_BATCH)]
-    sent: list[int] = []
-
-    def on_line(line: str) -> None:
-        if not sent and "rank 1 step 6" in line:
-            sent.extend(nodes.signal_all(signal.SIGTERM))
-
-    job = Job(nodes, tmp_path, on_line, script)
-    job.start(1)
+    job = Job(nodes, tmp_path, script=script)
+    job.start(1, env=dict(ENV, MULTINODE_STOP_AFTER="6"))  # rank 1 waits after step 6, rank 0 in step 7
     job.start(0)
-    assert all(code != 0 for code in job.wait()) and len(sent) == 4, job.out
+    (waiting,) = job.until("rank 1 stopped after step 6", nodes.nodes[1].stopped)
+    assert len(nodes.signal_all(signal.SIGTERM)) == 4  # two agents, two workers
+    os.kill(waiting, signal.SIGCONT)
+    assert all(code != 0 for code in job.wait()), job.out
+    assert "done" not in job.out and not (tmp_path / "out" / "exit-r0").exists()
     first = [losses(tmp_path / "out", r) for r in (0, 1)]
     done = min(max(first[r]) for r in (0, 1))  # the last step every rank finished
-    assert done >= 6 and "Signal 15 (SIGTERM) received by PID" in job.out, job.out
+    assert done == 6, job.out
     snapshot = tmp_path / "run" / "snapshot.pt"
     assert torch.load(snapshot, weights_only=True)["step"] == SAVE_EVERY  # steps 5..done: lost
     print(f"PyTorch alone, SIGTERM everywhere after step {done}: snapshot of step {SAVE_EVERY}, "
@@ -438,5 +446,6 @@ def test_pytorch_alone_loses_the_steps_since_its_snapshot_resumes_not_bitwise_an
     job.start(1)
     job.start(0)
     assert all(code != 0 for code in job.wait()), job.out
-    assert job.out.count("PytorchStreamReader failed reading zip archive") >= 2, job.out  # on both ranks
+    # torch 2.13 reading the torn zip archive, on both ranks: "OSError: [Errno 22] Invalid argument"
+    assert set(re.findall(r"\[rank(\d)\]: OSError: \[Errno 22\] Invalid argument", job.out)) == {"0", "1"}, job.out
     assert "resumed from step" not in job.out
