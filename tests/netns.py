@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import itertools
 import os
 import re
@@ -54,13 +55,14 @@ def _ip(*args: str, check: bool = True) -> str:
     return proc.stdout
 
 
+@functools.cache
 def available() -> str | None:
     """None if this process can create namespaces, else why not (for a skip reason)."""
     if not shutil.which(IP):
         return "iproute2 (ip) is not installed: run scripts/install_system_deps.sh as root"
     if os.geteuid() != 0:
         return "network namespaces need root (ip netns add)"
-    name = f"ubn{os.getpid()}x{next(_made)}probe"
+    name = f"ubn{os.getpid()}xprobe"
     try:
         _ip("netns", "add", name)
     except (NetnsError, OSError, subprocess.TimeoutExpired) as e:
@@ -151,13 +153,15 @@ class Node:
 
     def __init__(self, name: str, addr: str) -> None:
         self.name, self.addr = name, addr
+        self.procs: list[Proc] = []
 
     def start(self, cmd: Sequence[str], env: dict[str, str], on_line: Callable[[str], None] | None = None,
               cwd: str | Path | None = None) -> Proc:
         """Run ``cmd`` on this node (in its own session: a test's process group is never signalled)."""
         popen = subprocess.Popen([IP, "netns", "exec", self.name, *cmd], env=env, cwd=cwd, text=True,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-        return Proc(popen, on_line)
+        self.procs.append(Proc(popen, on_line))
+        return self.procs[-1]
 
     def pids(self) -> list[int]:
         """Every process running on this node."""
@@ -181,6 +185,8 @@ class Node:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         _kill_namespace(self.name)
+        for proc in self.procs:  # reap the ones started here (the others' parent was one of them)
+            proc.wait(10)
         return first
 
 
@@ -191,6 +197,8 @@ class Cluster:
         collect_stale()
         k = next(_made)
         self._tag = f"ubn{os.getpid()}x{k}"
+        if len(self._tag) > 13 or n > 10:  # link names: the tag, "b" or "v<i>", 15 characters at most
+            raise NetnsError(f"cluster {k} of {n} nodes: too many for the names of the links")
         subnet = f"10.{200 + (os.getpid() >> 8) % 50}.{(os.getpid() + k) % 256}"  # private; no host route
         self.bridge = f"{self._tag}b"
         self.nodes = [Node(f"{self._tag}n{i}", f"{subnet}.{i + 1}") for i in range(n)]
@@ -230,7 +238,7 @@ class Cluster:
     def kill_all(self) -> None:
         """SIGKILL every process on every node (the nodes stay)."""
         for node in self.nodes:
-            _kill_namespace(node.name)
+            node.kill_all()
 
     def close(self) -> None:
         """Kill every process on every node, delete the links, the bridge and the namespaces
@@ -239,7 +247,7 @@ class Cluster:
             return
         self._closed = True
         for i, node in enumerate(self.nodes):
-            _kill_namespace(node.name)
+            node.kill_all()
             _ip("link", "del", f"{self._tag}v{i}", check=False)  # and its peer inside the namespace
             _ip("netns", "del", node.name, check=False)
         _ip("link", "del", self.bridge, check=False)
