@@ -128,10 +128,11 @@ class Proc:
         self._reader.start()
 
     def _read(self) -> None:
-        for line in self.popen.stdout:  # type: ignore[union-attr]
-            self.lines.append(line)
-            if self._on_line is not None:
-                self._on_line(line)
+        with self.popen.stdout:  # type: ignore[union-attr]
+            for line in self.popen.stdout:  # type: ignore[union-attr]
+                self.lines.append(line)
+                if self._on_line is not None:
+                    self._on_line(line)
 
     @property
     def output(self) -> str:
