@@ -85,20 +85,38 @@ def collect_stale() -> list[str]:
     """Remove the namespaces and links left by owners that are no longer alive (a killed session);
     the names removed."""
     removed = []
-    for name in _ip("netns", "list", check=False).split():
+    for name in namespaces():
         m = _OURS.match(name)
         if m and not _alive(int(m.group(1))):
             _kill_namespace(name)
             _ip("netns", "del", name, check=False)
             removed.append(name)
-    for line in _ip("-o", "link", "show", check=False).splitlines():
-        fields = line.split(":")
-        link = fields[1].strip().split("@")[0] if len(fields) > 1 else ""
+    for link in links():
         m = _OURS.match(link)
         if m and not _alive(int(m.group(1))):
             _ip("link", "del", link, check=False)
             removed.append(link)
     return removed
+
+
+def namespaces() -> list[str]:
+    """The names of the network namespaces of this machine (``ip netns list``)."""
+    return [line.split()[0] for line in _ip("netns", "list", check=False).splitlines() if line.strip()]
+
+
+def links() -> list[str]:
+    """The names of the network links of this process's namespace (``ip link show``)."""
+    return [line.split(":")[1].strip().split("@")[0] for line in _ip("-o", "link", "show", check=False).splitlines()
+            if line.count(":") >= 2]
+
+
+def ended(pid: int) -> bool:
+    """True if process ``pid`` has ended (it may wait to be reaped: a zombie)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return True
+    return stat[stat.rfind(b")") + 2:].startswith(b"Z")
 
 
 def _pids(namespace: str) -> list[int]:

@@ -22,16 +22,14 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
-import torch
 
-from netns import IFNAME, IP, Cluster, Proc, available
+from netns import IFNAME, Cluster, Proc, available, ended, links, namespaces
 from test_distributed import losses, run, same_final
 from unbroken.faults import EXIT_PREEMPTED
 from unbroken.store import open_store
 
 pytestmark = pytest.mark.e2e
 SCRIPT = str(Path(__file__).parent / "multinode_train.py")
-ALONE = str(Path(__file__).parent / "multinode_alone_train.py")  # the job checkpointed by PyTorch alone
 STEPS, SAVE_EVERY, GLOBAL_BATCH = 16, 4, 16
 PORT = 29400  # of the rendezvous, on node 0's address: every cluster is a network of its own
 RDZV = "last_call_timeout=3,keep_alive_interval=1,join_timeout=120"
@@ -62,6 +60,7 @@ class Job:
                "--rdzv-backend=c10d", f"--rdzv-endpoint={host.addr}:{PORT}", f"--rdzv-id={self.base.name}",
                f"--rdzv-conf=is_host={int(node == 0)},{RDZV}", f"--local-addr={here.addr}",
                f"--max-restarts={restarts}", *self.script, *extra]
+
         def on_line(line: str) -> None:
             self.times.append(time.monotonic())
             self.lines.append(f"node{node}| {line}")
@@ -172,6 +171,77 @@ def reference(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Pat
     return base / "out"
 
 
+# --------------------------------------------------------------------------- the harness itself
+PROBE = """
+import socket, sys
+s = socket.socket()
+try:
+    s.settimeout(5)
+    s.connect((sys.argv[1], int(sys.argv[2])))
+    print("connected")
+except OSError as e:
+    print("refused" if isinstance(e, ConnectionRefusedError) else f"failed: {e}")
+"""
+LISTEN = """
+import socket, sys, time
+s = socket.socket()
+s.bind((sys.argv[1], int(sys.argv[2])))
+s.listen()
+print("listening", flush=True)
+time.sleep(3600)
+"""
+
+
+def test_nodes_reach_each_other_only_by_address_and_are_torn_down_when_a_test_fails() -> None:
+    """A node reaches another's address over the bridge, not its loopback (each node has its own);
+    leaving the ``with`` by an exception kills every process on every node and removes the links and
+    the namespaces."""
+    need_netns()
+    listening: list[str] = []
+    with pytest.raises(RuntimeError, match="the test failed"), Cluster(2) as made:
+        node0, node1 = made.nodes
+        for addr, port in ((node0.addr, PORT), ("127.0.0.1", PORT + 1)):
+            node0.start([sys.executable, "-c", LISTEN, addr, str(port)], HOST_ENV, listening.append)
+        deadline = time.monotonic() + 60
+        while len(listening) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(listening) == 2
+        for addr, port, answer in ((node0.addr, PORT, "connected"), ("127.0.0.1", PORT + 1, "refused")):
+            probe = node1.start([sys.executable, "-c", PROBE, addr, str(port)], HOST_ENV)
+            assert probe.wait(60) == 0 and probe.output == answer + "\n", (addr, probe.output)
+        listeners = node0.pids()
+        assert len(listeners) == 2
+        raise RuntimeError("the test failed")
+    assert all(ended(pid) for pid in listeners)
+    assert not {n.name for n in made.nodes} & set(namespaces()) and made.bridge not in links()
+
+
+def test_namespaces_of_a_killed_session_are_collected_at_the_next_start(tmp_path: Path) -> None:
+    """A session SIGKILLed with its cluster up (no teardown could run) leaves namespaces, links and
+    processes; the next ``Cluster()`` of any process removes them (their owner is dead)."""
+    need_netns()
+    left = tmp_path / "left"
+    code = f"""
+import os, signal, sys, time
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from netns import Cluster
+c = Cluster(2)
+p = c.nodes[1].start([sys.executable, "-c", "import time; time.sleep(3600)"], dict(os.environ))
+time.sleep(0.5)
+open({str(left)!r}, "w").write(" ".join([*(n.name for n in c.nodes), c.bridge, str(p.popen.pid)]))
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], env=HOST_ENV, timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    *namespaces, bridge, sleeper = left.read_text().split()
+    assert set(namespaces) <= set(namespaces()) and bridge in links()
+    assert not ended(int(sleeper))
+    with Cluster(1):  # collects first
+        assert not set(namespaces) & set(namespaces()) and bridge not in links()
+    assert ended(int(sleeper))
+
+
+# ---------------------------------------------------------------------------- node losses
 def test_nodes_lost_inside_saves_and_at_a_step_each_relaunch_resumes_and_the_job_ends_bitwise(
         nodes: Cluster, reference: Path, tmp_path: Path) -> None:
     """Three node losses in one job, each followed by a relaunch on both nodes; every process of the
@@ -222,93 +292,6 @@ def test_nodes_lost_inside_saves_and_at_a_step_each_relaunch_resumes_and_the_job
     assert all(job.out.count(f"rank {r}: resumed from step {resumed}") == 2 for r in (0, 1)), job.out
     assert open_store(tmp_path / "run").list_uncommitted() == []
     check_bitwise(reference, tmp_path)
-
-
-# --------------------------------------------------------------------------- the harness itself
-PROBE = """
-import socket, sys
-s = socket.socket()
-try:
-    s.settimeout(5)
-    s.connect((sys.argv[1], int(sys.argv[2])))
-    print("connected")
-except OSError as e:
-    print("refused" if isinstance(e, ConnectionRefusedError) else f"failed: {e}")
-"""
-LISTEN = """
-import socket, sys, time
-s = socket.socket()
-s.bind((sys.argv[1], int(sys.argv[2])))
-s.listen()
-print("listening", flush=True)
-time.sleep(3600)
-"""
-
-
-def test_nodes_reach_each_other_only_by_address_and_are_torn_down_when_a_test_fails() -> None:
-    """A node reaches another's address over the bridge, not its loopback (each node has its own);
-    leaving the ``with`` by an exception kills every process on every node and removes the links and
-    the namespaces."""
-    need_netns()
-    listening: list[str] = []
-    with pytest.raises(RuntimeError, match="the test failed"), Cluster(2) as made:
-        node0, node1 = made.nodes
-        for addr, port in ((node0.addr, PORT), ("127.0.0.1", PORT + 1)):
-            node0.start([sys.executable, "-c", LISTEN, addr, str(port)], HOST_ENV, listening.append)
-        deadline = time.monotonic() + 60
-        while len(listening) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(listening) == 2
-        for addr, port, answer in ((node0.addr, PORT, "connected"), ("127.0.0.1", PORT + 1, "refused")):
-            probe = node1.start([sys.executable, "-c", PROBE, addr, str(port)], HOST_ENV)
-            assert probe.wait(60) == 0 and probe.output == answer + "\n", (addr, probe.output)
-        listeners = node0.pids()
-        assert len(listeners) == 2
-        raise RuntimeError("the test failed")
-    assert all(_gone(pid) for pid in listeners)
-    assert not {n.name for n in made.nodes} & set(_ip_list("netns")) and made.bridge not in _ip_list("link")
-
-
-def test_namespaces_of_a_killed_session_are_collected_at_the_next_start(tmp_path: Path) -> None:
-    """A session SIGKILLed with its cluster up (no teardown could run) leaves namespaces, links and
-    processes; the next ``Cluster()`` of any process removes them (their owner is dead)."""
-    need_netns()
-    left = tmp_path / "left"
-    code = f"""
-import os, signal, sys, time
-sys.path.insert(0, {str(Path(__file__).parent)!r})
-from netns import Cluster
-c = Cluster(2)
-p = c.nodes[1].start([sys.executable, "-c", "import time; time.sleep(3600)"], dict(os.environ))
-time.sleep(0.5)
-open({str(left)!r}, "w").write(" ".join([*(n.name for n in c.nodes), c.bridge, str(p.popen.pid)]))
-os.kill(os.getpid(), signal.SIGKILL)
-"""
-    proc = subprocess.run([sys.executable, "-c", code], env=HOST_ENV, timeout=120)
-    assert proc.returncode == -signal.SIGKILL
-    *namespaces, bridge, sleeper = left.read_text().split()
-    assert set(namespaces) <= set(_ip_list("netns")) and bridge in _ip_list("link")
-    assert not _gone(int(sleeper))
-    with Cluster(1):  # collects first
-        assert not set(namespaces) & set(_ip_list("netns")) and bridge not in _ip_list("link")
-    assert _gone(int(sleeper))
-
-
-def _ip_list(what: str) -> list[str]:
-    out = subprocess.run([IP, "-o", what, "show"] if what == "link" else [IP, "netns", "list"],
-                         capture_output=True, text=True, check=True).stdout
-    if what == "link":
-        return [line.split(":")[1].strip().split("@")[0] for line in out.splitlines()]
-    return [line.split()[0] for line in out.splitlines() if line.strip()]
-
-
-def _gone(pid: int) -> bool:
-    """The process has ended (it may wait to be reaped by its parent: a zombie)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return True
-    return stat[stat.rfind(b")") + 2:].startswith(b"Z")
 
 
 # ------------------------------------------------------------------------------- SIGTERM
@@ -396,56 +379,3 @@ def test_elastic_job_shrinks_to_the_surviving_node_and_grows_back_at_the_same_gl
     want = [losses(planned / "out", r) for r in (0, 1)]
     assert {s: got[0][s] for s in range(5, STEPS + 1)} == want[0]
     assert {s: got[1][s] for s in range(13, STEPS + 1)} == want[1]
-
-
-# ------------------------------------------------------------------ PyTorch alone, measured
-def test_pytorch_alone_loses_the_steps_since_its_snapshot_resumes_not_bitwise_and_is_stuck_after_a_torn_one(
-        nodes: Cluster, tmp_path: Path) -> None:
-    """The column "PyTorch alone" of docs/distributed.md: the same job checkpointed as PyTorch's
-    multinode DDP tutorial does it (tests/multinode_alone_train.py), under the same harness:
-
-    1. SIGTERM to every process on every node after step 6: every process dies of it, no snapshot
-       is written, the steps since the snapshot of step 4 are lost;
-    2. relaunched, it resumes from step 4 with the same samples but other losses (the snapshot has
-       no RNG state: dropout draws anew); node 0 is lost half-way through writing snapshot.pt;
-    3. relaunched again, every rank fails to load the torn snapshot.pt: the job cannot go on
-       without deleting it by hand (and losing every step)."""
-    script = [ALONE, "--run-dir", str(tmp_path / "run"), "--out", str(tmp_path / "out"), "--steps", str(STEPS),
-              "--save-every", str(SAVE_EVERY), "--global-batch", str(GLOBAL_BATCH)]
-    job = Job(nodes, tmp_path, script=script)
-    job.start(1, env=dict(ENV, MULTINODE_STOP_AFTER="6"))  # rank 1 waits after step 6, rank 0 in step 7
-    job.start(0)
-    (waiting,) = job.until("rank 1 stopped after step 6", nodes.nodes[1].stopped)
-    assert len(nodes.signal_all(signal.SIGTERM)) == 4  # two agents, two workers
-    os.kill(waiting, signal.SIGCONT)
-    assert all(code != 0 for code in job.wait()), job.out
-    assert "done" not in job.out and not (tmp_path / "out" / "exit-r0").exists()
-    first = [losses(tmp_path / "out", r) for r in (0, 1)]
-    done = min(max(first[r]) for r in (0, 1))  # the last step every rank finished
-    assert done == 6, job.out
-    snapshot = tmp_path / "run" / "snapshot.pt"
-    assert torch.load(snapshot, weights_only=True)["step"] == SAVE_EVERY  # steps 5..done: lost
-    print(f"PyTorch alone, SIGTERM everywhere after step {done}: snapshot of step {SAVE_EVERY}, "
-          f"{done - SAVE_EVERY} steps lost")
-
-    job = Job(nodes, tmp_path, script=script)
-    job.start(1)
-    job.start(0, env=dict(ENV, MULTINODE_FREEZE_IN_SAVE="1"))  # its first snapshot: step 8
-    job.until("rank 0 frozen in its snapshot", nodes.nodes[0].stopped)
-    nodes.nodes[0].kill_all()
-    assert all(code != 0 for code in job.wait()), job.out
-    assert all(f"rank {r}: resumed from step {SAVE_EVERY}" in job.out for r in (0, 1)), job.out
-    again = [losses(tmp_path / "out", r) for r in (0, 1)]
-    redone = [(r, s) for r in (0, 1) for s in range(SAVE_EVERY + 1, done + 1)]
-    assert all(again[r][s][1] == first[r][s][1] for r, s in redone)  # the same samples ...
-    equal = sum(again[r][s][0] == first[r][s][0] for r, s in redone)
-    assert equal < len(redone)  # ... not the same losses
-    print(f"PyTorch alone, resumed from step {SAVE_EVERY}: {equal} of {len(redone)} recomputed losses equal")
-
-    job = Job(nodes, tmp_path, script=script)
-    job.start(1)
-    job.start(0)
-    assert all(code != 0 for code in job.wait()), job.out
-    # torch 2.13 reading the torn zip archive, on both ranks: "OSError: [Errno 22] Invalid argument"
-    assert set(re.findall(r"\[rank(\d)\]: OSError: \[Errno 22\] Invalid argument", job.out)) == {"0", "1"}, job.out
-    assert "resumed from step" not in job.out
