@@ -233,11 +233,11 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
     proc = subprocess.run([sys.executable, "-c", code], env=HOST_ENV, timeout=120)
     assert proc.returncode == -signal.SIGKILL
-    *namespaces, bridge, sleeper = left.read_text().split()
-    assert set(namespaces) <= set(namespaces()) and bridge in links()
+    *stale, bridge, sleeper = left.read_text().split()
+    assert set(stale) <= set(namespaces()) and bridge in links()
     assert not ended(int(sleeper))
     with Cluster(1):  # collects first
-        assert not set(namespaces) & set(namespaces()) and bridge not in links()
+        assert not set(stale) & set(namespaces()) and bridge not in links()
     assert ended(int(sleeper))
 
 
