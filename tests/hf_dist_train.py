@@ -5,8 +5,10 @@
 A tiny random-init GPT-2 with dropout under ``transformers.Trainer``, on one of the stacks
 
 - ``ddp``: what the Trainer does by itself under torchrun (accelerate's DistributedDataParallel);
-- ``fsdp2`` / ``fsdp1``: ``fsdp="full_shard"`` with ``fsdp_config={"fsdp_version": 2 or 1}`` (accelerate's
-  FSDP plugin; GPT2Block wrapped);
+- ``fsdp2`` / ``fsdp1``: ``fsdp=True`` with ``fsdp_config={"fsdp_version": 2 or 1}`` (accelerate's FSDP
+  plugin, full sharding, GPT2Block wrapped). On CPU accelerate applies the plugin only with
+  ``--force-fsdp-on-cpu`` (it marks the CPU group as an accelerator group before the Trainer builds its
+  Accelerator; without it the Trainer trains with DDP);
 - ``zero2`` / ``zero3``: ``TrainingArguments(deepspeed={"zero_optimization": {"stage": 2 or 3}, ...})`` with
   the Trainer's torch AdamW (``optim="adamw_torch"``; no DeepSpeed optimizer, nothing compiled for it).
 
@@ -21,7 +23,7 @@ every 5 steps.
 first (torch's default group that survives torchrun restarts); that is HF alone's only use of unbroken.
 
 Every rank appends one JSON line per optimizer step to ``OUT/steps-r<rank>.jsonl`` (its micro-batch
-losses, the samples it loaded, ``state.epoch``, the world size) and prints ``rank R step N``. At the
+losses, the samples it trained on, ``state.epoch``, the world size) and prints ``rank R step N``. At the
 end rank 0 writes ``OUT/final.safetensors`` (the full parameters, AdamW moments and learning rates,
 gathered: ``full_tensor()`` under FSDP, DeepSpeed's ``safe_get_full_*`` under ZeRO; the fp32 masters
 under ZeRO) and ``OUT/final.json`` (global_step, epoch, total_flos, train_loss, log_history without
@@ -92,9 +94,9 @@ class ScriptTrainer(Trainer):
 
 def stack_args(stack: str) -> dict:
     if stack.startswith("fsdp"):
-        extra = {"sync_module_states": False} if stack == "fsdp1" else {}
-        return {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": int(stack[-1]), **extra,
-                                                      "transformer_layer_cls_to_wrap": ["GPT2Block"]}}
+        extra = {"sync_module_states": False} if stack == "fsdp1" else {}  # True needs an accelerator device
+        return {"fsdp": True, "fsdp_config": {"fsdp_version": int(stack[-1]), **extra,
+                                              "transformer_layer_cls_to_wrap": ["GPT2Block"]}}
     if stack.startswith("zero"):
         return {"deepspeed": {"zero_optimization": {"stage": int(stack[-1])}, "train_batch_size": "auto",
                               "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
@@ -149,6 +151,9 @@ class Report(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         print(f"rank {self.rank}: " + (f"resumed from step {state.global_step}" if state.global_step
                                        else "fresh start"), flush=True)
+        t = self.trainer
+        param = type(next(t.model_wrapped.parameters())).__name__
+        print(f"rank {self.rank}: training under {type(t.model_wrapped).__name__} ({param} parameters)", flush=True)
         if self.a.dump_restored:
             dump(self.trainer, self.out / "restored.safetensors")
 

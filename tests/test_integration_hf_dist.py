@@ -51,6 +51,8 @@ STACKS = ["ddp", "fsdp2", "zero2", "zero3"]
 # and its RNG; under FSDP2 and DeepSpeed its shards, one replicated file, its RNG): the 4th time it is
 # half-way through a file is in the first file of the 2nd save, the save of step 6
 KILL_IN_SAVE = "save.mid_file@1=4"
+WRAPPER = {"ddp": "DistributedDataParallel (Parameter parameters)", "fsdp2": "FSDPGPT2LMHeadModel (DTensor parameters)",
+           "zero2": "DeepSpeedEngine (Parameter parameters)", "zero3": "DeepSpeedEngine (Parameter parameters)"}
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +121,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory, env: dict[str, str]):
             base = tmp_path_factory.mktemp(f"hf-{stack}-{mode}-reference")
             code, out = launch(torchrun(2, base, stack, mode, "--dump-at", str(CUT)), env, base)
             assert code == 0 and starts(out) == [0], out[-5000:]
+            assert f"rank 1: training under {WRAPPER[stack]}" in out, out[-5000:]  # the stack really ran
             assert sorted(rows(base / "out", 0)) == list(range(1, STEPS + 1))
             _references[stack, mode] = base / "out"
         return _references[stack, mode]
@@ -287,3 +290,55 @@ def test_hf_alone_saved_by_two_ranks_resumed_on_one(stack, reference, env, tmp_p
         same = [s for s in range(CUT + 1, STEPS + 1) if global_samples(got).get(s) == want[s]]
         print(f"measured, {stack} HF alone 2 -> 1: restored state differs in {restored}; steps with the same "
               f"global samples: {same}")
+
+
+# ----------------------------------------------------------------------------- FSDP on CPU, FSDP1
+
+FSDP_CHECKS = """
+import sys
+sys.path.insert(0, {tests!r})
+import hf_dist_train as job
+import unbroken
+from accelerate.state import PartialState
+from accelerate.utils import DistributedType
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from unbroken.integrations.hf import enable
+
+unbroken.init_distributed("gloo")
+
+
+def trainer(version, force):
+    args = TrainingArguments(output_dir={out!r}, use_cpu=True, ddp_backend="gloo", report_to=[], max_steps=1,
+                             save_strategy="no", **job.stack_args("fsdp%d" % version))
+    if force:  # what the job's --force-fsdp-on-cpu does
+        PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))
+    return Trainer(model=model, args=args, train_dataset=job.Tokens())
+
+
+t = trainer(2, force=False)
+print("fsdp on cpu:", t.args.fsdp, t.is_fsdp_enabled, t.accelerator.distributed_type, flush=True)
+enable(t, {out!r} + "/run-ddp").checkpointer.close()
+t = trainer(1, force=True)
+print("fsdp1 forced:", t.is_fsdp_enabled, t.accelerator.state.fsdp_plugin.fsdp_version, flush=True)
+try:
+    enable(t, {out!r} + "/run-fsdp1")
+except ValueError as e:
+    print("refused:", e, flush=True)
+"""
+
+
+def test_fsdp_on_cpu_is_ddp_and_fsdp1_is_refused(env, tmp_path: Path) -> None:
+    """One rank under torchrun (a Trainer with FSDP wants a process group). accelerate 1.15 applies its
+    FSDP plugin only for accelerator devices (``AcceleratorState.__init__``: the branch of MULTI_GPU,
+    MULTI_XPU, ...): on CPU the Trainer trains without FSDP, which unbroken saves like DDP. FSDP1,
+    when it runs, is refused by ``enable`` before any training, naming FSDP2."""
+    script = tmp_path / "checks.py"
+    script.write_text(FSDP_CHECKS.format(tests=str(Path(SCRIPT).parent), out=str(tmp_path)))
+    code, out = launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+                        str(script)], env, tmp_path)
+    assert code == 0, out[-3000:]
+    assert "fsdp on cpu: True False DistributedType.MULTI_CPU" in out, out[-3000:]
+    assert "fsdp1 forced: True 1" in out
+    assert re.search(r"refused: .*does not support FSDP1.*'fsdp_version': 2", out), out[-3000:]
+    assert not (tmp_path / "run-fsdp1").exists()
