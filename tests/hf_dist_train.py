@@ -54,7 +54,8 @@ if any(s in sys.argv for s in ("zero2", "zero3")):
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import transformers  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments, set_seed  # noqa: E402
+from transformers import (GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback,  # noqa: E402
+                          TrainingArguments, set_seed)
 from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 import unbroken  # noqa: E402

@@ -223,10 +223,16 @@ def test_saved_by_two_ranks_resumed_on_one_at_the_same_global_sample(stack, refe
 
 
 # ----------------------------------------------------------------------------- HF alone, measured
+# ZeRO-2 gave what ZeRO-3 gives under each of these faults (the same errors) when measured; left out of CI.
+ALONE = ["ddp", "fsdp2", "zero3"]
 
 
-@pytest.mark.parametrize("stack", STACKS)
-def test_hf_alone_sigkill_and_sigterm(stack, reference, env, tmp_path) -> None:
+def errors(out: str) -> list[str]:
+    return re.findall(r"^\[rank0\]: ([\w.]+(?:Error|Exception)\w*: .*)$", out, re.M)
+
+
+@pytest.mark.parametrize("stack", ALONE)
+def test_hf_alone_sigkill_and_sigterm_lose_the_steps_since_its_last_save(stack, reference, env, tmp_path) -> None:
     """Rank 1 SIGKILLed after step 5 (HF saved step 3), then SIGTERM to both ranks after step 8 (HF saved
     step 6); torchrun restarts the group each time, HF resumes with ``resume_from_checkpoint=True``."""
     ref = reference(stack, "hf")
@@ -249,47 +255,60 @@ def test_hf_alone_sigkill_and_sigterm(stack, reference, env, tmp_path) -> None:
                 os.kill(sent["term"][-1], signal.SIGTERM)
 
     code, out = launch(torchrun(2, tmp_path, stack, "hf", restarts=2), env, tmp_path, on_line)
-    print(f"measured, {stack} HF alone: exit {code}, rounds started from {starts(out)}")
     assert code == 0 and sent["kill"] and sent["term"], out[-5000:]
+    # SIGTERM is not handled (the ranks die, nothing is saved); each restart resumes from HF's last save:
+    # the steps since then are lost and recomputed (4 and 5, 7 and 8)
+    assert starts(out) == [0, SAVE_EVERY, 2 * SAVE_EVERY], out[-5000:]
     got = tmp_path / "out"
-    same_final = not differing(ref / "final.safetensors", got / "final.safetensors")
-    bad = {rank: sorted({r["step"] for r in all_rows(got, rank) if r != rows(ref, rank)[r["step"]]})
-           for rank in (0, 1)}
+    # measured: the parameters, moments and every step's losses and samples, the recomputed ones included,
+    # are bitwise the uninterrupted run's (HF saves every rank's RNG) ...
+    assert not differing(ref / "final.safetensors", got / "final.safetensors")
+    for rank in (0, 1):
+        assert [r for r in all_rows(got, rank) if r != rows(ref, rank)[r["step"]]] == []
+    # ... the log is not: the first loss logged after a resume averages fewer steps, train_loss covers the
+    # last process only
     final, ref_final = (json.loads((p / "final.json").read_text()) for p in (got, ref))
-    print(f"measured, {stack} HF alone: final state bitwise: {same_final}; steps whose losses/samples differ: {bad}; "
-          f"train_loss {final['train_loss']} vs {ref_final['train_loss']}; "
-          f"log_history equal: {final['log_history'] == ref_final['log_history']}")
-    assert starts(out) == [0, SAVE_EVERY, 2 * SAVE_EVERY], out[-5000:]  # the steps since its last save: lost
+    assert final["train_loss"] != ref_final["train_loss"] and final["log_history"] != ref_final["log_history"]
+    print(f"measured, {stack} HF alone: SIGKILL after step 5 -> resumed at 3, SIGTERM after step 8 -> resumed at 6; "
+          f"train_loss {final['train_loss']} vs {ref_final['train_loss']} uninterrupted")
 
 
-@pytest.mark.parametrize("stack", STACKS)
-def test_hf_alone_killed_inside_its_save(stack, reference, env, tmp_path) -> None:
+@pytest.mark.parametrize("stack", ALONE)
+def test_hf_alone_killed_inside_its_save_cannot_resume(stack, env, tmp_path) -> None:
     """Rank 0 SIGKILLed inside HF's save of step 6, after the weights, before the optimizer and
     ``trainer_state.json``; torchrun restarts the group twice."""
     code, out = launch(torchrun(2, tmp_path, stack, "hf", "--hf-kill-in-save", "2", "--kill-rank", "0",
                                 restarts=2), env, tmp_path)
     torn = tmp_path / "out" / "hf" / f"checkpoint-{CUT}"
-    print(f"measured, {stack} HF alone: exit {code}, rounds that started training: {starts(out)}, "
-          f"torn folder holds {sorted(p.name for p in torn.iterdir()) if torn.exists() else None}")
-    errors = re.findall(r"^\[rank0\]: (\w+(?:Error|Exception)\w*: .*)$", out, re.M)
-    print(f"measured, {stack} HF alone: errors {errors}")
+    held = sorted(p.name for p in torn.iterdir())
+    # every restart picks the torn checkpoint (the highest-numbered folder) and crashes: the run is stuck
     assert code != 0 and starts(out) == [0], out[-5000:]
+    crashes = [e for e in errors(out) if e.startswith("FileNotFoundError") and
+               f"checkpoint-{CUT}/trainer_state.json" in e]
+    assert len(crashes) == 2 and "trainer_state.json" not in held, out[-5000:]
+    print(f"measured, {stack} HF alone: killed inside the save of step {CUT}: 2 of 2 restarts crashed "
+          f"({crashes[0].split(':')[0]}); the torn folder holds {held}")
 
 
-@pytest.mark.parametrize("stack", STACKS)
+@pytest.mark.parametrize("stack", ALONE)
 def test_hf_alone_saved_by_two_ranks_resumed_on_one(stack, reference, env, tmp_path) -> None:
     ref = reference(stack, "hf")
     shutil.copytree(ref / "hf" / f"checkpoint-{CUT}", tmp_path / "out" / "hf" / f"checkpoint-{CUT}")
     code, out = launch(torchrun(1, tmp_path, stack, "hf", "--dump-restored"), env, tmp_path)
-    errors = re.findall(r"^\[rank0\]: (\w+(?:Error|Exception)\w*: .*)$", out, re.M)
-    print(f"measured, {stack} HF alone 2 -> 1: exit {code}, started from {starts(out)}, errors {errors}")
     got = tmp_path / "out"
-    if code == 0:
-        restored = differing(ref / f"state-{CUT}.safetensors", got / "restored.safetensors")
-        want = global_samples(ref)
-        same = [s for s in range(CUT + 1, STEPS + 1) if global_samples(got).get(s) == want[s]]
-        print(f"measured, {stack} HF alone 2 -> 1: restored state differs in {restored}; steps with the same "
-              f"global samples: {same}")
+    if stack.startswith("zero"):  # measured: DeepSpeed refuses another data-parallel world size
+        assert code != 0 and starts(out) == [], out[-5000:]
+        assert any("ZeRORuntimeException: The checkpoint being loaded used a DP world size of 2 but the current "
+                   "world size is 1" in e for e in errors(out)), out[-5000:]
+        print(f"measured, {stack} HF alone 2 -> 1: {errors(out)[0]}")
+        return
+    # measured: with full state dicts (DDP; FSDP2 with HF's default FULL_STATE_DICT) HF resumes on 1 rank
+    # with the saved state and the same global samples per step
+    assert code == 0 and starts(out) == [CUT], out[-5000:]
+    assert not differing(ref / f"state-{CUT}.safetensors", got / "restored.safetensors")
+    want = global_samples(ref)
+    assert global_samples(got) == {s: want[s] for s in range(CUT + 1, STEPS + 1)}
+    print(f"measured, {stack} HF alone 2 -> 1: resumed at {CUT}, restored state bitwise, same global samples")
 
 
 # ----------------------------------------------------------------------------- FSDP on CPU, FSDP1
