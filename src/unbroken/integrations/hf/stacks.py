@@ -52,7 +52,7 @@ def check_stack(trainer: Trainer) -> None:
     if fsdp_version(trainer) == 1:
         raise ValueError("unbroken.integrations.hf does not support FSDP1 (fsdp_version 1: flat parameters, a state "
                          "dict gathered on one rank); use FSDP2, whose sharded state unbroken saves and reshards: "
-                         "TrainingArguments(fsdp='full_shard', fsdp_config={'fsdp_version': 2, ...})")
+                         "TrainingArguments(fsdp=True, fsdp_config={'fsdp_version': 2, ...})")
 
 
 def training_state(trainer: Trainer) -> dict[str, Any]:
