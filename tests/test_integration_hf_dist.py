@@ -13,16 +13,16 @@ Per stack, one uninterrupted 2-rank run (module-scoped, shared by the tests), th
   bitwise with the uninterrupted run: the final parameters (fp32 masters under ZeRO), AdamW moments,
   learning rates and scheduler position (gathered by FSDP's ``full_tensor()`` / DeepSpeed's
   ``safe_get_full_*``), every rank's micro-batch losses and samples of every step (the re-run ones
-  included), ``state.epoch``, and on rank 0 ``global_step``, ``total_flos``, ``train_loss``, the whole
-  ``log_history``;
+  included), ``state.epoch``, and on rank 0 ``global_step``, ``total_flos`` (under ZeRO-3 to the exact
+  offset HF's flop count has there, see :func:`assert_bitwise`), ``train_loss``, the whole ``log_history``;
 - a resume on 1 rank from the 2-rank checkpoint of step 6: the restored state is bitwise the
   uninterrupted run's state after step 6, and every later step trains on the same 16 global samples.
   The losses after it are not compared: another world size reduces gradients in another order and
   reseeds dropout (``docs/distributed.md``).
 
 The same faults against the Trainer's own checkpointing (``save_strategy="steps"``,
-``resume_from_checkpoint=True``) measure what HF alone does; the numbers go into the table of
-``docs/integrations.md``. FSDP runs on CPU only because the job forces accelerate's FSDP plugin
+``resume_from_checkpoint=True``) measure what HF alone does (DDP, FSDP2, ZeRO-3); the numbers go into
+the table of ``docs/integrations.md``. FSDP runs on CPU only because the job forces accelerate's FSDP plugin
 (``--force-fsdp-on-cpu``: accelerate 1.15 applies it for accelerator devices only).
 """
 
