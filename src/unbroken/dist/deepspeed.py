@@ -113,6 +113,14 @@ class DeepSpeedState(Adapter):
             for (_, flat), grad in zip(flats, grads):
                 flat.grad = grad
 
+    def _link_optimizer_state(self) -> None:
+        """Point every parameter's ``_hp_mapping`` at its slice of the optimizer state (ZeRO 1/2, bf16).
+        DeepSpeed links them once, right after the first parameter group's first step, so with several
+        groups (the HF Trainer's decay / no-decay groups) the later groups' parameters stay linked to an
+        empty state (DeepSpeed 0.19.8: ``get_optim_state_fragment`` raises ``exp_avg not found``)."""
+        self.engine.optimizer._hp_optimizer_states_linked = False
+        self.engine.optimizer._lazy_init_hp_params_optimizer_state()
+
     def _slice3(self, p: torch.nn.Parameter) -> tuple[int, int]:
         """(offset, length) of this rank's elements of a ZeRO-3 parameter (its partition, unpadded)."""
         size = p.ds_tensor.ds_numel if hasattr(p.ds_tensor, "ds_numel") else p.ds_tensor.numel()
@@ -136,9 +144,17 @@ class DeepSpeedState(Adapter):
         out.update({k: safe_get_local_optimizer_state(p, k).narrow(0, 0, n) for k in keys})
         return offset, out
 
+    def _caller_boundary(self) -> bool | None:
+        """The boundary flag of a caller that sets it itself (accelerate, hence the HF Trainer: one
+        ``engine.step()`` per optimizer step, so ``micro_steps`` counts optimizer steps), or ``None``
+        when DeepSpeed counts the micro-batches (``engine.step()`` after every one)."""
+        flag = getattr(self.engine, "_is_gradient_accumulation_boundary", None)
+        return None if flag is None else bool(flag)
+
     def _refuse_unsupported(self) -> None:
         e = self.engine
-        if e.micro_steps % max(1, e.gradient_accumulation_steps()):
+        boundary = self._caller_boundary()
+        if boundary is False or (boundary is None and e.micro_steps % max(1, e.gradient_accumulation_steps())):
             raise UnsupportedStateError(
                 f"the DeepSpeed engine is between the micro-batches of an optimizer step (micro step {e.micro_steps}, "
                 f"{e.gradient_accumulation_steps()} per step): call ckpt.step() after the last engine.step() of "
@@ -156,6 +172,7 @@ class DeepSpeedState(Adapter):
                                "world_size": int(e.dp_world_size),
                                "counters": {c: int(getattr(e, c)) for c in COUNTERS},
                                "accumulation": int(e.gradient_accumulation_steps()),
+                               "caller_boundary": self._caller_boundary() is not None,
                                "scheduler": e.lr_scheduler.state_dict() if e.lr_scheduler is not None else None,
                                "loss_scaler": _scaler_numbers(getattr(e.optimizer, "loss_scaler", None))}
         if mode == "plain":
@@ -163,6 +180,8 @@ class DeepSpeedState(Adapter):
             out["optimizer"] = e.optimizer.state_dict() if e.optimizer is not None else None
             return out
         keys = self._element_keys()
+        if mode == "hp" and keys:
+            self._link_optimizer_state()
         shapes, master, state, frozen = {}, {}, {k: {} for k in keys}, {}
         for name, p in self._params():
             numel = int(p.ds_numel if mode == "zero3" else p.numel())
@@ -228,8 +247,7 @@ class DeepSpeedState(Adapter):
         if mode != "plain" and saved["optimizer_state"] and not self._element_keys():
             self._init_optimizer_state()
             if mode == "hp":
-                self.engine.optimizer._hp_optimizer_states_linked = False
-                self.engine.optimizer._lazy_init_hp_params_optimizer_state()
+                self._link_optimizer_state()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         e, mode, sd = self.engine, self._mode(), state_dict
@@ -242,9 +260,11 @@ class DeepSpeedState(Adapter):
             self._load_partitions(sd, mode)
         for c in COUNTERS:
             setattr(e, c, int(sd["counters"][c]))
-        # micro-batches per rank: at another world size, another number per optimizer step
-        e.micro_steps = int(sd["counters"]["micro_steps"]) // max(1, int(sd["accumulation"])) * \
-            e.gradient_accumulation_steps()
+        # micro-batches per rank: at another world size, another number per optimizer step (unless the
+        # caller sets the boundary: then micro_steps counts optimizer steps, on any world size)
+        if not sd.get("caller_boundary"):
+            e.micro_steps = int(sd["counters"]["micro_steps"]) // max(1, int(sd["accumulation"])) * \
+                e.gradient_accumulation_steps()
         if e.lr_scheduler is not None and sd["scheduler"] is not None:
             e.lr_scheduler.load_state_dict(sd["scheduler"])
         scaler = getattr(e.optimizer, "loss_scaler", None)

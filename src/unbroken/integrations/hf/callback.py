@@ -11,13 +11,13 @@ import logging
 import os
 from typing import Any
 
-import torch
 from transformers import Trainer, TrainerCallback
 
 import unbroken
 from unbroken.data import ResumableLoader
 
-from .counters import TrainerCounters
+from .counters import RankCounters, TrainerCounters
+from .stacks import check_stack, training_state
 
 log = logging.getLogger("unbroken")
 _FRESH = object()  # resume_from_checkpoint=False: start fresh on purpose
@@ -36,6 +36,7 @@ class UnbrokenCallback(TrainerCallback):
 
     def __init__(self, trainer: Trainer, location: str | os.PathLike[str], options: dict[str, Any],
                  save_final: bool = True) -> None:
+        check_stack(trainer)
         self.trainer = trainer
         self.location = os.fspath(location)
         self.options = options
@@ -111,15 +112,8 @@ class UnbrokenCallback(TrainerCallback):
         t, ckpt = self.trainer, self.checkpointer
         if self.loader is None or ckpt is None:
             raise RuntimeError("unbroken: train() did not go through enable()'s wrappers")
-        inner = getattr(t.optimizer, "optimizer", None)  # the torch optimizer inside accelerate's wrapper
-        if not isinstance(inner, torch.optim.Optimizer):
-            inner = t.optimizer
-        st: dict[str, Any] = {"model": t.model, "optimizer": inner, "data": self.loader, "trainer": TrainerCounters(t)}
-        if t.lr_scheduler is not None:
-            st["scheduler"] = t.lr_scheduler
-        scaler = getattr(t.accelerator, "scaler", None)
-        if scaler is not None:
-            st["scaler"] = scaler
+        st = dict(training_state(t), data=self.loader, trainer=TrainerCounters(t),
+                  trainer_rank=unbroken.PerRank(RankCounters(t)))
         if self._resume is _FRESH:
             self.restored = None
         elif self._resume is None:

@@ -1,4 +1,8 @@
-"""``TrainerCounters``: what a ``transformers.Trainer`` carries from step to step, as a ``Stateful``."""
+"""What a ``transformers.Trainer`` carries from step to step, as ``Stateful`` objects.
+
+:class:`TrainerCounters` is the same on every rank (saved once); :class:`RankCounters` is what each
+rank accumulates on its own between two logging steps (saved per rank, in ``unbroken.PerRank``).
+"""
 
 from __future__ import annotations
 
@@ -18,17 +22,17 @@ class TrainerCounters:
 
     ``TrainerState``'s progress (``global_step``, ``epoch``, ``total_flos``,
     ``num_input_tokens_seen``, ``log_history``, best metric / step / checkpoint), the loss
-    accumulators behind the logged ``loss`` and the final ``train_loss`` (the Trainer's
-    ``_tr_loss``, ``_total_loss_scalar``, ``_globalstep_last_logged``), ``current_flos``, the
-    ``TrainerControl`` flags and the attributes of ``ExportableState`` callbacks. The
+    totals behind the logged ``loss`` and the final ``train_loss`` (the Trainer's
+    ``_total_loss_scalar``, ``_globalstep_last_logged``; each rank's own accumulators are
+    :class:`RankCounters`), the ``TrainerControl`` flags and the attributes of ``ExportableState``
+    callbacks. All of it is the same on every rank (the Trainer gathers what it logs). The
     configuration-derived fields (``max_steps``, ``logging_steps``, ...) are not restored:
     they come from this run's arguments.
     """
 
     _STATE = ("global_step", "epoch", "total_flos", "num_input_tokens_seen", "log_history", "best_metric",
               "best_global_step", "best_model_checkpoint")
-    _TRAINER = (("tr_loss", "_tr_loss"), ("total_loss_scalar", "_total_loss_scalar"),
-                ("globalstep_last_logged", "_globalstep_last_logged"), ("current_flos", "current_flos"))
+    _TRAINER = (("total_loss_scalar", "_total_loss_scalar"), ("globalstep_last_logged", "_globalstep_last_logged"))
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
@@ -57,15 +61,7 @@ class TrainerCounters:
                 s.log_history[:] = list(saved[k])
             elif k in saved:
                 setattr(s, k, saved[k])
-        for k, attr in self._TRAINER:
-            if k not in saved:
-                continue
-            live = getattr(t, attr, None)
-            if isinstance(live, torch.Tensor):
-                with torch.no_grad():
-                    live.copy_(saved[k])  # the same tensor object: the loop holds it
-            else:
-                setattr(t, attr, saved[k])
+        _set_attributes(t, self._TRAINER, saved)
         for flag, value in saved.get("control", {}).items():
             setattr(t.control, flag, value)
         live_cbs = self._callbacks()
@@ -75,3 +71,36 @@ class TrainerCounters:
                     setattr(live_cbs[k], name, value)
             else:
                 log.warning("the checkpoint has the state of callback %s, which this Trainer does not have", k)
+
+
+class RankCounters:
+    """``Stateful`` view of what one rank accumulates between two logging steps: the Trainer's
+    ``_tr_loss`` (this rank's summed losses, gathered over the ranks and averaged only when the
+    Trainer logs) and ``current_flos`` (summed over the ranks when the Trainer stores them).
+    Saved per rank (``unbroken.PerRank``); with another world size each rank the checkpoint had
+    gets its own back and a new rank starts from zero, so the first ``loss`` logged after such a
+    resume averages what the kept ranks accumulated."""
+
+    _TRAINER = (("tr_loss", "_tr_loss"), ("current_flos", "current_flos"))
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        t = self.trainer
+        return {k: getattr(t, attr) for k, attr in self._TRAINER if hasattr(t, attr)}
+
+    def load_state_dict(self, saved: Mapping[str, Any]) -> None:
+        _set_attributes(self.trainer, self._TRAINER, saved)
+
+
+def _set_attributes(trainer: Trainer, names: tuple[tuple[str, str], ...], saved: Mapping[str, Any]) -> None:
+    for k, attr in names:
+        if k not in saved:
+            continue
+        live = getattr(trainer, attr, None)
+        if isinstance(live, torch.Tensor):
+            with torch.no_grad():
+                live.copy_(saved[k])  # the same tensor object: the loop holds it
+        else:
+            setattr(trainer, attr, saved[k])
