@@ -6,6 +6,9 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check -c constraints.txt
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# The suite runs its files in parallel (pytest-xdist; one file's tests stay on one worker): most of
+# its time is spent waiting on the subprocesses it starts, so more workers than cores pay off.
+TEST_JOBS ?= 3
 
 .PHONY: demo test install bench clean system-deps test-slurm
 
@@ -24,7 +27,7 @@ system-deps:
 	sh scripts/install_system_deps.sh
 
 test: $(STAMP) system-deps
-	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra -n $(TEST_JOBS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 test-slurm: $(STAMP) system-deps
 	$(PY) -m pytest -q -ra -m slurm $(PYTEST_ARGS)

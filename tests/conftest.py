@@ -16,6 +16,24 @@ from s3_server import S3Server  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 
 
+LONGEST_FIRST = (
+    "test_integration_hf_dist.py", "test_llamafactory.py", "test_multinode.py", "test_integration_accelerate.py",
+    "test_deepspeed.py", "test_distributed.py", "test_examples.py", "test_slurm.py", "test_selftest.py",
+    "test_integration_hf.py", "test_deepspeed_alone.py", "test_accelerate_alone.py", "test_integration_lightning.py",
+    "test_e2e_kill.py", "test_incremental_e2e.py", "test_signals_torchrun.py", "test_reader_tool.py",
+    "test_deepspeed_convert.py", "test_multinode_alone.py", "test_e2e_s3.py", "test_signals_e2e.py",
+)
+"""Test files that take longest, longest first (measured; ``docs/benchmarks.md`` has the suite's
+timings). ``make test`` runs the files in parallel (pytest-xdist, ``--dist loadfile``: one file's tests
+and module fixtures stay on one worker); starting the long ones first keeps one of them from
+starting last and running alone."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _repository_unchanged(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Tests write only inside their tmp_path: the repository (ignored folders included, tool caches

@@ -185,7 +185,7 @@ def trl_sft(a: argparse.Namespace, assets: Path, out: Path, callbacks: list[Any]
     config = SFTConfig(
         output_dir=str(out / "trl"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
         max_steps=a.steps, learning_rate=3e-3, weight_decay=0.01, lr_scheduler_type="cosine", warmup_steps=2,
-        max_grad_norm=1.0, logging_steps=1, report_to="none", seed=7, disable_tqdm=True, use_cpu=True,
+        max_grad_norm=1.0, logging_steps=3, report_to="none", seed=7, disable_tqdm=True, use_cpu=True,
         max_length=48, save_strategy="steps" if a.mode == "alone" else "no", save_steps=a.save_every)
     set_seed(config.seed)
     model = AutoModelForCausalLM.from_pretrained(assets / "model")

@@ -25,14 +25,16 @@ class TrainerCounters:
     totals behind the logged ``loss`` and the final ``train_loss`` (the Trainer's
     ``_total_loss_scalar``, ``_globalstep_last_logged``; each rank's own accumulators are
     :class:`RankCounters`), the ``TrainerControl`` flags and the attributes of ``ExportableState``
-    callbacks. All of it is the same on every rank (the Trainer gathers what it logs). The
+    callbacks; with TRL's trainers also their token count and the metric values awaiting the next
+    log (``_total_train_tokens``, ``_metrics``). All of it is the same on every rank (the Trainer gathers what it logs). The
     configuration-derived fields (``max_steps``, ``logging_steps``, ...) are not restored:
     they come from this run's arguments.
     """
 
     _STATE = ("global_step", "epoch", "total_flos", "num_input_tokens_seen", "log_history", "best_metric",
               "best_global_step", "best_model_checkpoint")
-    _TRAINER = (("total_loss_scalar", "_total_loss_scalar"), ("globalstep_last_logged", "_globalstep_last_logged"))
+    _TRAINER = (("total_loss_scalar", "_total_loss_scalar"), ("globalstep_last_logged", "_globalstep_last_logged"),
+                ("trl_total_train_tokens", "_total_train_tokens"))  # TRL's SFTTrainer: the logged num_tokens
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
@@ -51,6 +53,9 @@ class TrainerCounters:
         out: dict[str, Any] = {k: getattr(s, k) for k in self._STATE}
         out.update({k: getattr(t, attr) for k, attr in self._TRAINER if hasattr(t, attr)})
         out["control"] = dict(t.control.state()["args"])
+        metrics = _trl_metrics(t)
+        if metrics is not None:
+            out["trl_metrics"] = {mode: {k: list(v) for k, v in values.items()} for mode, values in metrics.items()}
         out["callbacks"] = {k: dict(cb.state().get("attributes", {})) for k, cb in self._callbacks().items()}
         return out
 
@@ -64,6 +69,12 @@ class TrainerCounters:
         _set_attributes(t, self._TRAINER, saved)
         for flag, value in saved.get("control", {}).items():
             setattr(t.control, flag, value)
+        metrics = _trl_metrics(t)
+        if metrics is not None and "trl_metrics" in saved:
+            for mode, values in saved["trl_metrics"].items():
+                live = metrics.setdefault(mode, {})
+                live.clear()  # the live mapping keeps its type (TRL's defaultdict(list))
+                live.update({k: list(v) for k, v in values.items()})
         live_cbs = self._callbacks()
         for k, attrs in saved.get("callbacks", {}).items():
             if k in live_cbs:
@@ -92,6 +103,17 @@ class RankCounters:
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
         _set_attributes(self.trainer, self._TRAINER, saved)
+
+
+def _trl_metrics(trainer: Trainer) -> dict[str, Any] | None:
+    """TRL's trainers keep the values averaged into each log (``entropy``, ``mean_token_accuracy``, ...)
+    since the last logging step in ``_metrics`` (``{"train": {name: [values]}, "eval": ...}``), outside
+    ``TrainerState``; ``None`` for a Trainer without them."""
+    metrics = getattr(trainer, "_metrics", None)
+    if isinstance(metrics, dict) and all(isinstance(v, dict) and all(isinstance(x, list) for x in v.values())
+                                         for v in metrics.values()):
+        return metrics
+    return None
 
 
 def _set_attributes(trainer: Trainer, names: tuple[tuple[str, str], ...], saved: Mapping[str, Any]) -> None:
