@@ -166,7 +166,7 @@ def _read(folder: Path, trust: bool) -> tuple[dict[str, Any], dict[str, int], li
     steps = {c: int(m0.get(c) or 0) for c in ("global_steps", "global_samples", "skipped_steps")}
     state = {"format": FORMAT, "mode": "zero3" if stage == 3 else "hp", "stage": stage, "world_size": world,
              "counters": {**steps, "micro_steps": steps["global_steps"] * accumulation},
-             "accumulation": accumulation, "scheduler": m0.get("lr_scheduler"),
+             "accumulation": accumulation, "caller_boundary": False, "scheduler": m0.get("lr_scheduler"),
              "loss_scaler": _scaler_numbers(optim[0].get("loss_scaler")),
              "params": params, "master": master, "optimizer_state": moments, "groups": inner, "frozen": frozen,
              "buffers": {n: t for n, t in module.items() if n in buffer_names and isinstance(t, torch.Tensor)}}

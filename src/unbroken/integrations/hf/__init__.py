@@ -63,9 +63,15 @@ Needs ``transformers`` 5 (the ``Trainer._run_epoch`` loop); map-style datasets w
 from the RNG, so it is warned about. Data parallel ranks get their slice of each global
 batch from the ResumableLoader (``args.process_index`` / ``args.world_size``).
 
+Several ranks: under ``torchrun`` the same line works with DDP, FSDP2 (``fsdp_config={"fsdp_version":
+2}``) and DeepSpeed ZeRO (``TrainingArguments(deepspeed=...)``: the engine is saved through unbroken's
+DeepSpeed adapter); FSDP1 is refused (:mod:`.stacks`). A Trainer built by another tool (LLaMA-Factory,
+TRL) takes :class:`UnbrokenTrainerCallback` in its ``callbacks`` instead (:mod:`.attach`).
+
 Modules: this one (:func:`enable`, the argument checks), :mod:`.callback`
 (:class:`UnbrokenCallback`: restore, step boundary, end of ``train()``), :mod:`.counters`
-(:class:`TrainerCounters`).
+(:class:`TrainerCounters`, :class:`RankCounters`), :mod:`.stacks` (the state of each training
+stack), :mod:`.attach` (:class:`UnbrokenTrainerCallback`).
 """
 
 from __future__ import annotations
