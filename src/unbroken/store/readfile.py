@@ -26,7 +26,7 @@ import stat
 from pathlib import Path
 from typing import Protocol
 
-import torch
+import numpy as np
 
 from ..errors import CorruptCheckpointError, StorageError
 from .base import Buffer
@@ -147,8 +147,8 @@ def allocate(size: int, file: str) -> Buffer:
                                          f"has {avail / 2**30:.1f} GiB of memory available; free memory "
                                          "or load on a larger machine")
     try:
-        return torch.empty(size, dtype=torch.uint8).numpy()
-    except (RuntimeError, MemoryError) as e:
+        return np.empty(size, dtype=np.uint8)
+    except (MemoryError, ValueError) as e:
         raise StorageError(errno.ENOMEM, f"cannot allocate {size} bytes to read {file}: {e}; free "
                                          "memory, or raise the process's memory limits (ulimit -v, "
                                          "vm.max_map_count)") from None
