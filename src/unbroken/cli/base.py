@@ -39,7 +39,8 @@ _options: dict[str, object] = {}
 
 class _Group(TyperGroup):
     """The command group: a library error in any command is a one-line message and exit 1; a reader
-    that went away (``unbroken metrics RUN loss | head``) ends the command quietly."""
+    that went away (``unbroken metrics RUN loss | head``) ends the command quietly; a command that
+    reads tensors, where torch is not installed, says so in one line (exit 1)."""
 
     def invoke(self, ctx: Any) -> Any:
         try:
@@ -50,6 +51,13 @@ class _Group(TyperGroup):
             raise typer.Exit(1) from None
         except (UnbrokenError, OSError, sqlite3.Error) as e:  # sqlite3: a run index that cannot be read
             err().print(f"[red]{type(e).__name__}: {escape(str(e))}[/]")
+            raise typer.Exit(1) from None
+        except ModuleNotFoundError as e:
+            if e.name != "torch":
+                raise
+            err().print(f"[red]unbroken {escape(ctx.invoked_subcommand or '')} needs torch (it reads tensors), which "
+                        "is not installed here: pip install torch (ls, events, metrics, plot and prune --dry-run "
+                        "work without it)[/]")
             raise typer.Exit(1) from None
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -11,6 +12,8 @@ from transformers import Trainer
 from transformers.trainer_callback import ExportableState
 
 log = logging.getLogger("unbroken")
+MODEL_CONFIG = "model_config"
+"""The key of the model's config in the saved state (``unbroken export --format hf`` reads it)."""
 
 
 class TrainerCounters:
@@ -22,7 +25,8 @@ class TrainerCounters:
     ``_tr_loss``, ``_total_loss_scalar``, ``_globalstep_last_logged``), ``current_flos``, the
     ``TrainerControl`` flags and the attributes of ``ExportableState`` callbacks. The
     configuration-derived fields (``max_steps``, ``logging_steps``, ...) are not restored:
-    they come from this run's arguments.
+    they come from this run's arguments. ``model_config`` (the model's HF config as JSON, for
+    ``unbroken export --format hf``) is saved, never restored: the model comes from this run's code.
     """
 
     _STATE = ("global_step", "epoch", "total_flos", "num_input_tokens_seen", "log_history", "best_metric",
@@ -48,6 +52,11 @@ class TrainerCounters:
         out.update({k: getattr(t, attr) for k, attr in self._TRAINER if hasattr(t, attr)})
         out["control"] = dict(t.control.state()["args"])
         out["callbacks"] = {k: dict(cb.state().get("attributes", {})) for k, cb in self._callbacks().items()}
+        config = getattr(t.model, "config", None)
+        if hasattr(config, "to_json_string"):  # what save_pretrained writes as config.json (all fields)
+            out[MODEL_CONFIG] = {"architectures": [type(t.model).__name__],
+                                 **{k: v for k, v in json.loads(config.to_json_string(use_diff=False)).items()
+                                    if v is not None or k != "architectures"}}
         return out
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
