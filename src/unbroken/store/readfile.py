@@ -26,8 +26,6 @@ import stat
 from pathlib import Path
 from typing import Protocol
 
-import numpy as np
-
 from ..errors import CorruptCheckpointError, StorageError
 from .base import Buffer
 
@@ -146,6 +144,8 @@ def allocate(size: int, file: str) -> Buffer:
         raise StorageError(errno.ENOMEM, f"cannot read {file}: it has {size / 2**30:.1f} GiB and this machine "
                                          f"has {avail / 2**30:.1f} GiB of memory available; free memory "
                                          "or load on a larger machine")
+    import numpy as np  # when a file is read, not when the store is imported (unbroken --help)
+
     try:
         return np.empty(size, dtype=np.uint8)
     except (MemoryError, ValueError) as e:
