@@ -23,6 +23,7 @@ import logging
 import mmap
 import os
 import stat
+import sys
 from pathlib import Path
 from typing import Protocol
 
@@ -144,11 +145,14 @@ def allocate(size: int, file: str) -> Buffer:
         raise StorageError(errno.ENOMEM, f"cannot read {file}: it has {size / 2**30:.1f} GiB and this machine "
                                          f"has {avail / 2**30:.1f} GiB of memory available; free memory "
                                          "or load on a larger machine")
-    import numpy as np  # when a file is read, not when the store is imported (unbroken --help)
-
+    torch = sys.modules.get("torch")  # torch's allocator where torch is loaded; numpy in torch-free tools (ls)
     try:
+        if torch is not None:
+            return torch.empty(size, dtype=torch.uint8).numpy()
+        import numpy as np
+
         return np.empty(size, dtype=np.uint8)
-    except (MemoryError, ValueError) as e:
+    except (RuntimeError, MemoryError, ValueError) as e:
         raise StorageError(errno.ENOMEM, f"cannot allocate {size} bytes to read {file}: {e}; free "
                                          "memory, or raise the process's memory limits (ulimit -v, "
                                          "vm.max_map_count)") from None
