@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from test_cli import as_json, invoke, make_state, snapshot, train
 import unbroken
 from unbroken.demo import Attempt, plot_losses
 from unbroken.index import RunIndex
-from unbroken.plotting import Curve, Marker, plot_curves, run_curves
+from unbroken.plotting import Curve, Marker, figure, plot_curves, run_curves
 
 TAB10 = {"C0": (0x1F, 0x77, 0xB4), "C1": (0xFF, 0x7F, 0x0E)}  # the colours of the first two curves
 
@@ -108,8 +109,9 @@ def test_metrics_check_of_an_exact_resume(resumed: Path) -> None:
     assert res.exit_code == 0, res.output
     assert "loss: 2 re-run steps compared, 0 differ" in res.stdout
     doc = as_json(invoke("metrics", resumed, "loss", "--check", "--json"))
-    assert (doc["ok"], doc["compared"], doc["checked"], doc["disagreeing"], doc["resumes"]) == \
-        (True, 2, [3, 4], [], 1)
+    assert (doc["ok"], doc["verdict"], doc["compared"], doc["checked"], doc["disagreeing"], doc["resumes"]) == \
+        (True, "continuous", 2, [3, 4], [], 1)
+    assert res.stdout.strip().splitlines()[-1] == "ok"
 
 
 def test_metrics_check_catches_a_different_value(resumed: Path) -> None:
@@ -121,16 +123,21 @@ def test_metrics_check_catches_a_different_value(resumed: Path) -> None:
     assert sorted(v["segment"] for v in doc["values"]["3"]) == [1, 2, 3]
 
 
-def test_metrics_check_says_when_nothing_could_be_compared(tmp_path: Path) -> None:
+def test_metrics_check_never_says_ok_after_comparing_0_steps(tmp_path: Path) -> None:
+    """0 steps compared proves nothing: the verdict is "not checked", exit 1, "ok": false."""
     run = tmp_path / "run"
     train(run, 4)
     train(run, 6)  # resumes from step 4, the last step logged: no step is logged twice
     res = invoke("metrics", run, "loss", "--check")
-    assert res.exit_code == 0
+    assert res.exit_code == 1, res.output
     assert "0 steps compared" in res.stdout and "resumed once" in res.stdout
+    assert res.stdout.strip().splitlines()[-1] == "not checked" and "ok" not in res.stdout.split()
+    doc = as_json(invoke("metrics", run, "loss", "--check", "--json"))
+    assert (doc["ok"], doc["verdict"], doc["compared"], doc["resumes"]) == (False, "not checked", 0, 1)
     fresh = tmp_path / "fresh"
     train(fresh, 2)
-    assert "never resumed" in invoke("metrics", fresh, "loss", "--check").stdout
+    res = invoke("metrics", fresh, "loss", "--check")
+    assert res.exit_code == 1 and "never resumed" in res.stdout and res.stdout.strip().endswith("not checked")
 
 
 def test_metrics_check_reports_rows_lost_from_the_index(tmp_path: Path) -> None:
@@ -143,7 +150,7 @@ def test_metrics_check_reports_rows_lost_from_the_index(tmp_path: Path) -> None:
     assert res.exit_code == 1
     assert "1 step missing" in res.stdout and res.stdout.split("index): ")[1].startswith("3\n")
     doc = as_json(invoke("metrics", run, "loss", "--check", "--json"))
-    assert (doc["ok"], doc["missing"], doc["compared"]) == (False, [3], 0)
+    assert (doc["ok"], doc["verdict"], doc["missing"], doc["compared"]) == (False, "not continuous", [3], 0)
 
 
 # --------------------------------------------------------------------------- plot
@@ -176,6 +183,58 @@ def test_an_emergency_save_is_marked_as_an_interruption(tmp_path: Path) -> None:
         assert [e["step"] for e in index.events("emergency_save")] == [3]
         _, markers = run_curves(index, "loss")
     assert [m.step for m in markers if m.kind == "interruption"] == [3]
+
+
+def drawn(curves: list[Curve], markers: list[Marker]) -> dict[str, Any]:
+    """What :func:`figure` drew: curve labels, the points of each marker kind, the ``×N`` counts."""
+    ax = figure(curves, markers=markers).axes[0]
+    return {"curves": [line.get_label() for line in ax.get_lines() if line.get_gid() == "curve"],
+            "points": {c.get_gid(): [tuple(map(float, p)) for p in c.get_offsets()] for c in ax.collections},
+            "counts": {t.get_gid(): t.get_text() for t in ax.texts}}
+
+
+def test_a_process_that_died_before_its_first_logged_step_is_drawn_with_its_kill(tmp_path: Path) -> None:
+    """Segment 2 restored from step 4 and ended before logging a step; segment 3 resumed from step 4
+    too. All three segments are drawn, and segment 2's kill (where it started)."""
+    run = tmp_path / "run"
+    train(run, 4)
+    state = make_state()
+    ckpt = unbroken.Checkpointer(run, preemption=None)
+    ckpt.restore(state)  # a new segment, resumed from step 4 ...
+    ckpt.close()  # ... that logged nothing (killed in its first step, say)
+    train(run, 6)
+    with RunIndex(run, readonly=True) as index:
+        assert [s["id"] for s in index.segments()] == [1, 2, 3]
+        curves, markers = run_curves(index, "loss")
+        at4 = next(v for s, v, g in index.metric("loss") if s == 4)
+    assert [c.label for c in curves] == ["segment 1 (fresh start)",
+                                         "segment 2 (resumed from step-000000004; no loss logged)",
+                                         "segment 3 (resumed from step-000000004)"]
+    assert (list(curves[1].steps), list(curves[1].values)) == ([4], [at4])
+    assert [m for m in markers if m.kind == "interruption"] == [Marker("interruption", 4, at4)]
+    assert [m for m in markers if m.kind == "resume"] == [Marker("resume", 4, at4)] * 2
+    shown = drawn(curves, markers)
+    assert shown["curves"] == [c.label for c in curves]
+    assert shown["points"]["interruption"] == [(4.0, at4)] and shown["points"]["resume"] == [(4.0, at4)]
+    assert shown["counts"] == {"resume-count": "×2"}
+
+
+def test_two_kills_between_the_same_checkpoints_are_two_kills(tmp_path: Path) -> None:
+    """Killed after step 3 twice, each time resumed from the save at step 2: two interruptions at
+    the same point (drawn once, marked ×2), two resumes, three segments."""
+    run = tmp_path / "run"
+    train(run, 3)  # saves at 2; "killed" after 3
+    train(run, 3)  # resumes from 2, re-runs 3; "killed" again after 3
+    train(run, 5)
+    with RunIndex(run, readonly=True) as index:
+        curves, markers = run_curves(index, "loss")
+        v2, v3 = (next(v for s, v, g in index.metric("loss") if s == n) for n in (2, 3))
+    assert len(curves) == 3
+    assert [m for m in markers if m.kind == "interruption"] == [Marker("interruption", 3, v3)] * 2
+    assert [m for m in markers if m.kind == "resume"] == [Marker("resume", 2, v2)] * 2
+    shown = drawn(curves, markers)
+    assert len(shown["curves"]) == 3 and shown["points"]["interruption"] == [(3.0, v3)]
+    assert shown["counts"] == {"interruption-count": "×2", "resume-count": "×2"}
 
 
 def test_plot_writes_a_png_with_a_colour_per_segment(resumed: Path, tmp_path: Path) -> None:

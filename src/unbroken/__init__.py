@@ -11,31 +11,58 @@ The public API::
 
 ``save``/``load``/``verify`` work on a single checkpoint folder; ``Stateful`` is the
 protocol user objects implement; ``Progress`` and ``Gradients`` are small helpers.
+
+Importing the package imports nothing else (no torch): each public name is imported from its
+module on first use (PEP 562), so ``import unbroken.cli`` starts in a fraction of a second.
+``from unbroken import Checkpointer`` and ``unbroken.Checkpointer`` work as usual, and so does
+``unbroken.data`` (or any other subpackage) without importing it first.
 """
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from .errors import (  # noqa: E402
-    CorruptCheckpointError,
-    EnvironmentMismatchError,
-    InsufficientSpaceError,
-    NewerFormatError,
-    NoCheckpointError,
-    NoValidCheckpointError,
-    RunLockedError,
-    StateMismatchError,
-    StorageError,
-    UnbrokenError,
-    UnsupportedStateError,
-)
-from .state.stateful import Gradients, PerRank, Progress, Stateful  # noqa: E402
-from .api import CheckpointInfo, PendingSave, load, save, verify  # noqa: E402
-from .dist.comm import init_distributed  # noqa: E402
-from .environment import EnvCheck  # noqa: E402
-from .faults import Preemption  # noqa: E402
-from .manager import Checkpointer  # noqa: E402
-from .probe import probe_step  # noqa: E402
-from .tiers import Remote  # noqa: E402
+if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported for real
+    from .api import CheckpointInfo, PendingSave, load, save, verify
+    from .dist.comm import init_distributed
+    from .environment import EnvCheck
+    from .errors import (
+        CorruptCheckpointError,
+        EnvironmentMismatchError,
+        InsufficientSpaceError,
+        NewerFormatError,
+        NoCheckpointError,
+        NoValidCheckpointError,
+        RunLockedError,
+        StateMismatchError,
+        StorageError,
+        UnbrokenError,
+        UnsupportedStateError,
+    )
+    from .faults import Preemption
+    from .manager import Checkpointer
+    from .probe import probe_step
+    from .state.stateful import Gradients, PerRank, Progress, Stateful
+    from .tiers import Remote
+
+_WHERE: dict[str, str] = {
+    # name -> the module (relative to this package) that defines it
+    **dict.fromkeys(("CheckpointInfo", "PendingSave", "load", "save", "verify"), ".api"),
+    "init_distributed": ".dist.comm",
+    "EnvCheck": ".environment",
+    **dict.fromkeys(("CorruptCheckpointError", "EnvironmentMismatchError", "InsufficientSpaceError",
+                     "NewerFormatError", "NoCheckpointError", "NoValidCheckpointError", "RunLockedError",
+                     "StateMismatchError", "StorageError", "UnbrokenError", "UnsupportedStateError"), ".errors"),
+    "Preemption": ".faults",
+    "Checkpointer": ".manager",
+    "probe_step": ".probe",
+    **dict.fromkeys(("Gradients", "PerRank", "Progress", "Stateful"), ".state.stateful"),
+    "Remote": ".tiers",
+}
 
 __all__ = [
     "Checkpointer",
@@ -65,3 +92,21 @@ __all__ = [
     "EnvironmentMismatchError",
     "StorageError",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """A public name, imported from its module on first use (then cached in the package); or a
+    subpackage (``unbroken.data``) not imported yet."""
+    where = _WHERE.get(name)
+    if where is not None:
+        value = getattr(importlib.import_module(where, __name__), name)
+    elif not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

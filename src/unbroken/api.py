@@ -11,7 +11,6 @@ import os
 import threading
 from collections.abc import Mapping, MutableMapping
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, overload
 
 from .background import in_thread
@@ -19,6 +18,7 @@ from .exithooks import at_exit
 
 from .errors import NoCheckpointError, UnbrokenError
 from .format.manifest import Manifest
+from .manifests import CheckpointInfo, is_run  # noqa: F401 - part of this module's API
 from .persist import write_snapshot
 from .reader import LoadedCheckpoint, read_checkpoint, vanished, verify_all
 from .snapshot import Snapshotter
@@ -27,31 +27,6 @@ from .state.apply import apply_state
 from .state.checks import clean_metrics
 from .state.codec import StatefulValue
 from .store import open_store, split_checkpoint
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """What is known about one committed checkpoint (from its manifest)."""
-
-    name: str
-    path: str
-    step: int
-    seq: int
-    created: float
-    size_bytes: int
-    metrics: dict[str, Any] = field(default_factory=dict)
-    progress: dict[str, int] = field(default_factory=dict)
-    kind: str = "regular"
-    tags: tuple[str, ...] = ()
-    tiers: tuple[str, ...] = ()
-    """Where copies are committed: ``("local",)``, ``("remote",)`` or both (tiered runs)."""
-
-    @classmethod
-    def of(cls, path: str, name: str, m: Manifest, tags: tuple[str, ...] | None = None,
-           tiers: tuple[str, ...] = ()) -> "CheckpointInfo":
-        return cls(name=name, path=path, step=m.step, seq=m.seq, created=m.created,
-                   size_bytes=m.total_bytes, metrics=dict(m.metrics), progress=dict(m.progress),
-                   kind=m.kind, tags=tuple(sorted(m.tags)) if tags is None else tags, tiers=tiers)
 
 
 class PendingSave:
@@ -155,17 +130,6 @@ def read_path(path: str | os.PathLike[str], storage_options: Mapping[str, Any] |
     if not there:
         raise NoCheckpointError(f"no checkpoint at {path}")
     return read_checkpoint(store, name, rank)
-
-
-def is_run(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> bool:
-    """True if ``path`` is a run (holds committed checkpoints) rather than one checkpoint."""
-    store, name = split_checkpoint(path, storage_options)
-    if store.remote:
-        if name in store.list_committed():
-            return False
-    elif not os.path.isdir(os.fspath(path)) or os.path.exists(os.path.join(os.fspath(path), "manifest.json")):
-        return False
-    return bool(open_store(path, storage_options, readonly=True).list_committed())
 
 
 def read_run(location: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None,

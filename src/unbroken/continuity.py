@@ -5,6 +5,11 @@ An exact resume re-runs the steps after its checkpoint and logs bitwise identica
 at every step logged by several segments (processes), the values must be equal (NaN equals the
 same NaN, ``0.0`` differs from ``-0.0``). And every row a save point made durable (a
 ``metrics_durable`` mark counting each segment's rows) must still be in the index.
+
+The verdict (:attr:`Continuity.verdict`) is one of three: ``continuous`` (at least one re-run
+step compared, all equal, none missing), ``not continuous`` (a step differs or a row is missing)
+and ``not checked`` (nothing compared and nothing missing: no proof either way). ``ok`` only says
+that nothing was found wrong, which is also true when nothing was compared.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 _F64, _I64 = struct.Struct("<d"), struct.Struct("<q")  # a float and its bit pattern
+CONTINUOUS, NOT_CONTINUOUS, NOT_CHECKED = "continuous", "not continuous", "not checked"
 
 
 @dataclass
@@ -33,7 +39,15 @@ class Continuity:
 
     @property
     def ok(self) -> bool:
+        """Nothing found wrong (also true when nothing was compared: see :attr:`verdict`)."""
         return not self.disagreeing and not self.missing
+
+    @property
+    def verdict(self) -> str:
+        """``"continuous"``, ``"not continuous"`` or ``"not checked"`` (no step compared, none missing)."""
+        if not self.ok:
+            return NOT_CONTINUOUS
+        return CONTINUOUS if self.checked else NOT_CHECKED
 
 
 def compare(name: str, rows: Iterable[tuple[int, int, int | None]], starts: Mapping[int | None, int],

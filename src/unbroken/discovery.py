@@ -7,13 +7,15 @@ backwards and reports each invalid one to a callback (the run quarantines it).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from .api import CheckpointInfo
 from .errors import CorruptCheckpointError, UnbrokenError
 from .format.manifest import Manifest
-from .reader import LoadedCheckpoint, read_checkpoint, read_manifest
+from .manifests import CheckpointInfo, read_manifest
 from .tags import tags_by_checkpoint
+
+if TYPE_CHECKING:
+    from .reader import LoadedCheckpoint
 
 
 def manifests(store: Any) -> dict[str, Manifest]:
@@ -45,6 +47,8 @@ def newest_valid(store: Any, on_invalid: Callable[[str, str], None],
     picks the names to consider (e.g. those with a tag). Read-only: nothing is moved or locked.
     A checkpoint from a newer format raises :class:`~unbroken.errors.NewerFormatError`.
     """
+    from .reader import read_checkpoint  # decoding tensors imports torch: listing (above) does not
+
     candidates: list[tuple[int, int, str]] = []
     for name in store.list_committed():
         if not only(name):

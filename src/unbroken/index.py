@@ -35,7 +35,7 @@ from typing import Any
 from .errors import UnbrokenError
 from .continuity import Continuity, compare
 from .indexfile import SIDECARS, connect, damage, is_damage, move_aside, open_readonly, plain_files
-from .reader import read_manifest
+from .manifests import read_manifest
 from .store import open_store
 
 log = logging.getLogger("unbroken")

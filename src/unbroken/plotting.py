@@ -13,6 +13,7 @@ import io
 import itertools
 import math
 import os
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from .store.dirfd import write_file_atomic
 
 if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
     from .index import RunIndex
 
 MarkerKind = Literal["save", "interruption", "resume"]
@@ -60,33 +63,39 @@ SOFTWARE = "unbroken plot"
 """Written into every PNG (a tEXt chunk): a later plot may replace a file that carries it."""
 
 
-def plot_curves(curves: Sequence[Curve], out: str | Path, *, markers: Sequence[Marker] = (), title: str = "",
-                ylabel: str = "value", xlabel: str = "step", log_y: bool | None = None) -> Path:
-    """Draw ``curves`` and ``markers`` into the PNG file ``out`` (its folder is created); return its path.
-    Interruptions also get a dashed vertical line. ``log_y``: a logarithmic value axis; by default
-    when no value is negative and they span more than two orders of magnitude (a loss; with exact
-    zeros, a symmetric-log axis that is linear below the smallest positive value)."""
+def figure(curves: Sequence[Curve], *, markers: Sequence[Marker] = (), title: str = "", ylabel: str = "value",
+           xlabel: str = "step", log_y: bool | None = None) -> Figure:
+    """The matplotlib figure :func:`plot_curves` saves, to draw or inspect (each curve is one line,
+    labelled, gid ``curve``; the markers of each kind one scatter, gid the kind, plus a dashed line per
+    interruption; several markers at one place are drawn once, with ``×N`` next to it)."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(10, 5), dpi=100, layout="constrained")
     ax = fig.add_subplot()
     colour = 0
     for c in curves:
+        dot = {"marker": "o", "markersize": 4} if len(c.steps) == 1 else {}  # a lone point is no line
         if c.reference:
-            ax.plot(c.steps, c.values, color="0.8", linewidth=6, solid_capstyle="round", label=c.label, zorder=1)
+            ax.plot(c.steps, c.values, color="0.8", linewidth=6, solid_capstyle="round", label=c.label, zorder=1,
+                    gid="curve", **dot)
         else:
-            ax.plot(c.steps, c.values, color=COLOURS[colour % len(COLOURS)], linewidth=1.4, label=c.label, zorder=2)
+            ax.plot(c.steps, c.values, color=COLOURS[colour % len(COLOURS)], linewidth=1.4, label=c.label, zorder=2,
+                    gid="curve", **dot)
             colour += 1
     for kind, style in MARKERS.items():
-        here = [m for m in markers if m.kind == kind]
-        placed = [(m.step, m.value) for m in here if m.value is not None]
+        here = Counter((m.step, m.value) for m in markers if m.kind == kind)  # one mark per place, counted
+        placed = [(s, v) for s, v in here if v is not None]
         if placed:
-            ax.scatter([s for s, _ in placed], [v for _, v in placed], zorder=3, **style)
-        for i, m in enumerate(here):
-            if kind == "interruption" or m.value is None:
+            ax.scatter([s for s, _ in placed], [v for _, v in placed], zorder=3, gid=kind, **style)
+        for i, (step, value) in enumerate(here):
+            if kind == "interruption" or value is None:
                 first_unplaced = not placed and i == 0  # lines carry the legend entry only without points
-                ax.axvline(m.step, color=style.get("color", "0.4"), linestyle="--", linewidth=0.8, alpha=0.6,
-                           zorder=0, label=style["label"] if first_unplaced else None)
+                ax.axvline(step, color=style.get("color", "0.4"), linestyle="--", linewidth=0.8, alpha=0.6,
+                           zorder=0, label=style["label"] if first_unplaced else None, gid=f"{kind}-line")
+            if here[step, value] > 1 and kind != "save":  # two kills (or resumes) at the same place
+                at, coords = ((step, value), "data") if value is not None else ((step, 0.98), ("data", "axes fraction"))
+                ax.annotate(f"×{here[step, value]}", at, xycoords=coords, xytext=(6, 4), textcoords="offset points",
+                            color=style.get("color", "0.25"), fontsize="small", gid=f"{kind}-count")
     values = [v for c in curves for v in c.values if math.isfinite(v)]
     positive = [v for v in values if v > 0]
     wide = bool(positive) and min(values) >= 0 and max(values) > LOG_SPAN * min(positive)
@@ -101,6 +110,16 @@ def plot_curves(curves: Sequence[Curve], out: str | Path, *, markers: Sequence[M
         ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small", loc="best")
+    return fig
+
+
+def plot_curves(curves: Sequence[Curve], out: str | Path, *, markers: Sequence[Marker] = (), title: str = "",
+                ylabel: str = "value", xlabel: str = "step", log_y: bool | None = None) -> Path:
+    """Draw ``curves`` and ``markers`` (:func:`figure`) into the PNG file ``out`` (its folder is created);
+    return its path. Interruptions also get a dashed vertical line. ``log_y``: a logarithmic value axis; by
+    default when no value is negative and they span more than two orders of magnitude (a loss; with exact
+    zeros, a symmetric-log axis that is linear below the smallest positive value)."""
+    fig = figure(curves, markers=markers, title=title, ylabel=ylabel, xlabel=xlabel, log_y=log_y)
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
@@ -120,15 +139,20 @@ def made_here(path: str | Path) -> bool:
 
 
 def run_curves(index: RunIndex, metric: str) -> tuple[list[Curve], list[Marker]]:
-    """A run's ``metric`` from its index: one curve per segment (each process that wrote the run;
-    a resumed one starts at the value of the step it resumed from), and markers for saves
-    (``saved``/``emergency_save`` events), resumes (that first point) and interruptions (where
-    a segment stopped after a step the next one then re-ran or started before; ``preempted``
-    and ``emergency_save`` events)."""
+    """A run's ``metric`` from its index: one curve per segment (each process that wrote the run,
+    also one that logged nothing: its curve is the point it resumed from, or empty; a resumed one
+    starts at the value of the step it resumed from), and markers: saves (``saved`` /
+    ``emergency_save`` events, one per place), resumes (that first point, one per segment) and
+    interruptions, at most one per segment: its ``preempted`` or ``emergency_save`` event, or,
+    when a later segment exists, where it stopped if the next one re-ran steps it had logged or
+    started over, or where it started if it logged nothing. Two kills at the same place are two
+    markers (drawn once, counted). Not markable: a process that ended right after a save from
+    which the next one resumed, with nothing after it lost: nothing in the run tells that kill
+    from a clean exit."""
     per_segment: dict[int | None, list[tuple[int, float]]] = {}
     for step, value, segment in index.metric(metric):
         per_segment.setdefault(segment, []).append((step, value))
-    segments = [s for s in index.segments() if s["id"] in per_segment]
+    segments = index.segments()  # every process that wrote the run, whether or not it logged the metric
 
     def value_at(step: int, segment: int | None) -> float | None:
         for seg in (segment, *per_segment):
@@ -137,27 +161,33 @@ def run_curves(index: RunIndex, metric: str) -> tuple[list[Curve], list[Marker]]
                 return found[-1]
         return None
 
-    curves, markers = [], []
+    curves, markers, stopped = [], [], {}
     for seg in segments:
-        points = per_segment[seg["id"]]
+        points = per_segment.get(seg["id"], [])
         how = f"resumed from {seg['resumed_from']}" if seg["resumed_from"] else "fresh start"
         if seg["resumed_from"]:  # the line starts at the checkpoint it resumed from
             start = value_at(seg["start_step"], None)
+            markers.append(Marker("resume", seg["start_step"], start))
             points = [(seg["start_step"], start), *points] if start is not None else points
-            markers.append(Marker("resume", *points[0]))
-        curves.append(Curve(f"segment {seg['id']} ({how})", [s for s, _ in points], [v for _, v in points]))
-    for prev, nxt in itertools.pairwise(segments):
-        last = per_segment[prev["id"]][-1][0]
-        if nxt["start_step"] < last or not nxt["resumed_from"]:  # steps were lost, or it started over
-            markers.append(Marker("interruption", last, value_at(last, prev["id"])))
+        label = f"segment {seg['id']} ({how}" + ("" if per_segment.get(seg["id"]) else f"; no {metric} logged") + ")"
+        curves.append(Curve(label, [s for s, _ in points], [v for _, v in points]))
     for e in index.events():
         if e["step"] is None:
             continue
         if e["kind"] in ("saved", "emergency_save"):
             markers.append(Marker("save", e["step"], value_at(e["step"], e["segment"])))
-        if e["kind"] in ("preempted", "emergency_save"):
-            markers.append(Marker("interruption", e["step"], value_at(e["step"], e["segment"])))
-    return curves, list(dict.fromkeys(markers))
+        if e["kind"] in ("preempted", "emergency_save") and e["segment"] not in stopped:
+            stopped[e["segment"]] = Marker("interruption", e["step"], value_at(e["step"], e["segment"]))
+    for prev, nxt in itertools.pairwise(segments):
+        own = per_segment.get(prev["id"])
+        if prev["id"] in stopped:
+            continue
+        if not own:  # it died before logging anything: where it started
+            stopped[prev["id"]] = Marker("interruption", prev["start_step"], value_at(prev["start_step"], None))
+        elif nxt["start_step"] < own[-1][0] or not nxt["resumed_from"]:  # steps were lost, or it started over
+            stopped[prev["id"]] = Marker("interruption", own[-1][0], own[-1][1])
+    saves = list(dict.fromkeys(m for m in markers if m.kind == "save"))  # a step saved twice: one point
+    return curves, [m for m in markers if m.kind != "save"] + saves + list(stopped.values())
 
 
 def plot_run(index: RunIndex, metric: str, out: str | Path, title: str = "") -> Path:

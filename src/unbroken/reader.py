@@ -34,8 +34,9 @@ import torch
 from . import progress
 from .errors import CheckpointVanishedError, CorruptCheckpointError
 from .format import chunkmap
-from .format.manifest import MANIFEST, STATE_FILE, Manifest, is_chunk, new_hasher, strict_object
+from .format.manifest import STATE_FILE, Manifest, is_chunk, new_hasher, strict_object
 from .format.tensorfile import load_tensor_file
+from .manifests import read_manifest, vanished  # noqa: F401 - also importable from here
 from .snapshot import TOP
 from .state.codec import StatefulValue
 from .state.decoder import Decoder
@@ -53,25 +54,6 @@ class ShardedRef:
     fqn: str
     shape: tuple[int, ...]
     dtype: str
-
-
-def read_manifest(storage: Storage, name: str) -> Manifest:
-    return Manifest.from_json(bytes(storage.read(name, MANIFEST)))
-
-
-def vanished(storage: Storage, name: str, seq: int | None = None) -> bool:
-    """Whether checkpoint ``name`` is no longer committed in ``storage`` (deleted or moved since it
-    was listed), or another checkpoint (another ``seq``) now has its name. Asked after a read
-    failed, it tells "pruned while read" from damage; ``False`` when it cannot be told."""
-    try:
-        if name not in storage.list_committed():
-            return True
-        try:
-            return seq is not None and read_manifest(storage, name).seq != seq
-        except CorruptCheckpointError:  # its manifest is unreadable: damaged, unless it is gone by now
-            return name not in storage.list_committed()
-    except Exception:  # noqa: BLE001 - the listing failed: report the read's own error
-        return False
 
 
 def failure(storage: Storage, name: str, e: BaseException, manifest: Manifest | None = None) -> CorruptCheckpointError:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .api import is_run as api_is_run
+from .manifests import is_run as api_is_run
 from .errors import TargetExistsError, UnbrokenError
 
 

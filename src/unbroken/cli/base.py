@@ -5,6 +5,10 @@ errors and warnings, so that ``--json`` leaves stdout one JSON document). On a t
 rich uses its width; elsewhere (a pipe, a file) ``COLUMNS`` if set, else a width wide
 enough that nothing wraps. A library error (:class:`~unbroken.UnbrokenError`, ``OSError``)
 raised by any command becomes one red line and exit status 1 (:class:`_Group`).
+
+Imports: this module and every command module import only typer, rich and torch-free parts of
+the library at module level, so that ``--help``, ``--version`` and the commands that read no
+tensor start without importing torch; a command that needs it imports it in its body.
 """
 
 from __future__ import annotations
@@ -20,15 +24,12 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-import numpy as np
 import typer
 from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperGroup
 
 from ..errors import UnbrokenError
-from ..index import INDEX_FILE
-from ..store import is_url, open_store, split_checkpoint
 
 WIDE = 1000
 """Console width when stdout is not a terminal and ``COLUMNS`` is unset: tables never wrap."""
@@ -38,7 +39,8 @@ _options: dict[str, object] = {}
 
 class _Group(TyperGroup):
     """The command group: a library error in any command is a one-line message and exit 1; a reader
-    that went away (``unbroken metrics RUN loss | head``) ends the command quietly."""
+    that went away (``unbroken metrics RUN loss | head``) ends the command quietly; a command that
+    reads tensors, where torch is not installed, says so in one line (exit 1)."""
 
     def invoke(self, ctx: Any) -> Any:
         try:
@@ -49,6 +51,13 @@ class _Group(TyperGroup):
             raise typer.Exit(1) from None
         except (UnbrokenError, OSError, sqlite3.Error) as e:  # sqlite3: a run index that cannot be read
             err().print(f"[red]{type(e).__name__}: {escape(str(e))}[/]")
+            raise typer.Exit(1) from None
+        except ModuleNotFoundError as e:
+            if e.name != "torch":
+                raise
+            err().print(f"[red]unbroken {escape(ctx.invoked_subcommand or '')} needs torch (it reads tensors), which "
+                        "is not installed here: pip install torch (ls, events, metrics, plot and prune --dry-run "
+                        "work without it)[/]")
             raise typer.Exit(1) from None
 
 
@@ -113,7 +122,8 @@ def warn(message: str) -> None:
 def json_safe(x: Any) -> Any:
     """``x`` as strict JSON values: non-finite floats as ``"nan"``/``"inf"``/``"-inf"`` (as in
     manifests), numpy scalars as numbers, tuples and sets as lists, anything else as its string."""
-    if isinstance(x, np.generic):
+    np = sys.modules.get("numpy")  # numpy scalars exist only if numpy was imported
+    if np is not None and isinstance(x, np.generic):
         x = x.item()
     if isinstance(x, float) and not math.isfinite(x):
         return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
@@ -136,12 +146,16 @@ def emit_json(doc: Any) -> None:
 # -------------------------------------------------------------------- locations
 def options_for(location: str) -> dict[str, object] | None:
     """The ``-o`` storage options, for a URL location (a local path takes none)."""
+    from ..store import is_url
+
     return dict(_options) if _options and is_url(location) else None
 
 
 def open_location(location: str) -> Any:
     """The read-only store of a run location (path or URL), checked: a bad location is a
     :class:`~unbroken.StorageError` (exit 1 with its message)."""
+    from ..store import open_store
+
     store = open_store(location, options_for(location), readonly=True)
     store.check()
     return store
@@ -149,12 +163,16 @@ def open_location(location: str) -> Any:
 
 def open_checkpoint(location: str) -> tuple[Any, str]:
     """``(store of its run, name)`` for the location of one checkpoint folder."""
+    from ..store import split_checkpoint
+
     return split_checkpoint(location, options_for(location))
 
 
 def is_run(store: Any) -> bool:
     """Whether ``store`` holds anything of an unbroken run: a committed checkpoint, a
     quarantine, or a run index (local runs). Reads only; creates nothing."""
+    from ..index import INDEX_FILE
+
     if store.list_committed() or store.quarantined() is not None or store.list_uncommitted():
         return True
     return not store.remote and (Path(store.url) / INDEX_FILE).is_file()

@@ -14,7 +14,6 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from ..convert import export_weights, import_checkpoint
 from .base import JSON_OPTION, app, emit_json, options_for, out, size
 
 
@@ -30,6 +29,8 @@ def import_(source: Path = typer.Argument(..., metavar="SRC", help="An HF Traine
     """Convert another tool's checkpoint into a verified, pickle-free checkpoint of RUN.
 
     Restore it with the parts your state has and strict=False (see docs/integrations.md)."""
+    from ..convert import import_checkpoint  # torch
+
     info, imported = import_checkpoint(source, run, trust_pickle=trust_pickle, storage_options=options_for(run))
     if json_:
         emit_json({"source": str(source), "kind": imported.kind, "checkpoint": info.path, "step": info.step,
@@ -66,6 +67,8 @@ def export(checkpoint: str = typer.Argument(..., metavar="CKPT", help="A checkpo
            json_: bool = JSON_OPTION) -> None:
     """Write a checkpoint's model weights for inference or the HF Hub, or a self-contained copy of
     the whole checkpoint (verified on read). An existing target is refused unless --force."""
+    from ..convert import export_weights  # torch
+
     files = export_weights(checkpoint, to, key=key, dtype=dtype, fmt=fmt, config=config,
                            storage_options=options_for(checkpoint), force=force)
     if json_:

@@ -7,7 +7,6 @@ from pathlib import Path
 import typer
 from rich.markup import escape
 
-from ..demo import run_demo
 from ..errors import TargetExistsError
 from .base import app, err
 
@@ -25,6 +24,8 @@ def demo(
 ) -> None:
     """Train, kill with SIGKILL at random steps and inside saves, resume, compare bitwise; plot the losses.
     Exit 0 identical, 1 not, 2 could not run (a --workdir that is not the demo's)."""
+    from ..demo import run_demo  # torch
+
     try:
         ok = run_demo(str(workdir) if workdir else None, steps=steps, kills=kills, seed=seed)
     except TargetExistsError as e:

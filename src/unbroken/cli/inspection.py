@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import difflib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import typer
 from rich.markup import escape
 from rich.table import Table
 
 from ..errors import UnbrokenError
-from ..format import chunkmap
 from ..format.manifest import Manifest, is_chunk
-from ..format.tensorfile import DTYPE_TO_ST, parse_header
-from ..reader import CheckpointFiles, read_manifest
+from ..manifests import read_manifest
 from .base import JSON_OPTION, app, emit_json, fail, metrics_text, number, open_checkpoint, out, size, when
+
+if TYPE_CHECKING:
+    import torch
 
 ENV_SHOWN = ("python", "torch", "numpy", "cuda", "host", "world_size")
 
@@ -24,6 +24,9 @@ def tensor_entries(storage: Any, name: str, manifest: Manifest) -> list[dict[str
     """Every tensor of every ``.safetensors`` file: ``{file, name, dtype, shape}`` from the headers
     (data not verified), or ``{file, error}`` for a file whose header does not parse. In an
     incremental checkpoint, a tensor file's entries come from its chunk map (with ``chunk``)."""
+    from ..format import chunkmap  # the header parsers share torch's dtype tables
+    from ..format.tensorfile import DTYPE_TO_ST, parse_header
+
     entries: list[dict[str, Any]] = []
     for fname, entry in sorted(manifest.files.items()):
         if fname.endswith(chunkmap.SUFFIX):
@@ -51,6 +54,8 @@ def tensor_entries(storage: Any, name: str, manifest: Manifest) -> list[dict[str
 def tensor_stats(t: torch.Tensor) -> dict[str, Any]:
     """dtype, shape, element count, min, max, mean, L2 norm and the count of non-finite values
     (computed in float64; min/max/mean are ``None`` for an empty tensor)."""
+    import torch
+
     x = t.detach().to(torch.float64).reshape(-1)
     empty = x.numel() == 0
     return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "numel": x.numel(),
@@ -78,6 +83,8 @@ def _one_tensor(storage: Any, name: str, m: Manifest, path: str, wanted: str, js
             f"it has {len(names)} tensors; `unbroken inspect {path}` lists them"
         fail(escape(f"no tensor {wanted!r} in {path}; {hint}"))
     fname = found[0]["file"]
+    from ..reader import CheckpointFiles  # torch
+
     t = CheckpointFiles(storage, name, m).tensors(fname)[wanted]  # the file is verified (checksum) first
     stats = {"name": wanted, "file": fname, "verified": True, **tensor_stats(t)}
     if json_:

@@ -14,7 +14,8 @@ broken ones too, each with a status:
   the retention of the process that writes the run: not damaged.
 
 Both commands only read, so they work on a read-only run folder, and beside a training process
-that writes (and prunes) the run.
+that writes (and prunes) the run. ``ls`` reads manifests only and never imports torch; ``--verify``,
+``--remote`` and ``verify`` read checkpoints through the library's reader, which does.
 """
 
 from __future__ import annotations
@@ -30,10 +31,8 @@ from rich.table import Table
 from .. import progress
 from ..discovery import discover
 from ..errors import CheckpointVanishedError, UnbrokenError
-from ..reader import read_manifest, vanished, verify_all
-from ..run import Run
+from ..manifests import read_manifest, vanished
 from ..store import is_url
-from ..tiers import Remote
 from .base import (JSON_OPTION, app, emit_json, fail, metrics_text, open_checkpoint, open_location, options_for,
                    out, plural, size, when)
 
@@ -66,6 +65,8 @@ class Row:
 def check(store: Any, name: str) -> tuple[str, str]:
     """Verify every file of checkpoint ``name``: ``("valid", "")``, ``("corrupt", reason)``, or
     ``("pruned", reason)`` if it was deleted while being read (not damaged)."""
+    from ..reader import verify_all  # decodes the state trees: imports torch
+
     try:
         verify_all(store, name)
     except CheckpointVanishedError:
@@ -81,6 +82,9 @@ def committed_rows(store: Any, remote: str | None) -> list[Row]:
     """Committed checkpoints, newest first (across both tiers with ``remote``), then those
     whose manifest cannot be read."""
     if remote:
+        from ..run import Run
+        from ..tiers import Remote
+
         infos = Run(store, remote=Remote(remote, storage_options=options_for(remote))).checkpoints()
     else:
         infos = discover(store)

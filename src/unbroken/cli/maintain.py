@@ -5,6 +5,8 @@ lease), so they are refused while a training process writes the run. Deleting go
 through :meth:`Run.prune` (the store's crash-safe deletion: renamed away first, then
 removed; ``pruned`` recorded in the run index); tagging through
 :meth:`Checkpointer.tag` (``tags.json``, replaced atomically; ``tagged`` in the index).
+Becoming the writer uses the same machinery as training (:class:`~unbroken.run.Run`), which
+imports torch; ``prune --dry-run`` only reads manifests and does not.
 """
 
 from __future__ import annotations
@@ -19,10 +21,7 @@ from rich.table import Table
 from ..discovery import discover
 from ..errors import RunLockedError
 from ..events import EventBus
-from ..manager import Checkpointer
 from ..policies import CheckpointMeta, KeepBest, KeepLast, KeepTagged, Mode, Retention, Union
-from ..recorder import Recorder
-from ..run import Run
 from ..scheduling import Schedule
 from ..tags import check_tag
 from .base import (JSON_OPTION, app, emit_json, fail, metrics_text, open_checkpoint, open_location, options_for, out,
@@ -108,6 +107,9 @@ def prune(run: str = typer.Argument(..., metavar="RUN", help="Run folder or URL.
 
 def _delete(run: str, schedule: Schedule) -> list[str]:
     """Apply ``schedule``'s retention as the run's writer; the names deleted."""
+    from ..recorder import Recorder
+    from ..run import Run  # the writer's machinery: imports torch
+
     bus = EventBus()
     writer = Run(run, storage_options=options_for(run), publish=bus.publish)
     try:
@@ -146,6 +148,8 @@ def tag(checkpoint: str = typer.Argument(..., metavar="CHECKPOINT", help="A chec
     if ckpt_name not in {c.name for c in discover(storage)}:
         fail(escape(f"{checkpoint} is not a committed checkpoint with a readable manifest; "
                     f"`unbroken ls {storage.url}` lists those of its run"))
+    from ..manager import Checkpointer  # imports torch
+
     writer = Checkpointer(storage.url, keep_last=None, preemption=None, storage_options=options_for(storage.url))
     try:
         writer.tag(name, ckpt_name)

@@ -16,7 +16,8 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from ..index import Continuity, RunIndex
+from ..continuity import CONTINUOUS, NOT_CHECKED, Continuity
+from ..index import RunIndex
 from ..plotting import made_here, plot_run
 from ..targets import check_target
 from .base import JSON_OPTION, app, emit_json, fail, open_location, out, plural, require_run, warn, when
@@ -68,14 +69,17 @@ def events(run: str = typer.Argument(..., metavar="RUN", help="Run folder or URL
 
 
 def _report_check(name: str, report: Continuity, resumes: int, json_: bool, run: str) -> bool:
-    """Print a continuity report (:meth:`RunIndex.continuity`); whether it is ok."""
+    """Print a continuity report (:meth:`RunIndex.continuity`); whether it proves continuity: at
+    least one re-run step compared, every one equal, no row missing. ``ok`` is never said (nor
+    ``"ok": true``) after comparing 0 steps: the verdict is then ``not checked``."""
     missing = list(getattr(report, "missing", []))
+    proven = report.verdict == CONTINUOUS
     if json_:
-        emit_json({"run": run, "name": name, "ok": report.ok, "compared": len(report.checked),
+        emit_json({"run": run, "name": name, "ok": proven, "verdict": report.verdict, "compared": len(report.checked),
                    "checked": report.checked, "disagreeing": report.disagreeing, "missing": missing,
                    "values": {str(s): [{"segment": g, "value": v} for g, v in pairs]
                               for s, pairs in report.values.items()}, "resumes": resumes})
-        return bool(report.ok)
+        return proven
     con = out()
     for step in report.disagreeing:
         con.print(f"[red]step {step}[/]: " + escape(", ".join(f"segment {g}: {v!r}" for g, v in report.values[step])))
@@ -92,15 +96,17 @@ def _report_check(name: str, report: Continuity, resumes: int, json_: bool, run:
                   "continuity could not be checked[/]")
     else:
         con.print(f"[yellow]{escape(name)}: 0 steps compared: the run was never resumed[/]")
-    con.print("[green]ok[/]" if report.ok else "[red]not continuous[/]")
-    return bool(report.ok)
+    con.print({CONTINUOUS: "[green]ok[/]", NOT_CHECKED: "[yellow]not checked[/]"}.get(report.verdict,
+                                                                                    "[red]not continuous[/]"))
+    return proven
 
 
 @app.command()
 def metrics(run: str = typer.Argument(..., metavar="RUN", help="Run folder or URL."),
             name: str = typer.Argument(..., metavar="NAME", help="Metric name, e.g. loss."),
             check: bool = typer.Option(False, "--check", help="Exit 1 unless the steps re-run after a resume logged "
-                                       "bitwise identical values (and no saved row is missing)."),
+                                       "bitwise identical values (and no saved row is missing); also when no step "
+                                       "could be compared (not checked)."),
             json_: bool = JSON_OPTION) -> None:
     """Print a metric per step (step, value, segment); --check proves resume continuity."""
     with open_index(run) as index:

@@ -9,9 +9,9 @@ its module's weights rebuilt from the fp32 masters every rank saved a piece of
 
 * ``--to model.safetensors``: one safetensors file, loadable with ``safetensors.torch.load_file``
   and ``model.load_state_dict``;
-* ``--to DIR --format hf``: ``DIR/model.safetensors`` plus ``DIR/config.json`` (the checkpoint's
-  ``config`` part, which an HF import or the HF integration records, or a file given with
-  ``--config``), the layout ``from_pretrained(DIR)`` reads.
+* ``--to DIR --format hf``: ``DIR/model.safetensors`` plus ``DIR/config.json`` (a file given
+  with ``--config``, else the checkpoint's HF config: :func:`hf_config`), the layout
+  ``from_pretrained(DIR)`` reads.
 
 * ``--to DIR --format checkpoint``: the whole checkpoint (every part, every rank, its manifest)
   as a self-contained unbroken checkpoint folder: the chunks an incremental checkpoint shares
@@ -61,6 +61,22 @@ def weights_of(tree: Mapping[str, Any], key: str | None = None) -> dict[str, tor
     if not flat:
         raise UnbrokenError(f"the checkpoint's part {key!r} holds no tensors")
     return flat
+
+
+HF_INTEGRATION_CONFIG = ("trainer", "model_config")
+"""Where :mod:`unbroken.integrations.hf` saves the model's config (``TrainerCounters``' ``MODEL_CONFIG``)."""
+
+
+def hf_config(tree: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The HF model config a checkpoint records: its ``config`` part (``unbroken import`` of an HF
+    Trainer folder), or the one the HF integration saves with the Trainer's counters
+    (:data:`HF_INTEGRATION_CONFIG`); ``None`` if it has neither."""
+    found = tree.get("config")
+    if isinstance(found, dict):
+        return found
+    part, key = HF_INTEGRATION_CONFIG
+    found = tree.get(part, {}).get(key) if isinstance(tree.get(part), dict) else None
+    return found if isinstance(found, dict) else None
 
 
 def is_engine_state(value: Any) -> bool:
@@ -183,7 +199,7 @@ def export_weights(checkpoint: str | os.PathLike[str], to: str | os.PathLike[str
     cast = DTYPES[dtype] if dtype else None
     tensors = {name: (t.to(cast) if cast is not None and t.is_floating_point() else t).contiguous().clone()
                for name, t in weights.items()}
-    model_config = tree.get("config")
+    model_config = hf_config(tree)
     del tree, weights  # the clones are what is written: at most two copies of the weights in memory
     metadata = {"format": "pt", "exported_by": "unbroken", "source": os.fspath(checkpoint)}
     if fmt == "hf":
@@ -192,7 +208,8 @@ def export_weights(checkpoint: str | os.PathLike[str], to: str | os.PathLike[str
         elif isinstance(model_config, dict):
             config_bytes = (json.dumps(model_config, indent=2, sort_keys=True) + "\n").encode()
         else:
-            raise UnbrokenError("the checkpoint has no 'config' part (an HF model config): pass --config config.json")
+            raise UnbrokenError("the checkpoint records no HF model config (no 'config' part, as an HF import has, "
+                                "and not written by unbroken.integrations.hf): pass --config config.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "hf":
         out.mkdir(exist_ok=True)

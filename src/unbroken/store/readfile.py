@@ -23,10 +23,9 @@ import logging
 import mmap
 import os
 import stat
+import sys
 from pathlib import Path
 from typing import Protocol
-
-import torch
 
 from ..errors import CorruptCheckpointError, StorageError
 from .base import Buffer
@@ -146,9 +145,14 @@ def allocate(size: int, file: str) -> Buffer:
         raise StorageError(errno.ENOMEM, f"cannot read {file}: it has {size / 2**30:.1f} GiB and this machine "
                                          f"has {avail / 2**30:.1f} GiB of memory available; free memory "
                                          "or load on a larger machine")
+    torch = sys.modules.get("torch")  # torch's allocator where torch is loaded; numpy in torch-free tools (ls)
     try:
-        return torch.empty(size, dtype=torch.uint8).numpy()
-    except (RuntimeError, MemoryError) as e:
+        if torch is not None:
+            return torch.empty(size, dtype=torch.uint8).numpy()
+        import numpy as np
+
+        return np.empty(size, dtype=np.uint8)
+    except (RuntimeError, MemoryError, ValueError) as e:
         raise StorageError(errno.ENOMEM, f"cannot allocate {size} bytes to read {file}: {e}; free "
                                          "memory, or raise the process's memory limits (ulimit -v, "
                                          "vm.max_map_count)") from None

@@ -6,6 +6,7 @@ rank accumulates on its own between two logging steps (saved per rank, in ``unbr
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -15,6 +16,8 @@ from transformers import Trainer
 from transformers.trainer_callback import ExportableState
 
 log = logging.getLogger("unbroken")
+MODEL_CONFIG = "model_config"
+"""The key of the model's config in the saved state (``unbroken export --format hf`` reads it)."""
 
 
 class TrainerCounters:
@@ -28,7 +31,8 @@ class TrainerCounters:
     callbacks; with TRL's trainers also their token count and the metric values awaiting the next
     log (``_total_train_tokens``, ``_metrics``). All of it is the same on every rank (the Trainer gathers what it logs). The
     configuration-derived fields (``max_steps``, ``logging_steps``, ...) are not restored:
-    they come from this run's arguments.
+    they come from this run's arguments. ``model_config`` (the model's HF config as JSON, for
+    ``unbroken export --format hf``) is saved, never restored: the model comes from this run's code.
     """
 
     _STATE = ("global_step", "epoch", "total_flos", "num_input_tokens_seen", "log_history", "best_metric",
@@ -57,6 +61,11 @@ class TrainerCounters:
         if metrics is not None:
             out["trl_metrics"] = {mode: {k: list(v) for k, v in values.items()} for mode, values in metrics.items()}
         out["callbacks"] = {k: dict(cb.state().get("attributes", {})) for k, cb in self._callbacks().items()}
+        config = getattr(t.model, "config", None)
+        if hasattr(config, "to_json_string"):  # what save_pretrained writes as config.json (all fields)
+            out[MODEL_CONFIG] = {"architectures": [type(t.model).__name__],
+                                 **{k: v for k, v in json.loads(config.to_json_string(use_diff=False)).items()
+                                    if v is not None or k != "architectures"}}
         return out
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
