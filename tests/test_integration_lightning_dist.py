@@ -1,0 +1,222 @@
+"""The Lightning integration on 2 CPU ranks (gloo), end to end: real jobs of tests/lightning_dist_train.py
+started the way users start them (Lightning's own launcher, ``devices=2``; torchrun), hit by a SIGKILL
+of one rank, a SIGTERM, a SIGKILL inside a save, and resumed at another world size. Each faulted run
+is relaunched until done and compared bitwise with an uninterrupted run: every rank's micro-batch
+losses and samples (the re-run ones included), the final parameters and optimizer state, gathered.
+
+Lightning's own launcher does not restart anything: when a rank dies the others fail at their next
+collective, rank 0 (the process the user started) kills the rest and exits 1, and the relaunch is
+the user's or the scheduler's (the same command). torchrun restarts the group by itself.
+
+The same faults with Lightning's own checkpointing measure what it loses (docs/integrations.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import pytorch_lightning  # noqa: F401  (the test extra installs it: a missing one fails, not skips)
+from test_distributed import run
+from unbroken.faults import EXIT_PREEMPTED
+from unbroken.store import open_store
+
+pytestmark = pytest.mark.e2e
+SCRIPT = str(Path(__file__).with_name("lightning_dist_train.py"))
+STEPS, SAVE_EVERY, BATCH = 12, 3, 4  # 2 ranks x 4 samples x 2 micro-batches per step
+N_SAMPLES, LAST_BATCH = 100, 12  # 13 micro-batches an epoch: the 13th is 4 samples, padded to 8 by 2 ranks
+ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+for _var in ("UNBROKEN_FAULTS", "MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
+    ENV.pop(_var, None)
+
+
+# ------------------------------------------------------------------------------ running a job
+def job(base: Path, *extra: str, devices: int = 2, strategy: str = "ddp") -> list[str]:
+    return [sys.executable, SCRIPT, "--devices", str(devices), "--strategy", strategy, "--run-dir", str(base / "run"),
+            "--out", str(base / "out"), "--steps", str(STEPS), "--save-every", str(SAVE_EVERY),
+            "--batch", str(BATCH * 2 // devices), *extra]
+
+
+def torchrun_job(base: Path, *extra: str, restarts: int = 0) -> list[str]:
+    cmd = job(base, *extra)
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            f"--max-restarts={restarts}", *cmd[1:]]
+
+
+def launch(base: Path, cmd: list[str], env: dict[str, str] | None = None, on_line=None) -> tuple[int, str]:
+    """Run one job to its end (every rank: its output closes), killing what is left after a timeout."""
+    def kill_ranks() -> None:
+        for f in (base / "out").glob("pid-r*"):
+            try:
+                os.kill(int(f.read_text()), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+
+    try:
+        return run(cmd, env=env or ENV, timeout=300, on_line=on_line, on_timeout=kill_ranks)
+    finally:
+        kill_ranks()
+
+
+def at_step(base: Path, step: int, action) -> tuple:
+    """An ``on_line`` that calls ``action(proc)`` once, when rank 1 starts a micro-batch of optimizer step ``step``
+    (``global_step`` = ``step`` - 1 steps done). Returns (on_line, fired)."""
+    fired: list[int] = []
+
+    def on_line(line: str, proc) -> None:
+        if not fired and re.search(rf"rank 1 step {step - 1}(?!\d)", line):  # the ranks' lines may interleave
+            fired.append(step)
+            action(proc)
+
+    return on_line, fired
+
+
+def sigkill_rank(base: Path, rank: int):
+    return lambda proc: os.kill(int((base / "out" / f"pid-r{rank}").read_text()), signal.SIGKILL)
+
+
+# ------------------------------------------------------------------------------ comparing runs
+def rows(out: Path, rank: int) -> list[dict]:
+    return [json.loads(x) for x in (out / f"losses-r{rank}.jsonl").read_text().splitlines()]
+
+
+def merged(out: Path, rank: int) -> tuple[dict, int]:
+    """(epoch, batch) -> (global_step, loss, samples), the last run of each micro-batch; and how many
+    micro-batches ran twice (before and after a resume) with different values."""
+    seen: dict = {}
+    disagree = 0
+    for r in rows(out, rank):
+        key, value = (r["epoch"], r["batch"]), (r["step"], r["loss"], r["samples"])
+        disagree += key in seen and seen[key] != value
+        seen[key] = value
+    return seen, disagree
+
+
+def final(out: Path, name: str = "final.safetensors") -> dict[str, torch.Tensor]:
+    return load_file(str(out / name))
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def assert_bitwise(reference: Path, out: Path) -> None:
+    for rank in (0, 1):
+        ref, _ = merged(reference, rank)
+        got, disagree = merged(out, rank)
+        assert disagree == 0 and got == ref, rank  # every micro-batch's loss and samples, on every rank
+    assert same(final(reference), final(out))  # parameters and AdamW moments, gathered
+    assert json.loads((out / "final.json").read_text()) == json.loads((reference / "final.json").read_text())
+
+
+def committed(run_dir: Path) -> list[str]:
+    return open_store(run_dir).list_committed()
+
+
+def preempted_at(out: str) -> int:
+    steps = {int(m) for m in re.findall(r"preempted at step (\d+)", out)}
+    assert len(steps) == 1, out[-3000:]  # every rank stopped after the same step
+    return steps.pop()
+
+
+# ------------------------------------------------------------------------------ the references
+REFERENCE_DUMP_AT = 2 * SAVE_EVERY  # the reference's full state at this step: the world-size test resumes there
+
+
+@pytest.fixture(scope="module", params=["ddp", "fsdp2"])
+def reference(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """An uninterrupted 2-rank run of each strategy (Lightning's launcher), its state dumped at step 6."""
+    strategy = request.param
+    base = tmp_path_factory.mktemp(f"reference-{strategy}")
+    code, out = launch(base, job(base, "--dump-at", str(REFERENCE_DUMP_AT), strategy=strategy))
+    assert code == 0, out[-3000:]
+    assert committed(base / "run") == [f"step-{s:09d}" for s in (6, 9, 12)]  # every 3 steps, keep_last=3
+    assert len(rows(base / "out", 0)) == 23 and not any(base.rglob("*.ckpt"))
+    return strategy, base
+
+
+# ------------------------------------------------------------------------------ with unbroken
+def test_killed_in_a_save_sigterm_and_a_killed_rank_resume_bitwise(reference, tmp_path: Path) -> None:
+    """One run hit by three faults in turn, relaunched after each (Lightning's launcher):
+
+    1. rank 1 SIGKILLed half-way through a tensor file of the 2nd save (step 6): the save never commits,
+       rank 0 fails in its next collective and exits 1;
+    2. relaunched (resumes at 3), a SIGTERM to the job's process (rank 0, as a scheduler sends it): every
+       rank finishes the step under way, saves it, and exits 75;
+    3. relaunched, one rank SIGKILLed at a random step (rank 1 under DDP, rank 0 -- the launcher
+       itself -- under FSDP2): the job exits non-zero;
+    4. relaunched to the end: bitwise the uninterrupted run."""
+    strategy, ref = reference
+    rng = random.Random(f"lightning-dist-{strategy}")
+    # 1. rank 1 writes 2 tensor files per save (its share, its RNG): the 3rd is in the 2nd save
+    code, out = launch(tmp_path, job(tmp_path, strategy=strategy), env=dict(ENV, UNBROKEN_FAULTS="save.mid_file@1=3"))
+    assert code not in (0, EXIT_PREEMPTED), out[-3000:]
+    assert committed(tmp_path / "run") == ["step-000000003"]
+    assert any(p.name.startswith(".staging") for p in (tmp_path / "run").iterdir())  # the torn save, hidden
+    # 2. SIGTERM
+    term = rng.randint(4, 7)
+    on_line, fired = at_step(tmp_path, term, lambda proc: proc.send_signal(signal.SIGTERM))
+    code, out = launch(tmp_path, job(tmp_path, strategy=strategy), on_line=on_line)
+    assert fired and code == EXIT_PREEMPTED, out[-3000:]
+    assert "resumed from" in out and "step-000000003" in out
+    stopped = preempted_at(out)
+    assert stopped >= term and committed(tmp_path / "run")[-1] == f"step-{stopped:09d}"
+    # 3. a rank SIGKILLed
+    victim = 1 if strategy == "ddp" else 0
+    kill = rng.randint(stopped + 2, STEPS - 1)
+    on_line, fired = at_step(tmp_path, kill, sigkill_rank(tmp_path, victim))
+    code, out = launch(tmp_path, job(tmp_path, strategy=strategy), on_line=on_line)
+    assert fired and code != 0, out[-3000:]
+    assert f"resumed from {tmp_path / 'run'}/step-{stopped:09d}" in out
+    # 4. to the end
+    code, out = launch(tmp_path, job(tmp_path, strategy=strategy))
+    assert code == 0, out[-3000:]
+    assert_bitwise(ref / "out", tmp_path / "out")
+    assert not (tmp_path / "run" / "quarantine").exists()
+
+
+def test_resumed_on_one_rank_at_the_same_global_sample(reference, tmp_path: Path) -> None:
+    """The reference's checkpoint of step 6 (2 ranks x 4 samples) resumed by 1 rank (8 samples: the same global
+    batch): the restored parameters and moments are bitwise the 2-rank run's at step 6, and every later step
+    trains on exactly the samples both ranks of the reference trained on together."""
+    strategy, ref = reference
+    name = f"step-{REFERENCE_DUMP_AT:09d}"
+    shutil.copytree(ref / "run" / name, tmp_path / "run" / name)
+    code, out = launch(tmp_path, job(tmp_path, "--dump-restored", devices=1, strategy=strategy))
+    assert code == 0, out[-3000:]
+    assert "world size changed from 2 to 1" in out and "RNGs reseeded" in out, out[-3000:]
+    assert same(final(ref / "out", f"step-{REFERENCE_DUMP_AT}.safetensors"), final(tmp_path / "out", "restored.safetensors"))
+    both = [merged(ref / "out", r)[0] for r in (0, 1)]
+    got, _ = merged(tmp_path / "out", 0)
+    later = sorted(k for k, v in both[0].items() if v[0] >= REFERENCE_DUMP_AT)
+    assert sorted(got) == later  # the same micro-batches (epoch, batch index), none skipped or repeated
+    for key in later:
+        samples = both[0][key][2] + both[1][key][2]
+        if key[1] == LAST_BATCH:  # 2 ranks pad the epoch's last global batch by wrapping; 1 rank gets it short
+            samples = samples[:N_SAMPLES % (2 * BATCH)]
+        assert got[key][0] == both[0][key][0] and got[key][2] == samples, key
+    assert json.loads((tmp_path / "out" / "final.json").read_text()) == dict(
+        json.loads((ref / "out" / "final.json").read_text()), world=1)
+
+
+@pytest.mark.parametrize("reference", ["ddp"], indirect=True)
+def test_torchrun_restarts_a_killed_rank_and_resumes_bitwise(reference, tmp_path: Path) -> None:
+    """Under ``torchrun --max-restarts=1`` (the script calls ``unbroken.init_distributed()`` before the Trainer):
+    rank 1 SIGKILLed at a random step, torchrun restarts both ranks, which resume from the newest checkpoint."""
+    _, ref = reference
+    kill = random.Random(3).randint(SAVE_EVERY + 2, STEPS - 2)
+    on_line, fired = at_step(tmp_path, kill, sigkill_rank(tmp_path, 1))
+    code, out = launch(tmp_path, torchrun_job(tmp_path, restarts=1), on_line=on_line)
+    assert fired and code == 0, out[-3000:]
+    assert "resumed from" in out, out[-3000:]
+    assert_bitwise(ref / "out", tmp_path / "out")
