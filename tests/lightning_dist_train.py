@@ -108,14 +108,14 @@ def full_state(trainer: pl.Trainer) -> dict[str, torch.Tensor]:
     """Every parameter and optimizer value, whole (a collective under FSDP and ZeRO-3)."""
     strategy, module = trainer.strategy, trainer.lightning_module
     out: dict[str, torch.Tensor] = {}
-    if type(strategy).__name__.startswith("DeepSpeed"):
+    if "DeepSpeed" in type(strategy).__name__:
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
         for name, p in module.named_parameters():
             out[f"model/{name}"] = safe_get_full_fp32_param(p)
             for key in ("exp_avg", "exp_avg_sq"):
                 out[f"optimizer/{name}/{key}"] = safe_get_full_optimizer_state(p, key)
-    elif type(strategy).__name__.startswith("FSDP"):
+    elif "FSDP" in type(strategy).__name__:  # FSDPStrategy, or the CPU subclass below
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
         msd, osd = get_state_dict(strategy.model, trainer.optimizers,
@@ -156,7 +156,7 @@ class Dumps(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step != self.last:
             self.last = trainer.global_step
-            if trainer.global_step == self.args.dump_at:
+            if trainer.global_step in self.args.dump_at:
                 self._write(trainer, f"step-{trainer.global_step}.safetensors")
             if trainer.global_step == self.args.stop_at:
                 trainer.should_stop = True
@@ -189,27 +189,35 @@ def cpu_strategy(name: str):
     from pytorch_lightning.strategies import DeepSpeedStrategy
 
     class CPUDeepSpeedStrategy(DeepSpeedStrategy):
-        def setup_environment(self) -> None:  # DeepSpeedStrategy refuses every accelerator but CUDA here
+        def setup_environment(self) -> None:
+            # DeepSpeedStrategy.setup_environment refuses every accelerator but CUDA; and CPU devices have no index,
+            # which setup_distributed checks and _setup_model_and_optimizer hands to DeepSpeed as its device_rank
             assert isinstance(self.accelerator, CPUAccelerator)
+            self.parallel_devices = [torch.device("cpu", i) for i in range(len(self.parallel_devices or ()))]
             super(DeepSpeedStrategy, self).setup_environment()
 
     return CPUDeepSpeedStrategy(stage=int(os.environ.get("ZERO_STAGE", "2")), process_group_backend="gloo")
 
 
 def kill_in_lightning_save(nth: int, rank: int) -> None:
-    """SIGKILL rank ``rank`` inside Lightning's ``nth`` checkpoint save: for a ``.ckpt`` file (rank 0 writes
-    it), once the bytes are in fsspec's temporary file, before it is moved over the path; for a
-    distributed checkpoint folder (FSDP2), half-way through this rank's DCP file."""
+    """SIGKILL rank ``rank`` inside the ``nth`` file it writes for Lightning's checkpoints: a ``.ckpt`` file
+    (DDP: rank 0 writes it) once its bytes are in fsspec's temporary file, before the move over the path
+    (Lightning writes through an fsspec transaction); a distributed checkpoint (FSDP2: a folder, each rank
+    its ``.distcp`` file) half-way through this rank's file, before DCP's ``.metadata``."""
     if int(os.environ.get("RANK", "0")) != rank:
         return
     count = [0]
+
+    def hit() -> bool:
+        count[0] += 1
+        return count[0] == nth
+
     from fsspec.implementations.local import LocalFileOpener
 
     commit = LocalFileOpener.commit
 
     def killing_commit(self):
-        count[0] += 1
-        if count[0] == nth:
+        if hit():
             print("KILLED IN SAVE", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         return commit(self)
@@ -217,19 +225,38 @@ def kill_in_lightning_save(nth: int, rank: int) -> None:
     LocalFileOpener.commit = killing_commit
     import torch.distributed.checkpoint.filesystem as fs
 
-    write = fs._write_item
+    write_file = fs._write_files_from_queue
 
-    def torn(*a, **kw):
-        count[0] += 1
-        if count[0] == nth:
-            stream = next(x for x in a if hasattr(x, "write"))
-            stream.write(b"\0" * 64)
-            stream.flush()
-            print("KILLED IN SAVE", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-        return write(*a, **kw)
+    def torn_file(create_stream, *a, **kw):
+        if not hit():
+            return write_file(create_stream, *a, **kw)
 
-    fs._write_item = torn
+        def half_then_kill(path, mode):
+            stream = create_stream(path, mode)
+            real = stream.__enter__()
+
+            class Torn:
+                def __enter__(self):
+                    return self
+
+                def __exit__(self, *exc):
+                    return False
+
+                def write(self, data):
+                    real.write(bytes(memoryview(data).cast("B")[: max(1, len(memoryview(data).cast("B")) // 2)]))
+                    real.flush()
+                    os.fsync(real.fileno())
+                    print("KILLED IN SAVE", flush=True)
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+                def __getattr__(self, name):
+                    return getattr(real, name)
+
+            return Torn()
+
+        return write_file(half_then_kill, *a, **kw)
+
+    fs._write_files_from_queue = torn_file
 
 
 def main() -> int:
@@ -244,7 +271,7 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=4, help="per rank")
     p.add_argument("--accumulate", type=int, default=2)
     p.add_argument("--dump-restored", action="store_true")
-    p.add_argument("--dump-at", type=int)
+    p.add_argument("--dump-at", type=int, action="append", default=[])
     p.add_argument("--stop-at", type=int)
     p.add_argument("--ckpt-path", help="fit(ckpt_path=...)")
     p.add_argument("--lightning-kill-in-save", type=int)

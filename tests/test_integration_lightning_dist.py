@@ -20,6 +20,8 @@ import re
 import shutil
 import signal
 import sys
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -35,6 +37,9 @@ pytestmark = pytest.mark.e2e
 SCRIPT = str(Path(__file__).with_name("lightning_dist_train.py"))
 STEPS, SAVE_EVERY, BATCH = 12, 3, 4  # 2 ranks x 4 samples x 2 micro-batches per step
 N_SAMPLES, LAST_BATCH = 100, 12  # 13 micro-batches an epoch: the 13th is 4 samples, padded to 8 by 2 ranks
+# Under DeepSpeed, Lightning leaves accumulation to DeepSpeed and counts every micro-batch in global_step
+ACCUMULATE = {"ddp": 2, "fsdp2": 2, "fsdp": 2, "deepspeed": 1}
+MICRO_BATCHES = {1: STEPS, 2: 23}  # per rank in the 12 steps: 2 per step, and the epoch's 13th alone
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
 for _var in ("UNBROKEN_FAULTS", "MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
     ENV.pop(_var, None)
@@ -44,7 +49,7 @@ for _var in ("UNBROKEN_FAULTS", "MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "RAN
 def job(base: Path, *extra: str, devices: int = 2, strategy: str = "ddp") -> list[str]:
     return [sys.executable, SCRIPT, "--devices", str(devices), "--strategy", strategy, "--run-dir", str(base / "run"),
             "--out", str(base / "out"), "--steps", str(STEPS), "--save-every", str(SAVE_EVERY),
-            "--batch", str(BATCH * 2 // devices), *extra]
+            "--batch", str(BATCH * 2 // devices), "--accumulate", str(ACCUMULATE[strategy]), *extra]
 
 
 def torchrun_job(base: Path, *extra: str, restarts: int = 0) -> list[str]:
@@ -53,19 +58,29 @@ def torchrun_job(base: Path, *extra: str, restarts: int = 0) -> list[str]:
             f"--max-restarts={restarts}", *cmd[1:]]
 
 
+def kill_job(base: Path) -> None:
+    """SIGKILL every rank of the job writing ``base/out`` (Lightning's children outlive a killed rank 0)."""
+    for f in (base / "out").glob("pid-r*"):
+        try:
+            os.kill(int(f.read_text()), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def launch(base: Path, cmd: list[str], env: dict[str, str] | None = None, on_line=None) -> tuple[int, str]:
     """Run one job to its end (every rank: its output closes), killing what is left after a timeout."""
-    def kill_ranks() -> None:
-        for f in (base / "out").glob("pid-r*"):
-            try:
-                os.kill(int(f.read_text()), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
-
     try:
-        return run(cmd, env=env or ENV, timeout=300, on_line=on_line, on_timeout=kill_ranks)
+        return run(cmd, env=env or ENV, timeout=300, on_line=on_line, on_timeout=lambda: kill_job(base))
     finally:
-        kill_ranks()
+        kill_job(base)
 
 
 def at_step(base: Path, step: int, action) -> tuple:
@@ -133,70 +148,88 @@ def preempted_at(out: str) -> int:
 REFERENCE_DUMP_AT = 2 * SAVE_EVERY  # the reference's full state at this step: the world-size test resumes there
 
 
-@pytest.fixture(scope="module", params=["ddp", "fsdp2"])
-def reference(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
-    """An uninterrupted 2-rank run of each strategy (Lightning's launcher), its state dumped at step 6."""
+@dataclass
+class Reference:
+    strategy: str
+    base: Path
+    env: dict[str, str]
+
+    @property
+    def out(self) -> Path:
+        return self.base / "out"
+
+
+@pytest.fixture(scope="module", params=["ddp", "fsdp2", "fsdp", "deepspeed"])
+def reference(request, tmp_path_factory: pytest.TempPathFactory) -> Reference:
+    """An uninterrupted 2-rank run of each strategy (Lightning's launcher), its state dumped at step 6.
+    ``fsdp`` and ``deepspeed`` are Lightning's FSDPStrategy and DeepSpeedStrategy, which Lightning refuses on
+    CPU, through the subclasses of lightning_dist_train.py that take only those refusals away."""
     strategy = request.param
+    env = dict(request.getfixturevalue("deepspeed_env"), **{k: ENV[k] for k in ("PYTHONWARNINGS",)}) \
+        if strategy == "deepspeed" else ENV
+    env = {k: v for k, v in env.items() if k not in ("UNBROKEN_FAULTS", "MASTER_PORT", "WORLD_SIZE", "RANK")}
     base = tmp_path_factory.mktemp(f"reference-{strategy}")
-    code, out = launch(base, job(base, "--dump-at", str(REFERENCE_DUMP_AT), strategy=strategy))
+    code, out = launch(base, job(base, "--dump-at", str(REFERENCE_DUMP_AT), strategy=strategy), env=env)
     assert code == 0, out[-3000:]
     assert committed(base / "run") == [f"step-{s:09d}" for s in (6, 9, 12)]  # every 3 steps, keep_last=3
-    assert len(rows(base / "out", 0)) == 23 and not any(base.rglob("*.ckpt"))
-    return strategy, base
+    assert len(rows(base / "out", 0)) == MICRO_BATCHES[ACCUMULATE[strategy]] and not any(base.rglob("*.ckpt"))
+    return Reference(strategy, base, env)
 
 
 # ------------------------------------------------------------------------------ with unbroken
-def test_killed_in_a_save_sigterm_and_a_killed_rank_resume_bitwise(reference, tmp_path: Path) -> None:
-    """One run hit by three faults in turn, relaunched after each (Lightning's launcher):
+def test_killed_in_a_save_sigterm_and_a_killed_rank_resume_bitwise(reference: Reference, tmp_path: Path) -> None:
+    """One run hit by the faults in turn, relaunched after each (Lightning's launcher):
 
     1. rank 1 SIGKILLed half-way through a tensor file of the 2nd save (step 6): the save never commits,
-       rank 0 fails in its next collective and exits 1;
+       rank 0 fails in its next collective and exits non-zero;
     2. relaunched (resumes at 3), a SIGTERM to the job's process (rank 0, as a scheduler sends it): every
        rank finishes the step under way, saves it, and exits 75;
-    3. relaunched, one rank SIGKILLed at a random step (rank 1 under DDP, rank 0 -- the launcher
-       itself -- under FSDP2): the job exits non-zero;
+    3. relaunched, one rank SIGKILLed at a random step (rank 1 under DDP, rank 0 -- the launcher itself --
+       otherwise): the job exits non-zero (not under DeepSpeed, whose launches cost the most: step 1
+       already killed a rank there);
     4. relaunched to the end: bitwise the uninterrupted run."""
-    strategy, ref = reference
+    strategy, env = reference.strategy, reference.env
     rng = random.Random(f"lightning-dist-{strategy}")
-    # 1. rank 1 writes 2 tensor files per save (its share, its RNG): the 3rd is in the 2nd save
-    code, out = launch(tmp_path, job(tmp_path, strategy=strategy), env=dict(ENV, UNBROKEN_FAULTS="save.mid_file@1=3"))
+    # 1. rank 1 writes 2 tensor files per save (its pieces or its share of the replicated ones, its RNG): the 3rd
+    # is in the 2nd save
+    code, out = launch(tmp_path, job(tmp_path, strategy=strategy), env=dict(env, UNBROKEN_FAULTS="save.mid_file@1=3"))
     assert code not in (0, EXIT_PREEMPTED), out[-3000:]
     assert committed(tmp_path / "run") == ["step-000000003"]
     assert any(p.name.startswith(".staging") for p in (tmp_path / "run").iterdir())  # the torn save, hidden
     # 2. SIGTERM
     term = rng.randint(4, 7)
     on_line, fired = at_step(tmp_path, term, lambda proc: proc.send_signal(signal.SIGTERM))
-    code, out = launch(tmp_path, job(tmp_path, strategy=strategy), on_line=on_line)
+    code, out = launch(tmp_path, job(tmp_path, strategy=strategy), env=env, on_line=on_line)
     assert fired and code == EXIT_PREEMPTED, out[-3000:]
-    assert "resumed from" in out and "step-000000003" in out
+    assert f"resumed from {tmp_path / 'run'}/step-000000003" in out, out[-3000:]
     stopped = preempted_at(out)
     assert stopped >= term and committed(tmp_path / "run")[-1] == f"step-{stopped:09d}"
-    # 3. a rank SIGKILLed
-    victim = 1 if strategy == "ddp" else 0
-    kill = rng.randint(stopped + 2, STEPS - 1)
-    on_line, fired = at_step(tmp_path, kill, sigkill_rank(tmp_path, victim))
-    code, out = launch(tmp_path, job(tmp_path, strategy=strategy), on_line=on_line)
-    assert fired and code != 0, out[-3000:]
-    assert f"resumed from {tmp_path / 'run'}/step-{stopped:09d}" in out
+    if strategy != "deepspeed":  # 3. a rank SIGKILLed at a step
+        kill = rng.randint(stopped + 2, STEPS - 1)
+        on_line, fired = at_step(tmp_path, kill, sigkill_rank(tmp_path, 1 if strategy == "ddp" else 0))
+        code, out = launch(tmp_path, job(tmp_path, strategy=strategy), env=env, on_line=on_line)
+        assert fired and code != 0, out[-3000:]
+        assert f"resumed from {tmp_path / 'run'}/step-{stopped:09d}" in out, out[-3000:]
     # 4. to the end
-    code, out = launch(tmp_path, job(tmp_path, strategy=strategy))
+    code, out = launch(tmp_path, job(tmp_path, strategy=strategy), env=env)
     assert code == 0, out[-3000:]
-    assert_bitwise(ref / "out", tmp_path / "out")
+    assert_bitwise(reference.out, tmp_path / "out")
     assert not (tmp_path / "run" / "quarantine").exists()
 
 
-def test_resumed_on_one_rank_at_the_same_global_sample(reference, tmp_path: Path) -> None:
+def test_resumed_on_one_rank_at_the_same_global_sample(reference: Reference, tmp_path: Path) -> None:
     """The reference's checkpoint of step 6 (2 ranks x 4 samples) resumed by 1 rank (8 samples: the same global
     batch): the restored parameters and moments are bitwise the 2-rank run's at step 6, and every later step
     trains on exactly the samples both ranks of the reference trained on together."""
-    strategy, ref = reference
     name = f"step-{REFERENCE_DUMP_AT:09d}"
-    shutil.copytree(ref / "run" / name, tmp_path / "run" / name)
-    code, out = launch(tmp_path, job(tmp_path, "--dump-restored", devices=1, strategy=strategy))
+    shutil.copytree(reference.base / "run" / name, tmp_path / "run" / name)
+    code, out = launch(tmp_path, job(tmp_path, "--dump-restored", devices=1, strategy=reference.strategy),
+                       env=reference.env)
     assert code == 0, out[-3000:]
     assert "world size changed from 2 to 1" in out and "RNGs reseeded" in out, out[-3000:]
-    assert same(final(ref / "out", f"step-{REFERENCE_DUMP_AT}.safetensors"), final(tmp_path / "out", "restored.safetensors"))
-    both = [merged(ref / "out", r)[0] for r in (0, 1)]
+    assert same(final(reference.out, f"step-{REFERENCE_DUMP_AT}.safetensors"),
+                final(tmp_path / "out", "restored.safetensors"))
+    both = [merged(reference.out, r)[0] for r in (0, 1)]
     got, _ = merged(tmp_path / "out", 0)
     later = sorted(k for k, v in both[0].items() if v[0] >= REFERENCE_DUMP_AT)
     assert sorted(got) == later  # the same micro-batches (epoch, batch index), none skipped or repeated
@@ -206,17 +239,117 @@ def test_resumed_on_one_rank_at_the_same_global_sample(reference, tmp_path: Path
             samples = samples[:N_SAMPLES % (2 * BATCH)]
         assert got[key][0] == both[0][key][0] and got[key][2] == samples, key
     assert json.loads((tmp_path / "out" / "final.json").read_text()) == dict(
-        json.loads((ref / "out" / "final.json").read_text()), world=1)
+        json.loads((reference.out / "final.json").read_text()), world=1)
 
 
 @pytest.mark.parametrize("reference", ["ddp"], indirect=True)
-def test_torchrun_restarts_a_killed_rank_and_resumes_bitwise(reference, tmp_path: Path) -> None:
+def test_torchrun_restarts_a_killed_rank_and_resumes_bitwise(reference: Reference, tmp_path: Path) -> None:
     """Under ``torchrun --max-restarts=1`` (the script calls ``unbroken.init_distributed()`` before the Trainer):
     rank 1 SIGKILLed at a random step, torchrun restarts both ranks, which resume from the newest checkpoint."""
-    _, ref = reference
     kill = random.Random(3).randint(SAVE_EVERY + 2, STEPS - 2)
     on_line, fired = at_step(tmp_path, kill, sigkill_rank(tmp_path, 1))
     code, out = launch(tmp_path, torchrun_job(tmp_path, restarts=1), on_line=on_line)
     assert fired and code == 0, out[-3000:]
     assert "resumed from" in out, out[-3000:]
-    assert_bitwise(ref / "out", tmp_path / "out")
+    assert_bitwise(reference.out, tmp_path / "out")
+
+
+# ---------------------------------------------------------------------- Lightning's own checkpointing
+# ModelCheckpoint(every_n_train_steps=3, save_last=True) and fit(ckpt_path="last"), the same faults: what it loses.
+ALONE = ("--mode", "lightning", *(f"--dump-at={s}" for s in range(SAVE_EVERY, STEPS + 1, SAVE_EVERY)))
+MEASURED: dict[str, object] = {}
+HANG_S = 60  # a job still running this long after a SIGTERM counts as hung, and is killed
+
+
+def report(name: str, value: object) -> None:
+    MEASURED[name] = value
+    print(f"measured {name}: {value}")
+
+
+def resumed_at(out: Path, before: int, rank: int = 0) -> int | None:
+    """The global step at which the launch whose rows start at line ``before`` began (None: it ran nothing)."""
+    new = rows(out, rank)[before:]
+    return new[0]["step"] if new else None
+
+
+def lightning_saved(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in run_dir.iterdir())
+
+
+def compare(reference: Path, out: Path) -> dict[str, object]:
+    equal = total = disagree = 0
+    for rank in (0, 1):
+        ref, _ = merged(reference, rank)
+        got, d = merged(out, rank)
+        equal += sum(1 for k, v in ref.items() if got.get(k) == v)
+        total += len(ref)
+        disagree += d
+    return {"losses equal": f"{equal}/{total}", "re-run micro-batches that differ": disagree,
+            "final parameters and moments equal": same(final(reference), final(out))}
+
+
+@pytest.mark.parametrize("reference", ["ddp"], indirect=True)
+def test_lightning_alone_under_the_same_faults(reference: Reference, tmp_path: Path) -> None:
+    """Lightning alone through a kill inside a save, a SIGTERM, a killed rank, and a resume on 1 rank; the numbers
+    go to docs/integrations.md. Lightning's uninterrupted run equals the reference (the first launch's losses
+    up to its kill are the reference's), so every difference comes from a resume."""
+    env = dict(reference.env, TMPDIR=str(tmp_path / "tmp"))  # fsspec's temporary files land here: counted
+    (tmp_path / "tmp").mkdir()
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    rng = random.Random("lightning-alone")
+    # 1. rank 0 SIGKILLed inside the save of step 6: last.ckpt's bytes complete in fsspec's temporary file, the
+    # move over last.ckpt not done (the 4th file rank 0 writes: 2 per save, the top-k file first)
+    code, log = launch(tmp_path, job(tmp_path, *ALONE, "--lightning-kill-in-save", "4"), env=env)
+    assert "KILLED IN SAVE" in log and code != 0, log[-3000:]
+    ref0, _ = merged(reference.out, 0)
+    assert all(ref0[(r["epoch"], r["batch"])][1] == r["loss"] for r in rows(out, 0))  # the same run until then
+    report("kill in save", {"rc": code, "run folder": lightning_saved(run_dir),
+                            "last.ckpt": torch.load(run_dir / "last.ckpt", weights_only=False)["global_step"],
+                            "temporary files left": len(list((tmp_path / "tmp").iterdir()))})
+    # 2. relaunched with a SIGTERM to the job's process
+    before, term = len(rows(out, 0)), 8  # the middle of a save interval
+    hung: list[bool] = []
+
+    def kill_if_running() -> None:
+        if any(alive(int(f.read_text())) for f in out.glob("pid-r*")):
+            hung.append(True)
+            kill_job(tmp_path)
+
+    watchdog = threading.Timer(HANG_S, kill_if_running)  # the ranks may deadlock (Lightning issue 20806)
+    on_line, fired = at_step(tmp_path, term, lambda proc: (proc.send_signal(signal.SIGTERM), watchdog.start()))
+    try:
+        code, log = launch(tmp_path, job(tmp_path, *ALONE), env=env, on_line=on_line)
+    finally:
+        watchdog.cancel()
+    last = rows(out, 0)[-1]
+    report("kill in save, resumed", {"resumed at step": resumed_at(out, before)})
+    report("sigterm", {"sent during step": term, "rc": code, "hung": bool(hung),
+                       "last micro-batch (epoch, batch, global_step)": (last["epoch"], last["batch"], last["step"]),
+                       "run folder": lightning_saved(run_dir), "a rank failed": "Traceback" in log})
+    assert fired and code != EXIT_PREEMPTED and f"step={term}" not in " ".join(lightning_saved(run_dir)), log[-3000:]
+    # 3. relaunched, rank 1 SIGKILLed at a random step
+    before, kill = len(rows(out, 0)), rng.randint(last["step"] + 3, STEPS - 1)
+    on_line, fired = at_step(tmp_path, kill, sigkill_rank(tmp_path, 1))
+    code, log = launch(tmp_path, job(tmp_path, *ALONE), env=env, on_line=on_line)
+    assert fired and code != 0, log[-3000:]
+    report("sigterm, resumed", {"resumed at step": resumed_at(out, before)})
+    saved_at = torch.load(run_dir / "last.ckpt", weights_only=False)["global_step"]  # Lightning's own pickle
+    shutil.copytree(run_dir, tmp_path / "ws" / "run")
+    # 4. relaunched to the end, compared with the uninterrupted run
+    before = len(rows(out, 0))
+    code, log = launch(tmp_path, job(tmp_path, *ALONE), env=env)
+    assert code == 0, log[-3000:]
+    report("killed rank", {"killed during step": kill, "last.ckpt": saved_at, "resumed at step": resumed_at(out, before)})
+    cmp = compare(reference.out, out)
+    report("resumed to the end", cmp)
+    assert cmp["re-run micro-batches that differ"] and not cmp["final parameters and moments equal"]  # not exact
+    # 5. its last.ckpt (the state after step `saved_at`, written by 2 ranks) resumed on 1 rank
+    ws = tmp_path / "ws"
+    code, log = launch(ws, job(ws, *ALONE, "--dump-restored", devices=1), env=env)
+    assert code == 0, log[-3000:]
+    restored = same(final(out, f"step-{saved_at}.safetensors"), final(ws / "out", "restored.safetensors"))
+    both = [merged(reference.out, r)[0] for r in (0, 1)]
+    got, _ = merged(ws / "out", 0)
+    samples = all(got[k][2] == (both[0][k][2] + both[1][k][2])[:len(got[k][2])] for k in got)
+    report("another world size", {"restored state equal": restored, "same global samples": samples,
+                                  "first step": min(v[0] for v in got.values())})

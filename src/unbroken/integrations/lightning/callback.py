@@ -26,6 +26,12 @@ What it does, hook by hook (the Trainer's order):
   :meth:`unbroken.Checkpointer.guard` (the state at the start of the failed optimizer step).
 - ``on_train_end``: a final checkpoint, then the run is closed.
 
+Several ranks (Lightning's launcher with ``devices=N``, torchrun, SLURM): the same callback on every rank.
+The model and optimizer part of the state follows the strategy (:mod:`.strategies`: replicated under
+DDP, DTensors under ``ModelParallelStrategy``, sharded rows under FSDP1, the DeepSpeed engine); the
+ranks agree on every save and on a preemption signal, so a SIGTERM to any one rank (with Lightning's
+launcher, to the process the user started) makes every rank save the same step and exit 75.
+
 Validation inside ``fit`` runs with the RNG states forked (``isolate_validation_rng``):
 Lightning skips the validation due at a step that was checkpointed when it resumes from that
 checkpoint, so validation must not move the training's random streams.

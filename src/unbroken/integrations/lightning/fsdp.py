@@ -7,8 +7,10 @@ not the model. ``torch.distributed.checkpoint.state_dict.get_state_dict`` gives 
 A range of rows of a contiguous tensor is a range of its flattened elements, so each local shard is
 saved as a :class:`~unbroken.dist.flatshard.FlatShard` piece through DCP: each rank writes its rows,
 nothing is gathered, and at load every rank receives the elements of *its* rows, whatever world size
-wrote them (``set_state_dict`` then puts them into FSDP's flat parameters). The rest (optimizer
-``step`` counters, hyperparameters, buffers) is saved as it is.
+wrote them (``set_state_dict`` then puts them into FSDP's flat parameters). Tensors that are not
+sharded (buffers, ``step`` counters, and every tensor on one rank, where FSDP does not shard) are
+whole pieces of the same kind, so a checkpoint of 2 ranks loads on 1 and back. Hyperparameters are
+saved as they are.
 
 An optimizer that has not stepped has no state; ``get_state_dict`` would create it with a step at a
 learning rate of 0 (which counts as Adam's first step), so a fresh optimizer is saved without
@@ -45,9 +47,12 @@ def _options() -> Any:
 
 
 def _piece(t: Any) -> Any:
-    """A ``ShardedTensor`` as this rank's :class:`FlatShard`; anything else unchanged."""
+    """A tensor as this rank's :class:`FlatShard` of it: a ``ShardedTensor``'s rows, or all of a plain tensor (a
+    buffer, a ``step`` counter, every tensor when FSDP runs unsharded on one rank); anything else unchanged."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor
 
+    if type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_contiguous():
+        return FlatShard(t.detach().view(-1), 0, t.numel())
     if not isinstance(t, ShardedTensor):
         return t
     size = tuple(t.size())
