@@ -131,7 +131,7 @@ def full_state(trainer: pl.Trainer) -> dict[str, torch.Tensor]:
         names = [n for n, _ in module.named_parameters()]
         for pid, st in trainer.optimizers[0].state_dict()["state"].items():
             out.update({f"optimizer/{names[pid]}/{k}": full(v) for k, v in st.items()})
-    return {k.replace("_forward_module.", "").replace("module.", ""): v.detach().to("cpu").clone().contiguous().reshape(-1)
+    return {k.replace("_forward_module.", "").replace("module.", ""): v.detach().to("cpu").clone().reshape(-1)
             for k, v in out.items() if isinstance(v, torch.Tensor)}
 
 
@@ -232,10 +232,12 @@ def kill_in_lightning_save(nth: int, rank: int) -> None:
             return write_file(create_stream, *a, **kw)
 
         def half_then_kill(path, mode):
-            stream = create_stream(path, mode)
-            real = stream.__enter__()
+            opened = create_stream(path, mode)  # a context manager: kept alive with the stream it opened
+            real = opened.__enter__()
 
             class Torn:
+                context = opened
+
                 def __enter__(self):
                     return self
 

@@ -339,7 +339,8 @@ def test_lightning_alone_under_the_same_faults(reference: Reference, tmp_path: P
     before = len(rows(out, 0))
     code, log = launch(tmp_path, job(tmp_path, *ALONE), env=env)
     assert code == 0, log[-3000:]
-    report("killed rank", {"killed during step": kill, "last.ckpt": saved_at, "resumed at step": resumed_at(out, before)})
+    report("killed rank", {"killed during step": kill, "last.ckpt": saved_at,
+                           "resumed at step": resumed_at(out, before)})
     cmp = compare(reference.out, out)
     report("resumed to the end", cmp)
     assert cmp["re-run micro-batches that differ"] and not cmp["final parameters and moments equal"]  # not exact
@@ -353,3 +354,34 @@ def test_lightning_alone_under_the_same_faults(reference: Reference, tmp_path: P
     samples = all(got[k][2] == (both[0][k][2] + both[1][k][2])[:len(got[k][2])] for k in got)
     report("another world size", {"restored state equal": restored, "same global samples": samples,
                                   "first step": min(v[0] for v in got.values())})
+
+
+def test_lightning_alone_distributed_checkpoint_killed_inside_a_save(tmp_path: Path) -> None:
+    """ModelParallelStrategy (FSDP2) alone: Lightning saves a distributed checkpoint folder, DCP writing into the
+    existing ``last.ckpt/`` in place (each rank its file, then the coordinator's ``.metadata``, then rank 0's
+    ``meta.pt``). Rank 1 SIGKILLed half-way through its file of step 6's ``last.ckpt``: the folder mixes two saves,
+    and the relaunch with ``ckpt_path="last"`` crashes in DCP's load (the files do not change: every relaunch does)."""
+    flags = ("--mode", "lightning", "--lightning-kill-in-save", "4", "--kill-rank", "1")  # the 2nd save's last.ckpt
+    code, log = launch(tmp_path, job(tmp_path, *flags, strategy="fsdp2"))
+    assert "KILLED IN SAVE" in log and code != 0, log[-3000:]
+    last = tmp_path / "run" / "last.ckpt"
+    sizes = {p.name: p.stat().st_size for p in last.iterdir()}
+    complete = {p.name: p.stat().st_size for p in (tmp_path / "run" / "epoch=0-step=6.ckpt").iterdir()}
+    assert sizes["__1_0.distcp"] < complete["__1_0.distcp"]  # torn; step 3's .metadata beside step 6's rank-0 file
+    code, log = launch(tmp_path, job(tmp_path, "--mode", "lightning", strategy="fsdp2"))
+    error = [line for line in log.splitlines() if re.search(r"^\[rank\d\]: \w+Error", line)]
+    report("fsdp2 kill in save", {"last.ckpt": sizes, "complete step-6 folder": complete, "relaunch rc": code,
+                                  "error": error[-1:]})
+    assert code != 0 and "FINISHED" not in log
+
+
+def test_checkpoint_io_refuses_to_convert_runs_saved_under_fsdp1_or_deepspeed() -> None:
+    """``fit(ckpt_path=run)`` through UnbrokenCheckpointIO converts a run to Lightning's dict; a run whose state is
+    unbroken's per-parameter sharded layout (FSDP1, DeepSpeed) is refused with what to do instead."""
+    from unbroken.errors import UnbrokenError
+    from unbroken.integrations.lightning.checkpoint_io import to_lightning
+
+    for tree in ({"engine": {"format": 1}, "loops": {}}, {"model": {"format": 1, "model": {}}, "loops": {}}):
+        with pytest.raises(UnbrokenError, match="fit\\(\\) without ckpt_path"):
+            to_lightning(tree, "2.6.6")
+    assert to_lightning({"model": {"w": torch.zeros(1)}, "loops": {}}, "2.6.6")["state_dict"]["w"].shape == (1,)

@@ -37,7 +37,8 @@ def is_fsdp1(module: Any) -> bool:
         from torch.distributed.fsdp import FullyShardedDataParallel
     except ImportError:  # a torch without distributed
         return False
-    return isinstance(module, torch.nn.Module) and any(isinstance(m, FullyShardedDataParallel) for m in module.modules())
+    return isinstance(module, torch.nn.Module) and any(isinstance(m, FullyShardedDataParallel)
+                                                       for m in module.modules())
 
 
 def _options() -> Any:
