@@ -26,6 +26,12 @@ What it does, hook by hook (the Trainer's order):
   :meth:`unbroken.Checkpointer.guard` (the state at the start of the failed optimizer step).
 - ``on_train_end``: a final checkpoint, then the run is closed.
 
+Several ranks (Lightning's launcher with ``devices=N``, torchrun, SLURM): the same callback on every rank.
+The model and optimizer part of the state follows the strategy (:mod:`.strategies`: replicated under
+DDP, DTensors under ``ModelParallelStrategy``, sharded rows under FSDP1, the DeepSpeed engine); the
+ranks agree on every save and on a preemption signal, so a SIGTERM to any one rank (with Lightning's
+launcher, to the process the user started) makes every rank save the same step and exit 75.
+
 Validation inside ``fit`` runs with the RNG states forked (``isolate_validation_rng``):
 Lightning skips the validation due at a step that was checkpointed when it resumes from that
 checkpoint, so validation must not move the training's random streams.
@@ -47,6 +53,7 @@ import torch
 from ... import Checkpointer
 from ...data import ResumableLoader
 from ._compat import pick
+from .strategies import between_micro_batches, model_state
 
 log = logging.getLogger("unbroken")
 
@@ -178,10 +185,7 @@ class UnbrokenCallback:
 
     def build_state(self, trainer: Any, pl_module: Any) -> dict[str, Any]:
         """The state unbroken saves and restores for this Trainer (see the module docstring)."""
-        state: dict[str, Any] = {"model": pl_module}
-        opts = list(trainer.optimizers)
-        for i, opt in enumerate(opts):
-            state["optimizer" if len(opts) == 1 else f"optimizer_{i}"] = opt
+        state = model_state(trainer, pl_module)  # per strategy: DDP, FSDP1, FSDP2, DeepSpeed (strategies.py)
         scheds = [c.scheduler for c in trainer.lr_scheduler_configs]
         for i, sched in enumerate(scheds):
             state["scheduler" if len(scheds) == 1 else f"scheduler_{i}"] = sched
@@ -273,7 +277,7 @@ class UnbrokenCallback:
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
-        if step == self._global_step:
+        if step == self._global_step or between_micro_batches(trainer):
             return  # accumulating: no optimizer step in this batch
         self._global_step = step
         ckpt = self.checkpointer

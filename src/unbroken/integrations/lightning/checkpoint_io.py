@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ... import load, save
-from ...errors import TargetExistsError
+from ...errors import TargetExistsError, UnbrokenError
 from ._compat import fabric_io, pick
 
 log = logging.getLogger("unbroken")
@@ -79,7 +79,14 @@ def _numbered(tree: Mapping[str, Any], name: str) -> list[Any]:
 
 
 def to_lightning(tree: Mapping[str, Any], version: str) -> dict[str, Any]:
-    """A checkpoint of :class:`~.callback.UnbrokenCallback` as the dict Lightning's ``ckpt_path`` restores."""
+    """A checkpoint of :class:`~.callback.UnbrokenCallback` as the dict Lightning's ``ckpt_path`` restores.
+    Runs saved under ``FSDPStrategy`` or ``DeepSpeedStrategy`` hold their state in unbroken's own layout
+    (sharded per parameter), which Lightning's loaders do not read: refused."""
+    if "engine" in tree or (isinstance(tree.get("model"), Mapping) and "format" in tree["model"]):
+        raise UnbrokenError(
+            "this run was saved by UnbrokenCallback under FSDPStrategy or DeepSpeedStrategy, whose state unbroken "
+            "keeps per parameter, sharded, in a layout Lightning's ckpt_path loaders do not read: resume it with "
+            "UnbrokenCallback in the Trainer and fit() without ckpt_path (it resumes by itself, at any world size)")
     progress = dict((tree.get(RESERVED) or {}).get("progress") or {})
     out: dict[str, Any] = {
         "epoch": progress.get("epoch", 0), "global_step": progress.get("step", 0),
@@ -146,7 +153,7 @@ class UnbrokenCheckpointIO:
             torch_io = fabric_io(pick()).plugins.TorchCheckpointIO()
             return torch_io.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         tree = load(path, storage_options=self.storage_options)
-        if RESERVED in tree and "loops" in tree and "model" in tree:  # written by UnbrokenCallback
+        if RESERVED in tree and "loops" in tree and ("model" in tree or "engine" in tree):  # by UnbrokenCallback
             return to_lightning(tree, pick().__version__)
         return tree
 
