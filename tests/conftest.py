@@ -15,15 +15,22 @@ from s3_server import S3Server  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest-xdist's workers get COLUMNS=80 and LINES=24 (set for their terminal reporting), which a
+    # serial run does not have: the CLI would wrap its piped output at 80 columns there only
+    for _var in ("COLUMNS", "LINES"):
+        os.environ.pop(_var, None)
+
 
 LONGEST_FIRST = (
-    "test_integration_hf_dist.py", "test_llamafactory.py", "test_multinode.py", "test_integration_accelerate.py",
-    "test_deepspeed.py", "test_distributed.py", "test_examples.py", "test_slurm.py", "test_selftest.py",
-    "test_integration_hf.py", "test_deepspeed_alone.py", "test_accelerate_alone.py", "test_integration_lightning.py",
-    "test_e2e_kill.py", "test_incremental_e2e.py", "test_signals_torchrun.py", "test_reader_tool.py",
-    "test_deepspeed_convert.py", "test_multinode_alone.py", "test_e2e_s3.py", "test_signals_e2e.py",
+    "test_integration_hf_dist.py", "test_llamafactory.py", "test_integration_lightning_dist.py",
+    "test_distributed.py", "test_selftest.py", "test_integration_hf.py", "test_incremental_e2e.py",
+    "test_integration_lightning.py", "test_examples.py", "test_deepspeed.py", "test_async_save.py",
+    "test_deepspeed_alone.py", "test_preemption.py", "test_e2e_kill.py", "test_integration_accelerate.py",
+    "test_readonly.py", "test_lock.py", "test_accelerate_alone.py", "test_multinode.py", "test_e2e_s3.py",
+    "test_deepspeed_convert.py", "test_never_fresh.py", "test_s3.py", "test_boundary.py", "test_emergency_exact.py",
 )
-"""Test files that take longest, longest first (measured; ``docs/benchmarks.md`` has the suite's
+"""Test files that take longest, longest first (measured; the README's "Tests" has the suite's
 timings). ``make test`` runs the files in parallel (pytest-xdist, ``--dist loadfile``: one file's tests
 and module fixtures stay on one worker); starting the long ones first keeps one of them from
 starting last and running alone."""

@@ -29,8 +29,8 @@ class TrainerCounters:
     ``_total_loss_scalar``, ``_globalstep_last_logged``; each rank's own accumulators are
     :class:`RankCounters`), the ``TrainerControl`` flags and the attributes of ``ExportableState``
     callbacks; with TRL's trainers also their token count and the metric values awaiting the next
-    log (``_total_train_tokens``, ``_metrics``). All of it is the same on every rank (the Trainer gathers what it logs). The
-    configuration-derived fields (``max_steps``, ``logging_steps``, ...) are not restored:
+    log (``_total_train_tokens``, ``_metrics``). All of it is the same on every rank (the Trainer
+    gathers what it logs). The configuration-derived fields (``max_steps``, ``logging_steps``, ...) are not restored:
     they come from this run's arguments. ``model_config`` (the model's HF config as JSON, for
     ``unbroken export --format hf``) is saved, never restored: the model comes from this run's code.
     """
