@@ -121,6 +121,8 @@ def main() -> int:
     p.add_argument("--stop-at", type=int, default=None)
     p.add_argument("--dump-at", type=int, action="append", default=[])
     p.add_argument("--dump-restored", action="store_true")
+    p.add_argument("--pause-at", type=int, default=None,
+                   help="after logging this step, wait (for the test's signal) before going on")
     p.add_argument("--kill-after-files", type=int, default=None)
     p.add_argument("--kill-mid-file", type=int, default=None)
     p.add_argument("--rng-in-client-state", action="store_true",
@@ -182,6 +184,8 @@ def main() -> int:
             log.write(json.dumps({"step": step, "losses": micro, "samples": samples, "world": world}) + "\n")
             log.flush()
             print(f"rank {rank} step {step}", flush=True)
+            if step == args.pause_at:
+                time.sleep(120)
             if step % args.save_every == 0:
                 client_state: dict[str, Any] = {"step": step}
                 if args.rng_in_client_state:

@@ -378,10 +378,29 @@ def test_package_source_never_unpickles_or_evaluates() -> None:
     # passes Lightning's own ``weights_only`` argument through to Lightning's loader, for a plain
     # ``.ckpt`` file the user names in ``ckpt_path=`` (what Lightning does without unbroken)
     assert bad.pop("integrations/lightning/checkpoint_io.py", []) == [r"\bweights_only\b"]
+    # the package's lazy names (PEP 562): imports only its own modules, from a fixed table or a
+    # subpackage name (audited by the test below)
+    assert sorted(bad.pop("__init__.py", [])) == sorted(
+        [r"\bimportlib\b(?!\s*\.\s*metadata\b)", r"\bimport_module\b", "import importlib", "import importlib.util"])
     assert sorted(bad.pop(PICKLE_READER, [])) == sorted(
         [r"\bpickle\b", r"\btorch\s*\.\s*load\b", r"\btorch\s*\.\s*serialization\b", r"\bweights_only\b",
          "import pickle"]), "the pickle reader changed: audit it again"
     assert bad == {}
+
+
+def test_the_lazy_package_imports_only_its_own_modules() -> None:
+    """``unbroken.<name>`` imports a module of this package named in its table, or one of its own
+    subpackages; any other name, a dotted or relative one, or a module outside the package is an
+    AttributeError and imports nothing."""
+    import unbroken
+
+    before = set(sys.modules)
+    for name in ("os", "pickle", "json", "..os", "data.x", ".data", "__main__", "sys", ""):
+        with pytest.raises(AttributeError):
+            unbroken.__getattr__(name)
+    assert {m for m in set(sys.modules) - before if not m.startswith("unbroken")} == set()
+    assert unbroken.__getattr__("errors").__name__ == "unbroken.errors"
+    assert unbroken.__getattr__("Checkpointer").__module__ == "unbroken.manager"
 
 
 def test_the_pickle_reader_is_safe_by_default_and_unreachable_from_checkpoint_reading() -> None:

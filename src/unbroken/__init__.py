@@ -100,7 +100,7 @@ def __getattr__(name: str) -> Any:
     where = _WHERE.get(name)
     if where is not None:
         value = getattr(importlib.import_module(where, __name__), name)
-    elif not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+    elif name.isidentifier() and not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}"):
         value = importlib.import_module(f".{name}", __name__)
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

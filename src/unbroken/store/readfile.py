@@ -145,13 +145,17 @@ def allocate(size: int, file: str) -> Buffer:
         raise StorageError(errno.ENOMEM, f"cannot read {file}: it has {size / 2**30:.1f} GiB and this machine "
                                          f"has {avail / 2**30:.1f} GiB of memory available; free memory "
                                          "or load on a larger machine")
-    torch = sys.modules.get("torch")  # torch's allocator where torch is loaded; numpy in torch-free tools (ls)
+    # torch's (or numpy's) allocator where it is already loaded; a plain bytearray in torch-free
+    # tools (ls, verify). Nothing is imported here: importing a library in the middle of a read
+    # maps its shared objects, which fails under the very address-space limit (ulimit -v) that
+    # sent the read here instead of to mmap.
+    torch, np = sys.modules.get("torch"), sys.modules.get("numpy")
     try:
         if torch is not None:
             return torch.empty(size, dtype=torch.uint8).numpy()
-        import numpy as np
-
-        return np.empty(size, dtype=np.uint8)
+        if np is not None:
+            return np.empty(size, dtype=np.uint8)
+        return bytearray(size)
     except (RuntimeError, MemoryError, ValueError) as e:
         raise StorageError(errno.ENOMEM, f"cannot allocate {size} bytes to read {file}: {e}; free "
                                          "memory, or raise the process's memory limits (ulimit -v, "
