@@ -33,7 +33,9 @@ What it does, hook by hook (the Trainer's order):
   optimizer, scheduler, data position and RNG all of that instant.
 - ``on_exception``: an exception inside a step gives the exact emergency checkpoint of
   :meth:`unbroken.Checkpointer.guard` (the state at the start of the failed optimizer step).
-- ``on_train_end``: a final checkpoint, then the run is closed.
+- ``on_train_end``: a final checkpoint (unless the last step is saved: a fit that reaches ``max_steps``
+  saves that step at ``on_train_batch_end``, with the loop's state of that instant, so that a fit
+  resumed with a larger ``max_steps`` continues in the same epoch), then the run is closed.
 
 Several ranks (Lightning's launcher with ``devices=N``, torchrun, SLURM): the same callback on every rank.
 The model and optimizer part of the state follows the strategy (:mod:`.strategies`: replicated under
@@ -298,6 +300,11 @@ class UnbrokenCallback(*callback_bases()):  # type: ignore[misc]  # a Callback o
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         metrics = {"loss": loss} if isinstance(loss, torch.Tensor) and loss.numel() == 1 else {}
         ckpt.step(self.state, **metrics)  # saves when due; after a signal: saves and exits 75
+        last = ckpt.last_saved
+        if 0 < trainer.max_steps <= step and (last is None or last.step != step):
+            # the last step is saved here, at its batch's end: by on_train_end Lightning has closed the epoch,
+            # and a fit resumed from there with a larger max_steps would number its epochs one higher
+            ckpt.save(self.state)
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if self.isolate_validation_rng and not trainer.sanity_checking:
