@@ -300,11 +300,17 @@ class UnbrokenCallback(*callback_bases()):  # type: ignore[misc]  # a Callback o
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         metrics = {"loss": loss} if isinstance(loss, torch.Tensor) and loss.numel() == 1 else {}
         ckpt.step(self.state, **metrics)  # saves when due; after a signal: saves and exits 75
-        last = ckpt.last_saved
-        if 0 < trainer.max_steps <= step and (last is None or last.step != step):
+        if 0 < trainer.max_steps <= step and not self._saved(step):
             # the last step is saved here, at its batch's end: by on_train_end Lightning has closed the epoch,
             # and a fit resumed from there with a larger max_steps would number its epochs one higher
             ckpt.save(self.state)
+
+    def _saved(self, step: int) -> bool:
+        """Whether ``step``'s checkpoint is committed (an ``async_save`` in flight is waited for)."""
+        assert self.checkpointer is not None
+        self.checkpointer.flush()
+        last = self.checkpointer.last_saved
+        return last is not None and last.step == step
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if self.isolate_validation_rng and not trainer.sanity_checking:
@@ -320,8 +326,7 @@ class UnbrokenCallback(*callback_bases()):  # type: ignore[misc]  # a Callback o
         if ckpt is None or self.state is None:
             return
         self._leave_guard(None)
-        last = ckpt.last_saved
-        if trainer.global_step and (last is None or last.step != trainer.global_step):
+        if trainer.global_step and not self._saved(trainer.global_step):
             ckpt.progress.step, ckpt.progress.epoch = trainer.global_step, trainer.current_epoch
             ckpt.save(self.state)
         self._close()
