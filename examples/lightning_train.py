@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     model = Classifier(a.steps)
     callback = UnbrokenCallback(a.run_dir, save_every=a.save_every, keep_last=3)   # <- the one line
     trainer = pl.Trainer(max_steps=a.steps, accumulate_grad_batches=2, accelerator="cpu", devices=1,
-                         callbacks=[callback], logger=False, enable_progress_bar=False, enable_model_summary=False)
+                         callbacks=[callback], logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False)  # Lightning's own .ckpt files: not needed by unbroken
     trainer.fit(model)                 # resumes from the newest valid checkpoint, or starts fresh
     print(f"resumed from step {callback.restored.step}" if callback.restored else "fresh start", flush=True)
     print(f"final step {trainer.global_step} sha256 {fingerprint(model)}", flush=True)

@@ -314,7 +314,8 @@ def main() -> int:
     devices = int(os.environ["WORLD_SIZE"]) if torchrun else args.devices
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=args.steps,
                          accumulate_grad_batches=args.accumulate, callbacks=callbacks, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         enable_checkpointing=args.mode == "lightning")  # unbroken alone: no Lightning .ckpt
     trainer.fit(Model(args), ckpt_path=ckpt_path)
     print(f"rank {trainer.global_rank}: FINISHED {trainer.global_step}", flush=True)
     if dist.is_initialized():

@@ -7,7 +7,11 @@ an epoch steps alone). Every micro-batch prints ``LOSS epoch batch_idx global_st
 at the end ``--out`` gets ``final.pt`` (weights, optimizer state) and ``final.json``
 (global_step, current_epoch).
 
-``--mode unbroken``: ``UnbrokenCallback(run, save_every=N)``, resumed by running again.
+``--mode unbroken``: ``UnbrokenCallback(run, save_every=N)``, resumed by running again; Lightning keeps
+its default ``ModelCheckpoint`` (a ``.ckpt`` in ``--out``/checkpoints at each epoch end) unless
+``--no-lightning-checkpointing`` (``enable_checkpointing=False``).
+``--flavour``: the Trainer, the LightningModule and the callbacks from ``pytorch_lightning`` (the
+default) or from ``lightning.pytorch``.
 ``--mode lightning``: Lightning's own checkpointing: ``ModelCheckpoint(every_n_train_steps=N,
 save_last=True)`` (+ ``OnExceptionCheckpoint`` with ``--on-exception``) and ``fit(ckpt_path="last")``.
 ``--crash-at S``: raise in micro-batch ``--crash-micro`` (0 or 1; the second runs inside
@@ -18,15 +22,16 @@ save_last=True)`` (+ ``OnExceptionCheckpoint`` with ``--on-exception``) and ``fi
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
 import signal
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import torch
-import pytorch_lightning as pl
 from torch.utils.data import DataLoader, Dataset
 
 import unbroken.data
@@ -47,7 +52,18 @@ class Data(Dataset):
         return self.x[int(i)], self.y[int(i)]
 
 
-class Model(pl.LightningModule):
+def lightning(flavour: str) -> ModuleType:
+    """The Lightning package of the Trainer, the LightningModule and the callbacks."""
+    if flavour == "lightning":
+        import lightning.pytorch as pl
+    else:
+        import pytorch_lightning as pl
+    return pl
+
+
+class Training:
+    """The LightningModule's methods, whichever Lightning it derives from (:func:`model_class`)."""
+
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__()
         self.args = args
@@ -89,9 +105,18 @@ class Model(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def kill_in_lightning_save(nth: int) -> None:
+@functools.cache
+def model_class(pl: ModuleType) -> type:
+    """The test's ``LightningModule`` for the Lightning package ``pl``."""
+    return type("Model", (Training, pl.LightningModule), {"__module__": __name__})
+
+
+def kill_in_lightning_save(nth: int, pl: ModuleType) -> None:
     """Make the nth checkpoint file Lightning writes a torn one: half the bytes, then SIGKILL."""
-    import lightning_fabric.plugins.io.torch_io as torch_io
+    if pl.__name__ == "lightning.pytorch":
+        import lightning.fabric.plugins.io.torch_io as torch_io
+    else:
+        import lightning_fabric.plugins.io.torch_io as torch_io
 
     real = torch_io._atomic_save
     count = [0]
@@ -129,27 +154,30 @@ def main() -> None:
     p.add_argument("--sigterm-at", type=int, help="SIGTERM to itself in the first micro-batch of step S+1, once")
     p.add_argument("--on-exception", action="store_true")
     p.add_argument("--lightning-kill-in-save", type=int)
+    p.add_argument("--flavour", choices=["pytorch_lightning", "lightning"], default="pytorch_lightning")
+    p.add_argument("--no-lightning-checkpointing", action="store_true", help="enable_checkpointing=False")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    pl = lightning(args.flavour)
     torch.use_deterministic_algorithms(True)
     pl.seed_everything(args.seed, verbose=False)
-    model = Model(args)
+    model = model_class(pl)(args)
     kw = dict(accelerator="cpu", devices=1, max_steps=args.steps, accumulate_grad_batches=ACC,
-              enable_progress_bar=False, logger=False, enable_model_summary=False, num_sanity_val_steps=0)
+              enable_progress_bar=False, logger=False, enable_model_summary=False, num_sanity_val_steps=0,
+              default_root_dir=args.out)
     if args.mode == "unbroken":
         from unbroken.integrations.lightning import UnbrokenCallback
 
-        trainer = pl.Trainer(callbacks=[UnbrokenCallback(args.run_dir, save_every=args.save_every)], **kw)
+        trainer = pl.Trainer(callbacks=[UnbrokenCallback(args.run_dir, save_every=args.save_every)],
+                             enable_checkpointing=not args.no_lightning_checkpointing, **kw)
         trainer.fit(model)
     else:
-        from pytorch_lightning.callbacks import ModelCheckpoint, OnExceptionCheckpoint
-
         if args.lightning_kill_in_save:
-            kill_in_lightning_save(args.lightning_kill_in_save)
-        cbs = [ModelCheckpoint(dirpath=args.run_dir, every_n_train_steps=args.save_every, save_last=True,
-                               save_top_k=1)]
+            kill_in_lightning_save(args.lightning_kill_in_save, pl)
+        cbs = [pl.callbacks.ModelCheckpoint(dirpath=args.run_dir, every_n_train_steps=args.save_every,
+                                            save_last=True, save_top_k=1)]
         if args.on_exception:
-            cbs.append(OnExceptionCheckpoint(args.run_dir))
+            cbs.append(pl.callbacks.OnExceptionCheckpoint(args.run_dir))
         trainer = pl.Trainer(callbacks=cbs, **kw)
         trainer.fit(model, ckpt_path="last")
     torch.save({"model": {k: v.clone() for k, v in model.state_dict().items()},

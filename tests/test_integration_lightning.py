@@ -5,6 +5,11 @@ final weights, optimizer state, every micro-batch's loss (repr), global_step, ep
 
 The same faults with Lightning's own checkpointing (ModelCheckpoint every N steps,
 ``fit(ckpt_path="last")``) measure what it loses; the numbers are in docs/integrations.md.
+
+The test environment has both ``pytorch-lightning`` and ``lightning`` installed (as real ones often
+do): the jobs import the Trainer from ``pytorch_lightning`` unless told ``--flavour lightning``;
+in-process tests run either Trainer, with ``enable_checkpointing`` on and off; a subprocess with one
+package hidden covers the environments that have only that one.
 """
 
 from __future__ import annotations
@@ -21,7 +26,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import pytorch_lightning  # noqa: F401  (the test extra installs it: a missing one fails, not skips)
+import lightning  # noqa: F401  (the test extra installs both packages: a missing one fails, not skips)
+import pytorch_lightning  # noqa: F401
+from lightning_train import lightning as lightning_package
+from lightning_train import model_class
 
 pytestmark = pytest.mark.e2e
 
@@ -131,9 +139,11 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Attempt]:
     base = tmp_path_factory.mktemp("reference")
     att = finish(base)
     assert json.loads((base / "out" / "final.json").read_text())["global_step"] == STEPS
-    # saves every SAVE_EVERY steps plus the final one, keep_last=3; Lightning added no ModelCheckpoint
+    # saves every SAVE_EVERY steps plus the final one, keep_last=3
     assert checkpoints(base / "run") == ["step-000000024", "step-000000028", "step-000000030"]
     assert not any((base / "run").rglob("*.ckpt"))
+    # enable_checkpointing at its default: Lightning's default ModelCheckpoint runs beside unbroken (epoch ends)
+    assert sorted(p.name for p in (base / "out" / "checkpoints").iterdir()) == ["epoch=4-step=30.ckpt"]
     return base / "out", att
 
 
@@ -152,16 +162,22 @@ def test_sigkill_at_random_steps_resumes_bitwise(reference, tmp_path: Path) -> N
     assert cmp.exact, (targets, cmp)
 
 
-def test_sigkill_inside_a_save_resumes_bitwise(reference, tmp_path: Path) -> None:
-    # three tensor files per save (model, optimizer, RNG): the 7th file written is the third save's first
-    env = dict(ENV, UNBROKEN_FAULTS="save.mid_file=7")
-    att = attempt(tmp_path, env=env)
+@pytest.mark.parametrize("flags,files", [((), 4), (("--flavour", "lightning", "--no-lightning-checkpointing"), 3)],
+                         ids=["pytorch_lightning", "lightning.pytorch-enable_checkpointing=False"])
+def test_sigkill_inside_a_save_resumes_bitwise(reference, tmp_path: Path, flags: tuple[str, ...],
+                                               files: int) -> None:
+    """The Trainer from either package (both installed), Lightning's checkpointing on and off: the
+    resumed run equals the reference (pytorch_lightning, checkpointing on) bitwise."""
+    # tensor files per save: model, optimizer, RNG, and the state of Lightning's ModelCheckpoint when it
+    # runs: the kill is half-way through the third save's first file
+    env = dict(ENV, UNBROKEN_FAULTS=f"save.mid_file={2 * files + 1}")
+    att = attempt(tmp_path, *flags, env=env)
     assert att.rc == -signal.SIGKILL, att.stderr[-2000:]
     run = tmp_path / "run"
     # the third save (step 12) was killed half-way: no visible checkpoint, only a hidden staging folder
     assert checkpoints(run) == ["step-000000004", "step-000000008"]
     assert any(p.name.startswith(".staging-") for p in run.iterdir())
-    final = finish(tmp_path)
+    final = finish(tmp_path, *flags)
     assert "resumed from" in final.stderr and final.first_step == 8
     assert not (run / "quarantine").exists()
     cmp = compare(reference, tmp_path, [att, final])
@@ -270,32 +286,81 @@ def test_lightning_alone_sigkill_inside_a_save_breaks_the_resume(tmp_path: Path)
     assert again.rc != 0 and "FINISHED" not in again.stdout
 
 
-# ---------------------------------------------------------------- CheckpointIO plugin, import guard
-def _trainer(root: Path, steps: int, callbacks: list, plugins: list | None = None):
-    import pytorch_lightning as pl
-
-    return pl.Trainer(default_root_dir=root, accelerator="cpu", devices=1, max_steps=steps, accumulate_grad_batches=2, logger=False,
-                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                      callbacks=callbacks, plugins=plugins or [])
+# ------------------------------------------- either Trainer, checkpointing on or off, CheckpointIO plugin
+FLAVOURS = ["pytorch_lightning", "lightning"]
 
 
-def _model(steps: int):
+def _trainer(root: Path, steps: int, callbacks: list, plugins: list | None = None, flavour: str = "pytorch_lightning",
+             **kw: object):
+    return lightning_package(flavour).Trainer(
+        default_root_dir=root, accelerator="cpu", devices=1, max_steps=steps, accumulate_grad_batches=2, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks,
+        plugins=plugins or [], **kw)
+
+
+def _model(steps: int, flavour: str = "pytorch_lightning"):
     import argparse
-
-    sys.path.insert(0, str(SCRIPT.parent))
-    from lightning_train import Model
 
     args = argparse.Namespace(data="resumable", crash_at=None, crash_micro=1, sigterm_at=None, steps=steps,
                               out=None)
-    return Model(args)
+    return model_class(lightning_package(flavour))(args)
 
 
-def test_checkpoint_io_writes_pickle_free_folders_and_resumes_an_unbroken_run(tmp_path: Path, capfd) -> None:
+def _final(model, trainer) -> dict:
+    return {"model": {k: v.clone() for k, v in model.state_dict().items()},
+            "optimizer": trainer.optimizers[0].state_dict(), "global_step": trainer.global_step,
+            "epoch": trainer.current_epoch, "batches": trainer.fit_loop.epoch_loop.batch_progress.state_dict(),
+            "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict()["last_epoch"]}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """8 steps in this process, Lightning alone, nothing saved: what a resumed fit must end with."""
+    torch.manual_seed(0)
+    model = _model(8)
+    trainer = _trainer(tmp_path_factory.mktemp("uninterrupted"), 8, [], enable_checkpointing=False)
+    trainer.fit(model)
+    return _final(model, trainer)
+
+
+@pytest.mark.parametrize("checkpointing", [True, False], ids=["enable_checkpointing", "enable_checkpointing=False"])
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_either_trainer_with_lightning_checkpointing_on_or_off_resumes_exactly(
+        uninterrupted: dict, tmp_path: Path, flavour: str, checkpointing: bool) -> None:
+    """Both packages installed; the Trainer (and the module) from ``flavour``: the callback and the plugin
+    are taken, with ``enable_checkpointing`` either way; a fit stopped at step 5 and resumed in a new
+    Trainer ends bitwise where the uninterrupted one did."""
+    from unbroken.integrations.lightning import UnbrokenCallback, UnbrokenCheckpointIO
+
+    pl = lightning_package(flavour)
+    for steps, seed in ((5, 0), (8, 1)):  # the resumed fit's initial weights (seed 1) are overwritten
+        torch.manual_seed(seed)
+        model = _model(8, flavour)
+        callback = UnbrokenCallback(tmp_path / "run", save_every=2)
+        other = pl.callbacks.LambdaCallback()  # listed after it: unbroken moves itself last
+        trainer = _trainer(tmp_path, steps, [callback, other], [UnbrokenCheckpointIO()], flavour,
+                           enable_checkpointing=checkpointing)
+        trainer.fit(model)
+        assert trainer.callbacks[-1] is callback
+    assert callback.restored is not None and callback.restored.step == 5
+    assert tensors_equal(_final(model, trainer), uninterrupted)
+    lightnings = [cb for cb in trainer.callbacks if isinstance(cb, pl.callbacks.ModelCheckpoint)]
+    if checkpointing:  # Lightning's default ModelCheckpoint, beside unbroken; it wrote through the plugin
+        assert len(lightnings) == 1 and lightnings[0].dirpath == str(tmp_path / "checkpoints")
+        assert (tmp_path / "checkpoints" / "epoch_1-step_8.ckpt" / "manifest.json").is_file()
+    else:
+        assert lightnings == [] and not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_checkpoint_io_writes_pickle_free_folders_and_resumes_an_unbroken_run(tmp_path: Path, capfd,
+                                                                              flavour: str) -> None:
     from unbroken.integrations.lightning import UnbrokenCallback, UnbrokenCheckpointIO
 
     torch.manual_seed(0)
-    model = _model(8)
-    trainer = _trainer(tmp_path, 6, [UnbrokenCallback(tmp_path / "run", save_every=2)], [UnbrokenCheckpointIO()])
+    model = _model(8, flavour)
+    trainer = _trainer(tmp_path, 6, [UnbrokenCallback(tmp_path / "run", save_every=2)], [UnbrokenCheckpointIO()],
+                       flavour, enable_checkpointing=False)
     trainer.fit(model)
     manual = tmp_path / "manual.ckpt"
     trainer.save_checkpoint(manual)
@@ -314,8 +379,8 @@ def test_checkpoint_io_writes_pickle_free_folders_and_resumes_an_unbroken_run(tm
     # a run written by the callback, read by ckpt_path= through the plugin: weights, optimizer, loops
     converted = io.load_checkpoint(tmp_path / "run")
     assert converted["global_step"] == 6 and len(converted["optimizer_states"]) == 1
-    again = _model(8)
-    t2 = _trainer(tmp_path, 8, [], [UnbrokenCheckpointIO()])
+    again = _model(8, flavour)
+    t2 = _trainer(tmp_path, 8, [], [UnbrokenCheckpointIO()], flavour)
     capfd.readouterr()
     t2.fit(again, ckpt_path=str(tmp_path / "run"))
     assert t2.global_step == 8
@@ -327,6 +392,42 @@ def test_checkpoint_io_writes_pickle_free_folders_and_resumes_an_unbroken_run(tm
     assert (tmp_path / "checkpoints" / "epoch_1-step_8.ckpt" / "manifest.json").is_file()
     io.remove_checkpoint(manual)
     assert not manual.exists()
+
+
+ONE_PACKAGE = """
+import sys
+for name in sys.argv[2:]:
+    sys.modules[name] = None  # not installed, as far as this process can tell
+import argparse, torch
+from lightning_train import lightning, model_class
+from unbroken.integrations.lightning import UnbrokenCallback, UnbrokenCheckpointIO
+
+pl = lightning(sys.argv[1])
+print("BASES", *sorted({b.__module__.split(".")[0] for cls in (UnbrokenCallback, UnbrokenCheckpointIO)
+                        for b in cls.__bases__}))
+args = argparse.Namespace(data="resumable", crash_at=None, crash_micro=1, sigterm_at=None, steps=4, out=None)
+for steps in (2, 4):
+    trainer = pl.Trainer(default_root_dir="root", accelerator="cpu", max_steps=steps, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         callbacks=[UnbrokenCallback("run", save_every=1)], plugins=[UnbrokenCheckpointIO()])
+    trainer.fit(model_class(pl)(args))
+trainer.save_checkpoint("root/saved.ckpt")
+print("DONE", trainer.global_step, UnbrokenCheckpointIO().load_checkpoint("root/saved.ckpt")["global_step"])
+"""
+
+
+@pytest.mark.parametrize("only,hidden,bases", [
+    ("pytorch_lightning", ["lightning"], "lightning_fabric pytorch_lightning"),
+    ("lightning", ["pytorch_lightning", "lightning_fabric"], "lightning")])
+def test_with_one_lightning_package_installed(tmp_path: Path, only: str, hidden: list[str], bases: str) -> None:
+    """The suite's environment has both packages; here the other one is hidden from a fresh process, as in
+    an environment with ``only`` installed: the classes derive from its base classes alone, and a fit
+    resumes (``enable_checkpointing=False``) and saves through the plugin."""
+    env = dict(ENV, PYTHONPATH=os.pathsep.join(p for p in (str(SCRIPT.parent), ENV.get("PYTHONPATH")) if p))
+    out = subprocess.run([sys.executable, "-c", ONE_PACKAGE, only, *hidden], capture_output=True, text=True,
+                         env=env, cwd=tmp_path, timeout=300)
+    assert "DONE 4 4" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
+    assert f"BASES {bases}\n" in out.stdout and "resumed from" in out.stderr
 
 
 def test_import_without_lightning_names_the_extra() -> None:

@@ -9,15 +9,16 @@ One line::
 Return an :class:`unbroken.data.ResumableLoader` from ``train_dataloader()`` for an exact,
 O(1) mid-epoch data position. ``plugins=[UnbrokenCheckpointIO()]`` makes
 ``trainer.save_checkpoint`` and ``ckpt_path=`` go through unbroken too (see
-:mod:`.checkpoint_io`). Works with ``lightning.pytorch`` and ``pytorch_lightning``
-(``pip install 'unbroken[lightning]'``).
+:mod:`.checkpoint_io`). Works with ``lightning.pytorch`` and ``pytorch_lightning``, either or both
+installed (``pip install 'unbroken[lightning]'``), and with ``enable_checkpointing`` on or off:
+unbroken does not need Lightning's ``ModelCheckpoint``.
 """
 
 from __future__ import annotations
 
-from ._compat import available
+from ._compat import installed
 
-if not available():
+if not installed():
     raise ImportError(
         "unbroken.integrations.lightning needs PyTorch Lightning (lightning.pytorch or pytorch_lightning), "
         "which is not installed: pip install 'unbroken[lightning]'")

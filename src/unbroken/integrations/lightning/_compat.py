@@ -1,15 +1,21 @@
-"""Which Lightning: ``lightning.pytorch`` (the unified package) or ``pytorch_lightning``.
+"""Which Lightning: ``lightning.pytorch`` (the unified package), ``pytorch_lightning``, or both.
 
-Both may be installed; their ``Trainer`` accepts only its own ``Callback`` and ``CheckpointIO``
-subclasses. The integration's classes pick the package at construction: the one the program
-has already imported (its ``Trainer`` comes from there), else ``lightning.pytorch`` if it can
-be imported, else ``pytorch_lightning``. Only these two fixed names are ever imported (plain
-``import`` statements: the package never imports a name it reads from data).
+Both are often installed side by side (``pip install lightning`` next to an older
+``pytorch-lightning``). They are separate class trees: a ``pytorch_lightning.Trainer`` accepts a
+``CheckpointIO`` plugin only if it is an instance of ``lightning_fabric``'s ``CheckpointIO``, and
+``lightning.pytorch``'s Trainer only one of ``lightning.fabric``'s. The plugin and the callback are
+built before the Trainer, so they cannot learn which one they will be given to: their classes
+derive from the base class of *every* installed package (:func:`callback_bases`,
+:func:`checkpoint_io_bases`), so either Trainer takes them. The two packages' base classes
+declare the same hooks (no-ops) and abstract methods, so the order of the bases changes nothing.
+
+Only these two fixed names are ever imported (plain ``import`` statements: the package never
+imports a name it reads from data).
 """
 
 from __future__ import annotations
 
-import sys
+import functools
 from types import ModuleType
 
 PACKAGES = ("lightning.pytorch", "pytorch_lightning")
@@ -27,25 +33,26 @@ def _import(name: str) -> ModuleType | None:
     return package
 
 
-def available() -> list[str]:
-    """The Lightning packages that can be imported, preferred first (the importable ones are imported)."""
-    return [name for name in PACKAGES if (sys.modules[name] is not None if name in sys.modules else _import(name))]
+@functools.cache
+def installed() -> tuple[ModuleType, ...]:
+    """The Lightning packages that can be imported (imported), in :data:`PACKAGES` order."""
+    return tuple(p for p in map(_import, PACKAGES) if p is not None)
 
 
-def pick() -> ModuleType:
-    """The Lightning package the program uses (see the module docstring)."""
-    imported = [n for n in PACKAGES if sys.modules.get(n) is not None]
-    for name in [*imported, *PACKAGES]:
-        package = _import(name)
-        if package is not None:
-            return package
-    raise ImportError("PyTorch Lightning is not installed: pip install 'unbroken[lightning]'")
-
-
-def fabric_io(pl: ModuleType) -> ModuleType:
+def fabric(pl: ModuleType) -> ModuleType:
     """The ``fabric`` package that goes with ``pl`` (where ``CheckpointIO`` lives)."""
     if pl.__name__ == "lightning.pytorch":
-        import lightning.fabric as fabric
+        import lightning.fabric as package
     else:
-        import lightning_fabric as fabric
-    return fabric
+        import lightning_fabric as package
+    return package
+
+
+def callback_bases() -> tuple[type, ...]:
+    """``Callback`` of every installed package: a class deriving from all of them is a callback to either Trainer."""
+    return tuple(pl.callbacks.Callback for pl in installed())
+
+
+def checkpoint_io_bases() -> tuple[type, ...]:
+    """``CheckpointIO`` of every installed package (see :func:`callback_bases`)."""
+    return tuple(fabric(pl).plugins.CheckpointIO for pl in installed())

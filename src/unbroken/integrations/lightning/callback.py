@@ -1,8 +1,17 @@
 """``UnbrokenCallback``: a Lightning ``Trainer`` saves and resumes through an unbroken run.
 
+It is a plain Lightning ``Callback`` (not a ``Checkpoint``), of whichever Lightning the Trainer
+comes from (:mod:`._compat`): ``Trainer(enable_checkpointing=False)`` takes it, and it needs none
+of Lightning's own checkpointing; with ``enable_checkpointing=True`` (Lightning's default) Lightning
+adds its default ``ModelCheckpoint`` as it does without unbroken, which saves its own ``.ckpt`` at
+each epoch end, beside unbroken's checkpoints.
+
 What it does, hook by hook (the Trainer's order):
 
-- ``setup("fit")``: opens the run (:class:`unbroken.Checkpointer`).
+- ``setup("fit")``: opens the run (:class:`unbroken.Checkpointer`) and moves this callback to the end
+  of ``trainer.callbacks`` (as Lightning does with its ``Checkpoint`` callbacks): at every hook it
+  runs after the others, so a checkpoint holds what they did at that batch, and a preemption exit
+  comes after their ``on_train_batch_end``.
 - ``on_fit_start`` (optimizers and schedulers exist, the fit loop has not started): builds the
   state — the LightningModule, every optimizer and LR scheduler, the fit loop's counters
   (``global_step``, epoch, batch index, accumulation phase; with a
@@ -24,7 +33,9 @@ What it does, hook by hook (the Trainer's order):
   optimizer, scheduler, data position and RNG all of that instant.
 - ``on_exception``: an exception inside a step gives the exact emergency checkpoint of
   :meth:`unbroken.Checkpointer.guard` (the state at the start of the failed optimizer step).
-- ``on_train_end``: a final checkpoint, then the run is closed.
+- ``on_train_end``: a final checkpoint (unless the last step is saved: a fit that reaches ``max_steps``
+  saves that step at ``on_train_batch_end``, with the loop's state of that instant, so that a fit
+  resumed with a larger ``max_steps`` continues in the same epoch), then the run is closed.
 
 Several ranks (Lightning's launcher with ``devices=N``, torchrun, SLURM): the same callback on every rank.
 The model and optimizer part of the state follows the strategy (:mod:`.strategies`: replicated under
@@ -52,7 +63,7 @@ import torch
 
 from ... import Checkpointer
 from ...data import ResumableLoader
-from ._compat import pick
+from ._compat import callback_bases
 from .strategies import between_micro_batches, model_state
 
 log = logging.getLogger("unbroken")
@@ -133,7 +144,7 @@ def _loaders(obj: Any) -> list[Any]:
     return [obj]
 
 
-class UnbrokenCallback:
+class UnbrokenCallback(*callback_bases()):  # type: ignore[misc]  # a Callback of each installed Lightning
     """Checkpoint a Lightning ``Trainer`` with unbroken: ``callbacks=[UnbrokenCallback("runs/exp1", save_every=50)]``.
 
     Args:
@@ -147,17 +158,11 @@ class UnbrokenCallback:
             ``remote``, ``preemption``, ``async_save``, ``env``, ``probe``, ...).
 
     ``checkpointer`` is the open :class:`unbroken.Checkpointer` during ``fit``; ``restored``
-    what the last ``fit`` resumed from (``None``: a fresh start). Use it as the Trainer's
-    checkpoint callback: it is a ``Checkpoint``, so Lightning adds no ``ModelCheckpoint``
-    of its own (keep ``enable_checkpointing`` at its default, ``True``).
+    what the last ``fit`` resumed from (``None``: a fresh start). A ``Trainer`` imported from
+    ``lightning.pytorch`` or from ``pytorch_lightning`` takes it, with ``enable_checkpointing``
+    ``True`` or ``False``: unbroken needs none of Lightning's own checkpointing. ``False`` turns
+    off Lightning's default ``ModelCheckpoint`` (a pickled ``.ckpt`` at each epoch end).
     """
-
-    _classes: dict[str, type] = {}
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> "UnbrokenCallback":
-        if cls is UnbrokenCallback:  # become the subclass for the Lightning package in use
-            cls = _callback_class(pick())
-        return super().__new__(cls)
 
     def __init__(self, location: Any, *, save_every: int | None = None, keep_last: int | None = 3,
                  resume: bool = True, isolate_validation_rng: bool = True, **options: Any) -> None:
@@ -179,7 +184,12 @@ class UnbrokenCallback:
 
     # ------------------------------------------------------------------ fit
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if stage == "fit" and self.checkpointer is None:
+        if stage != "fit":
+            return
+        # last at every hook, after the callbacks that act at the same batch (see the module docstring);
+        # a new list: Lightning goes on with the list it is iterating
+        trainer.callbacks = [cb for cb in trainer.callbacks if cb is not self] + [self]
+        if self.checkpointer is None:
             self.checkpointer = Checkpointer(self.location, save_every=self.save_every, keep_last=self.keep_last,
                                              **self.options)
 
@@ -290,6 +300,17 @@ class UnbrokenCallback:
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         metrics = {"loss": loss} if isinstance(loss, torch.Tensor) and loss.numel() == 1 else {}
         ckpt.step(self.state, **metrics)  # saves when due; after a signal: saves and exits 75
+        if 0 < trainer.max_steps <= step and not self._saved(step):
+            # the last step is saved here, at its batch's end: by on_train_end Lightning has closed the epoch,
+            # and a fit resumed from there with a larger max_steps would number its epochs one higher
+            ckpt.save(self.state)
+
+    def _saved(self, step: int) -> bool:
+        """Whether ``step``'s checkpoint is committed (an ``async_save`` in flight is waited for)."""
+        assert self.checkpointer is not None
+        self.checkpointer.flush()
+        last = self.checkpointer.last_saved
+        return last is not None and last.step == step
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if self.isolate_validation_rng and not trainer.sanity_checking:
@@ -305,8 +326,7 @@ class UnbrokenCallback:
         if ckpt is None or self.state is None:
             return
         self._leave_guard(None)
-        last = ckpt.last_saved
-        if trainer.global_step and (last is None or last.step != trainer.global_step):
+        if trainer.global_step and not self._saved(trainer.global_step):
             ckpt.progress.step, ckpt.progress.epoch = trainer.global_step, trainer.current_epoch
             ckpt.save(self.state)
         self._close()
@@ -331,13 +351,3 @@ class UnbrokenCallback:
         if ckpt is not None:
             ckpt.close()
 
-
-def _callback_class(pl: Any) -> type:
-    """``UnbrokenCallback`` as a ``Checkpoint`` of the Lightning package ``pl`` (made once, picklable)."""
-    name = f"UnbrokenCallback_{pl.__name__.replace('.', '_')}"
-    if name not in UnbrokenCallback._classes:
-        base = pl.callbacks.Checkpoint
-        cls = type(name, (UnbrokenCallback, base), {"__module__": __name__, "__qualname__": name})
-        globals()[name] = cls
-        UnbrokenCallback._classes[name] = cls
-    return UnbrokenCallback._classes[name]

@@ -34,7 +34,7 @@ from typing import Any
 
 from ... import load, save
 from ...errors import TargetExistsError, UnbrokenError
-from ._compat import fabric_io, pick
+from ._compat import checkpoint_io_bases, fabric, installed
 
 log = logging.getLogger("unbroken")
 COMMIT_FILE = "manifest.json"
@@ -99,19 +99,15 @@ def to_lightning(tree: Mapping[str, Any], version: str) -> dict[str, Any]:
     return out
 
 
-class UnbrokenCheckpointIO:
+class UnbrokenCheckpointIO(*checkpoint_io_bases()):  # type: ignore[misc]  # of each installed Lightning
     """Lightning ``CheckpointIO`` plugin: pickle-free, atomic, verified checkpoints (see the module docstring).
+
+    A ``CheckpointIO`` of every installed Lightning: a ``Trainer`` from ``lightning.pytorch`` or
+    from ``pytorch_lightning`` takes it in ``plugins=``.
 
     Args:
         storage_options: for URL paths (``s3://...``): endpoint, credentials (never recorded).
     """
-
-    _classes: dict[str, type] = {}
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> "UnbrokenCheckpointIO":
-        if cls is UnbrokenCheckpointIO:
-            cls = _io_class(pick())
-        return super().__new__(cls)
 
     def __init__(self, storage_options: Mapping[str, Any] | None = None) -> None:
         self.storage_options = dict(storage_options) if storage_options else None
@@ -150,11 +146,11 @@ class UnbrokenCheckpointIO:
         if not os.path.isfile(path) and "://" not in path:
             path = stored_as(path)
         if not _is_unbroken(path, self.storage_options):
-            torch_io = fabric_io(pick()).plugins.TorchCheckpointIO()
+            torch_io = fabric(installed()[0]).plugins.TorchCheckpointIO()
             return torch_io.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         tree = load(path, storage_options=self.storage_options)
         if RESERVED in tree and "loops" in tree and ("model" in tree or "engine" in tree):  # by UnbrokenCallback
-            return to_lightning(tree, pick().__version__)
+            return to_lightning(tree, installed()[0].__version__)
         return tree
 
     def remove_checkpoint(self, path: Any) -> None:
@@ -203,13 +199,3 @@ def _remove_local(path: str) -> None:
     elif os.path.lexists(path):
         os.remove(path)
 
-
-def _io_class(pl: Any) -> type:
-    """``UnbrokenCheckpointIO`` as a ``CheckpointIO`` of the Lightning package ``pl`` (made once, picklable)."""
-    name = f"UnbrokenCheckpointIO_{pl.__name__.replace('.', '_')}"
-    if name not in UnbrokenCheckpointIO._classes:
-        base = fabric_io(pl).plugins.CheckpointIO
-        cls = type(name, (UnbrokenCheckpointIO, base), {"__module__": __name__, "__qualname__": name})
-        globals()[name] = cls
-        UnbrokenCheckpointIO._classes[name] = cls
-    return UnbrokenCheckpointIO._classes[name]
