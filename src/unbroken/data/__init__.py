@@ -10,6 +10,8 @@
   shuffle buffers included) resumed exactly at the sample, with ``num_workers``.
 - :class:`Mixture` — several sources drawn by weight, weights changing by sample (curricula);
   sample ``g`` a pure function of (seed, g, schedule).
+- :class:`Seeded` — a map-style dataset whose transforms draw from the global RNGs (a
+  ``datasets`` ``set_transform``, torchvision), made exact: they are seeded per sample.
 - :class:`CarryOver`, :class:`Packer`, :class:`Carrier` — collators that carry examples from
   batch to batch (packing, bucketing), saved with the data position.
 """
@@ -19,8 +21,9 @@ from .loader import ResumableLoader
 from .mixture import Mixture
 from .order import GlobalOrder
 from .sample import SampleIndex, sample_seed
+from .seeded import Seeded
 from .stream import Counted, JsonlReader, Skippable
 from .streaming import StreamLoader
 
 __all__ = ["ResumableLoader", "GlobalOrder", "SampleIndex", "sample_seed", "JsonlReader", "Counted", "Skippable",
-           "StreamLoader", "Mixture", "CarryOver", "Packer", "Carrier"]
+           "StreamLoader", "Mixture", "Seeded", "CarryOver", "Packer", "Carrier"]

@@ -88,3 +88,27 @@ def chunks(ds: Any, size: int) -> Iterator[tuple[list[Any], Any]]:
         columns = list(batch)
         n = len(batch[columns[0]]) if columns else 0
         yield [{c: batch[c][i] for c in columns} for i in range(n)], ds.state_dict()
+
+
+def _fits(live: Any, saved: Any) -> bool:
+    """Whether ``saved`` has the shape of ``live`` (dict keys, list lengths, node ``type`` names);
+    ``None`` fits anything (a reader not started yet)."""
+    if live is None or saved is None:
+        return True
+    if isinstance(live, dict) and isinstance(saved, dict):
+        return live.keys() == saved.keys() and live.get("type") == saved.get("type") and \
+            all(_fits(live[k], saved[k]) for k in live)
+    if isinstance(live, list) and isinstance(saved, list):
+        return len(live) == len(saved) and all(map(_fits, live, saved))
+    return not isinstance(live, (dict, list)) and not isinstance(saved, (dict, list))
+
+
+def check_state(ds: Any, lanes: int, index: int, saved: Any) -> None:
+    """Refuse a lane state saved by another pipeline (sources or operations added or removed):
+    ``datasets`` would fail later in a worker, or read the state into the wrong places."""
+    if saved is not None and not _fits(lane(ds, lanes, index).state_dict(), saved):
+        raise ValueError(
+            "the checkpoint's stream position was saved by another pipeline (its state has another shape: sources "
+            "of interleave_datasets, shards or operations were added or removed), so it cannot be resumed here. "
+            "Keep the pipeline across a resume; for sources that change, use unbroken.data.Mixture over map-style "
+            "datasets, whose rule for added sources and changed weights is documented.")

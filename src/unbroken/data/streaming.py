@@ -240,6 +240,9 @@ class StreamLoader:
         if (saved is None) != (self.buffer_size == 0) or (saved is not None and saved["size"] != self.buffer_size):
             raise ValueError(f"the checkpoint's shuffle buffer size is {0 if saved is None else saved['size']}, this "
                              f"loader's {self.buffer_size}: keep the buffer size across a resume")
+        if self.is_hf:
+            for index, lane_state in enumerate(state["lane_states"]):
+                hf.check_state(self.dataset, self.lanes, index, lane_state)
         self.epoch, self.samples_seen = int(state["epoch"]), int(state["samples_seen"])
         self._start_epoch()
         self.chunk, self.next_lane = int(state["chunk"]), int(state["next_lane"])
