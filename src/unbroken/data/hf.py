@@ -75,9 +75,6 @@ def lane(ds: Any, lanes: int, index: int) -> Any:
     ``lanes``-th shard from ``index`` (a new object: reading it changes nothing of ``ds``)."""
     if lanes == 1:
         return _rebuild(ds, ds._ex_iterable)
-    if ds.num_shards < lanes:
-        raise ValueError(f"num_workers={lanes} but the stream has {ds.num_shards} shard(s): each worker reads whole "
-                         f"shards; use num_workers <= {ds.num_shards} (or a stream with more shards)")
     return ds.shard(num_shards=lanes, index=index, contiguous=False)
 
 

@@ -127,7 +127,11 @@ class StreamLoader:
             if size and shuffle_buffer:
                 raise ValueError("the stream already ends with .shuffle(buffer_size=...); do not pass shuffle_buffer too")
             shuffle_buffer = shuffle_buffer or size
-        elif num_workers > 1 and not hasattr(dataset, "shard"):
+            if num_workers > dataset.num_shards:
+                raise ValueError(f"num_workers={num_workers} but the stream has {dataset.num_shards} shard(s): each worker "
+                                 f"reads whole shards; use num_workers <= {dataset.num_shards} (or a stream with more "
+                                 "shards)")
+        elif num_workers > 1 and not callable(getattr(dataset, "shard", None)):
             raise TypeError(f"num_workers={num_workers} splits the stream into lanes, one per worker, and "
                             f"{type(dataset).__name__} has no shard(num_shards, index, contiguous): use "
                             "num_workers=0 or 1, or give it one")
