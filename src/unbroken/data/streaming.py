@@ -21,7 +21,6 @@ stream's position differs from rank to rank: with several ranks put the loader i
 from __future__ import annotations
 
 import copy
-import logging
 from collections import deque
 from itertools import islice
 from typing import Any, Callable, Iterator
@@ -35,7 +34,6 @@ from .buffer import ShuffleBuffer, epoch_generator
 from .loader import _WorkerInit, _world
 from .order import mix_ints
 
-log = logging.getLogger("unbroken")
 _OWNED = ("batch_size", "shuffle", "sampler", "batch_sampler", "generator", "persistent_workers")
 
 
