@@ -189,9 +189,15 @@ def test_interleaved_streams_resume_exactly_and_a_changed_pipeline_is_refused() 
         assert resumed(make, 5) == ref
     loader = make()
     it = iter(loader)
-    next(it)
+    head = ids([next(it) for _ in range(5)])
     saved = copy.deepcopy(loader.state_dict())
     del it
+    # other probabilities at the resume: not in datasets' state, each source continues where it stood
+    changed = interleave_datasets([stream(), stream(off=1000)], probabilities=[0.9, 0.1], seed=1)
+    again = ud.StreamLoader(changed, batch_size=4, num_workers=2)
+    again.load_state_dict(copy.deepcopy(saved))
+    seen = [i for b in head + ids(again) for i in b]
+    assert len(seen) == len(set(seen)) and head + ids(again) != ref
     three = interleave_datasets([stream(), stream(off=1000), stream(off=2000)], probabilities=[.4, .3, .3], seed=1)
     with pytest.raises(ValueError, match="another pipeline"):
         ud.StreamLoader(three, batch_size=4, num_workers=2).load_state_dict(saved)
@@ -274,3 +280,15 @@ def test_datasets_with_statefuldataloader_and_workers_cannot_resume_a_shuffled_s
     with pytest.raises(IndexError) as crash:
         next(it)
     del crash, it  # the traceback holds the iterator: its workers are shut down now, not at teardown
+
+
+def test_datasets_alone_fails_on_a_source_added_to_interleave_datasets() -> None:
+    """Measured: the saved per-source list is indexed by the live one, at iteration."""
+    two = interleave_datasets([stream(), stream(off=1000)], probabilities=[0.5, 0.5], seed=1)
+    it = iter(two)
+    for _ in range(7):
+        next(it)
+    three = interleave_datasets([stream(), stream(off=1000), stream(off=2000)], probabilities=[.4, .3, .3], seed=1)
+    three.load_state_dict(two.state_dict())
+    with pytest.raises(IndexError):
+        next(iter(three))
