@@ -16,6 +16,7 @@ with real signals in ``test_upstream_loops.py``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import warnings
@@ -32,6 +33,10 @@ from unbroken.faults import EXIT_PREEMPTED
 from unbroken.manager import UnbrokenWarning
 from unbroken.policies import AtEpochEnd
 
+# resumed at the last step of epoch 0, the new process's optimizer has not stepped before the epoch's
+# scheduler.step(): torch warns about the order (docs/your-loop.md, Limits)
+pytestmark = pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()` before:UserWarning")
+
 EPOCHS, N, B, SAVE_EVERY = 3, 24, 4, 3  # 6 steps an epoch: epoch ends at steps 6, 12, 18 (all saved)
 
 
@@ -45,9 +50,11 @@ def data() -> tuple[TensorDataset, TensorDataset]:
     return TensorDataset(x[:N], y[:N]), TensorDataset(x[N:], y[N:])
 
 
-def train(run: Path, shape: str, stop: str | None = None, log: dict | None = None, trigger: bool = False) -> dict:
+def train(run: Path, shape: str, stop: str | None = None, log: dict | None = None, trigger: bool = False,
+          guarded: bool = False, save_every: int = SAVE_EVERY) -> dict:
     """Train to the end (resuming from ``run``), raising :class:`Killed` at ``stop`` (``"step:N"``,
-    ``"eval:E"``, ``"sched:E"``) or sending SIGUSR1 (``"signal:E"``: during epoch E's evaluation)."""
+    ``"eval:E"``, ``"sched:E"``; with ``guarded``, a ``RuntimeError`` inside ``ckpt.guard``) or
+    sending SIGUSR1 (``"signal:E"``: during epoch E's evaluation)."""
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(16, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
@@ -56,14 +63,14 @@ def train(run: Path, shape: str, stop: str | None = None, log: dict | None = Non
     loader = unbroken.data.ResumableLoader(train_set, batch_size=B, seed=2)
     val_loader = DataLoader(val_set, batch_size=4)
     state = {"model": model, "optimizer": opt, "scheduler": sched, "data": loader}
-    ckpt = unbroken.Checkpointer(run, save_every=SAVE_EVERY, keep_last=None, trigger=AtEpochEnd() if trigger else None,
+    ckpt = unbroken.Checkpointer(run, save_every=save_every, keep_last=None, trigger=AtEpochEnd() if trigger else None,
                                  preemption=unbroken.Preemption(signals=(signal.SIGUSR1,)))
     log = {"loss": {}, "val": [], "evals": 0} if log is None else log
     ckpt.restore(state)
 
     def at(point: str) -> None:
         if stop == point:
-            raise Killed(point)
+            raise RuntimeError(point) if guarded else Killed(point)
         if stop == "signal:" + point.split(":")[1] and point.startswith("eval:"):
             os.kill(os.getpid(), signal.SIGUSR1)  # handled at the end of the epoch
 
@@ -91,8 +98,9 @@ def train(run: Path, shape: str, stop: str | None = None, log: dict | None = Non
             for epoch in range(ckpt.progress.epoch, EPOCHS):
                 one_epoch(epoch)
         elif shape == "epochs":
-            for epoch in ckpt.epochs(state, EPOCHS):
-                one_epoch(epoch)
+            with ckpt.guard(state) if guarded else contextlib.nullcontext():
+                for epoch in ckpt.epochs(state, EPOCHS):
+                    one_epoch(epoch)
         elif shape == "end_epoch":
             for epoch in range(ckpt.progress.epoch, EPOCHS):
                 one_epoch(epoch)
@@ -109,7 +117,7 @@ def train(run: Path, shape: str, stop: str | None = None, log: dict | None = Non
 
 def interrupted(run: Path, shape: str, stop: str, **kw) -> tuple[dict, dict]:
     log: dict = {"loss": {}, "val": [], "evals": 0}
-    with pytest.raises((Killed, SystemExit)) as err:
+    with pytest.raises((Killed, SystemExit, RuntimeError)) as err:
         train(run, shape, stop, log, **kw)
     if isinstance(err.value, SystemExit):
         assert err.value.code == EXIT_PREEMPTED
@@ -161,6 +169,18 @@ def test_a_preemption_during_the_evaluation_saves_at_the_end_of_the_epoch(refere
     kinds = {c.name: (c.kind, c.progress["epoch"]) for c in unbroken.Checkpointer(run, preemption=None).checkpoints()}
     # the last step of epoch 1 (step 12, inside the epoch) and the end of epoch 1 (the same step, epoch 2)
     assert ("regular", 1) in kinds.values() and ("preemption", 2) in kinds.values(), kinds
+
+
+def test_an_exception_in_the_epoch_end_work_under_the_guard(reference, tmp_path: Path) -> None:
+    """After epoch 0's scheduler.step() (its last step, 6, not saved: every 4 steps): the guard's
+    emergency checkpoint is the state of that last step, scheduler before its step; the resumed
+    run does epoch 0's end work again, once in the result."""
+    run = tmp_path / "run"
+    final, log = interrupted(run, "epochs", "sched:0", guarded=True, save_every=4)
+    assert same(reference, final, log) and log["evals"] == EPOCHS + 1
+    emergency = [(c.step, c.progress["epoch"]) for c in unbroken.Checkpointer(run, preemption=None).checkpoints()
+                 if c.kind == "emergency"]
+    assert emergency == [(6, 0)], emergency
 
 
 def test_at_epoch_end_saves_after_the_epoch_end_work_even_at_a_saved_step(reference, tmp_path: Path) -> None:
@@ -320,3 +340,26 @@ def test_no_optimizer_warning_for_a_loop_that_updates_by_hand(tmp_path: Path) ->
     assert not any("optimizer" in m for m in forgotten(tmp_path / "a", by_hand=True))
     found = forgotten(tmp_path / "b", by_hand=False)  # the optimizer that steps the model is not in the state
     assert any("not the SGD optimizer that steps its parameters" in m for m in found), found
+
+
+def test_the_guard_writes_no_emergency_checkpoint_it_cannot_prove_for_updates_by_hand(tmp_path: Path) -> None:
+    """Writes through ``p.data`` bump no version counter: after one, the guard took the updated
+    parameters for the step's start, and the resume applied the update twice. With no optimizer in
+    the state it writes none; the restart resumes from the last committed checkpoint."""
+    model = torch.nn.Linear(2, 1)
+    state = {"model": model}
+    with unbroken.Checkpointer(tmp_path / "run", save_every=5, preemption=None) as ckpt:
+        ckpt.restore(state)
+        with pytest.raises(RuntimeError, match="after the update"), ckpt.guard(state):
+            for step in range(3):
+                model(torch.ones(2)).sum().backward()
+                for p in model.parameters():
+                    p.data.add_(p.grad, alpha=-0.1)
+                model.zero_grad()
+                if step == 1:
+                    raise RuntimeError("failed after the update")
+                ckpt.step(state)
+                at_start_of_step_2 = model.weight.detach().clone()
+        for c in ckpt.checkpoints():  # whatever was written describes the instant it is labelled with
+            assert c.step == 1 and torch.equal(unbroken.load(c.path)["model"]["weight"], at_start_of_step_2)
+        assert ckpt.checkpoints() == []

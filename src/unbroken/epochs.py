@@ -21,16 +21,16 @@ Between the two moments the user's epoch-end work runs, and unbroken saves nothi
 itself: a SIGTERM during an evaluation waits for the end of the epoch (a signal handler only sets
 a flag, and the evaluation is the user's code); a process killed there resumes from its last
 checkpoint and runs the epoch-end work once, from its beginning. A checkpoint the user saves there
-explicitly (``ckpt.save()`` after the batch loop) counts the epoch's batches as done, and resumes
-after what remains of the epoch-end work: save at the end of the epoch (``end_epoch`` with a
-trigger) instead.
+explicitly (``ckpt.save()`` after the batch loop) resumes at the next epoch: what the epoch-end
+work did before it is in the checkpoint, what remained after it is skipped. Save at the end of the
+epoch instead (``end_epoch`` with a trigger).
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from torch.utils.data import DataLoader
@@ -64,13 +64,12 @@ class EpochLoop:
                 value.set_epoch(p.epoch)
         self.epoch = p.epoch
 
-    def epochs(self, close: Any, epochs: int | Sequence[Any]) -> Iterator[Any]:
+    def epochs(self, close: Callable[[], Any], epochs: int | Sequence[Any]) -> Iterator[Any]:
         """The items of ``epochs`` from the epoch the loop is in; ``close()`` after each body that
-        did not end its epoch itself."""
-        seq = _sequence(epochs)
-        return self._epochs(close, seq)
+        did not end its epoch itself. Checked now, not at the first ``next()``."""
+        return self._epochs(close, _sequence(epochs))
 
-    def _epochs(self, close: Any, seq: Sequence[Any]) -> Iterator[Any]:
+    def _epochs(self, close: Callable[[], Any], seq: Sequence[Any]) -> Iterator[Any]:
         while self.epoch < len(seq):
             current = self.epoch
             yield seq[current]

@@ -336,19 +336,15 @@ class Checkpointer:
         return info
 
     def epochs(self, state: Mapping[str, Any], epochs: int | Sequence[Any]) -> Iterator[Any]:
-        """``for epoch in ckpt.epochs(state, range(1, args.epochs + 1)):`` — the epochs left to
-        train (an ``int`` n means ``range(n)``), from the one a resumed run is in; after each
-        epoch's body (batches, then evaluation, ``scheduler.step()``, ...) it calls
-        :meth:`end_epoch` (unless the body did, to pass metrics). A run resumed from the last
-        step of an epoch goes on with that epoch's end work (see :mod:`unbroken.epochs`)."""
+        """``for epoch in ckpt.epochs(state, range(1, n + 1)):`` — the epochs left (an ``int`` n:
+        ``range(n)``), from the one a resumed run is in; after each epoch's body it calls
+        :meth:`end_epoch`, unless the body did (to pass metrics). See :mod:`unbroken.epochs`."""
         return self._epoch_loop.epochs(lambda: self.end_epoch(state), epochs)
 
     def batches(self, iterable: Iterable[Any]) -> Iterator[Any]:
-        """``for batch, i in ckpt.batches(enumerate(range(0, n, bptt))):`` — one epoch's batches of a
-        loop that is not a :class:`~unbroken.data.ResumableLoader`, resumed where the last
-        checkpoint was: the first ``progress.batch`` items are skipped (read and dropped, so keep
-        the source cheap to replay, e.g. a ``range``), each item handed out is counted, and when it
-        runs out the data moves to the next epoch. A ``ResumableLoader`` is iterated as it is."""
+        """``for batch, i in ckpt.batches(enumerate(range(0, n, bptt))):`` — one epoch's batches without
+        a :class:`~unbroken.data.ResumableLoader`, resumed where the last checkpoint was (the first
+        ``progress.batch`` items are read and dropped: keep the source cheap, e.g. a ``range``)."""
         return _batches(self.progress, iterable)
 
     def end_epoch(self, state: Mapping[str, Any], **metrics: Any) -> CheckpointInfo | None:
