@@ -264,8 +264,16 @@ def _save_and_collect(tmp_path, state, sub="run", **kw):
 
 def test_warns_model_without_optimizer_once(tmp_path):
     model = tiny_model(0)
-    ckpt, msgs = _save_and_collect(tmp_path, {"model": model})
-    assert len(msgs) == 1 and "optimizer" in msgs[0]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # steps the model, but is not in the state
+    ckpt = unbroken.Checkpointer(tmp_path / "run", keep_last=None)
+    ckpt.restore({"model": model})
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        ckpt.save({"model": model})
+    msgs = unbroken_warnings(rec)
+    assert len(msgs) == 1 and "SGD optimizer" in msgs[0]
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         ckpt.save({"model": model})

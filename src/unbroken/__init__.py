@@ -10,7 +10,8 @@ The public API::
         ckpt.step(state, loss=loss)  # saves when due
 
 ``save``/``load``/``verify`` work on a single checkpoint folder; ``Stateful`` is the
-protocol user objects implement; ``Progress`` and ``Gradients`` are small helpers.
+protocol user objects implement; ``Progress``, ``Vars`` (plain loop variables, restored in
+place) and ``Gradients`` are small helpers.
 
 Importing the package imports nothing else (no torch): each public name is imported from its
 module on first use (PEP 562), so ``import unbroken.cli`` starts in a fraction of a second.
@@ -46,7 +47,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported for re
     from .faults import Preemption
     from .manager import Checkpointer
     from .probe import probe_step
-    from .state.stateful import Gradients, PerRank, Progress, Stateful
+    from .state.stateful import Gradients, PerRank, Progress, Stateful, Vars
     from .tiers import Remote
 
 _WHERE: dict[str, str] = {
@@ -60,7 +61,7 @@ _WHERE: dict[str, str] = {
     "Preemption": ".faults",
     "Checkpointer": ".manager",
     "probe_step": ".probe",
-    **dict.fromkeys(("Gradients", "PerRank", "Progress", "Stateful"), ".state.stateful"),
+    **dict.fromkeys(("Gradients", "PerRank", "Progress", "Stateful", "Vars"), ".state.stateful"),
     "Remote": ".tiers",
 }
 
@@ -73,6 +74,7 @@ __all__ = [
     "EnvCheck",
     "Stateful",
     "Progress",
+    "Vars",
     "Gradients",
     "PerRank",
     "init_distributed",

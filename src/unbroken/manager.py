@@ -15,7 +15,7 @@ import os
 import signal
 import weakref
 import time
-from collections.abc import Iterable, Mapping, MutableMapping
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -25,6 +25,7 @@ from .exithooks import at_exit
 from .api import CheckpointInfo
 from .background import BackgroundSaves
 from .environment import EnvCheck, fingerprint
+from .epochs import EpochLoop, batches as _batches
 from .errors import ConfigurationError, NoCheckpointError
 from .events import EventBus, Saved, StepEnded, Tagged
 from .faults import Preemption, slurm
@@ -134,6 +135,8 @@ class Checkpointer:
         self.run.check()
         self.location: str = self.run.url
         self.progress = Progress()
+        self._epoch_loop = EpochLoop(self.progress)  # the epoch the loop is in (unbroken.epochs)
+        self.events.subscribe(self._epoch_loop)
         self.metrics: dict[str, Any] = {}
         self.preemption = preemption if preemption is not None else Preemption(signals=())
         self.env = env if env is not None else EnvCheck()
@@ -166,6 +169,7 @@ class Checkpointer:
             return
         self.run.begin()
         _open.add(self)
+        self.rules.watch_optimizers()  # which optimizers step, for the forgotten-optimizer warning
         self._signals.install()
         if self.comm.coordinator and not self.run.readonly:  # one index, one submit script per run
             self._recorder = Recorder(self.run.store)
@@ -208,6 +212,7 @@ class Checkpointer:
             log.error("the last background save failed: %s: %s", type(e).__name__, e)
         self._background.shutdown()
         self._signals.uninstall()
+        self.rules.stop_watching()
         self.run.close()
         self.comm.close()
         self._save_comm.close()
@@ -330,19 +335,44 @@ class Checkpointer:
             self._selftest.after_step(self)  # a planned interruption or stop (SystemExit(0) after step N)
         return info
 
+    def epochs(self, state: Mapping[str, Any], epochs: int | Sequence[Any]) -> Iterator[Any]:
+        """``for epoch in ckpt.epochs(state, range(1, n + 1)):`` — the epochs left (an ``int`` n:
+        ``range(n)``), from the one a resumed run is in; after each epoch's body it calls
+        :meth:`end_epoch`, unless the body did (to pass metrics). See :mod:`unbroken.epochs`."""
+        return self._epoch_loop.epochs(lambda: self.end_epoch(state), epochs)
+
+    def batches(self, iterable: Iterable[Any]) -> Iterator[Any]:
+        """``for batch, i in ckpt.batches(enumerate(range(0, n, bptt))):`` — one epoch's batches without
+        a :class:`~unbroken.data.ResumableLoader`, resumed where the last checkpoint was (the first
+        ``progress.batch`` items are read and dropped: keep the source cheap, e.g. a ``range``)."""
+        return _batches(self.progress, iterable)
+
     def end_epoch(self, state: Mapping[str, Any], **metrics: Any) -> CheckpointInfo | None:
-        """Mark the end of an epoch (after validation: pass its metrics); save if a trigger
-        asks (``AtEpochEnd()``, ``OnImprovement("val_loss")``). Does not advance the step."""
+        """The epoch ends: call it last in the epoch, after its evaluation and ``scheduler.step()``
+        (:meth:`epochs` does), passing the evaluation's metrics. ``progress.epoch`` moves on if the
+        batch loop did not move it (it broke off, or there is none), every ``ResumableLoader`` in
+        the state starts the new epoch, and this instant is saved if a trigger asks
+        (``AtEpochEnd()``, ``OnImprovement("val_loss")``) or a preemption signal arrived during
+        the epoch-end work (then the process exits with 75). Does not advance the step."""
         state = adapt(state)
         self._begin()
         self.metrics.update({k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()})
-        return self.save(state) if self.comm.any(self._due(epoch_end=True)) else None
+        self._epoch_loop.close(state)
+        if self._guard is not None:  # the next step starts from here, not from the epoch's last step
+            self._guard.mark(self._guard.prepare(self.progress.state_dict()))
+        flags = self.comm.max((1 if self._due(epoch_end=True) else 0) | (2 if self._signals.received else 0))
+        info = self.save(state, kind="regular" if flags & 1 else "preemption") if flags else None
+        if flags & 2:  # saved above; preempt_and_exit finds this step saved and exits with 75
+            self.flush(raise_errors=False)
+            preempt_and_exit(self, state, self._signals.received or signal.SIGTERM,
+                             self._signals.received_at or time.monotonic())
+        return info
 
     def _due(self, epoch_end: bool) -> bool:
         sched = self.schedule
         if not sched.due(self.progress.step, self.progress.epoch, epoch_end, self.metrics):
             return False
-        return not sched.already_saved(self.progress.step, clean_metrics(self.metrics))
+        return not sched.already_saved(self.progress.step, clean_metrics(self.metrics), self.progress.epoch)
 
     def save(self, state: Mapping[str, Any], metrics: dict[str, Any] | None = None, *, kind: str = "regular",
              tag: str | None = None, progress: Mapping[str, int] | None = None,
@@ -362,7 +392,7 @@ class Checkpointer:
         if metrics:
             self.metrics.update(metrics)
         self.rules.validate(state)
-        self.rules.before_save(state, self.progress.micro_step)
+        self.rules.before_save(state, self.progress.micro_step, self.progress.step)
         tags = [check_tag(tag)] if tag else []
         if progress is None:
             sync_data_position(self.progress, state)
@@ -385,7 +415,7 @@ class Checkpointer:
             return final, manifest, time.monotonic() - t0
 
         if self._in_background(kind, snap):
-            self.schedule.saved(prog["step"], fields["metrics"])
+            self.schedule.saved(prog["step"], fields["metrics"], prog.get("epoch", 0))
             gate = StepGate([snap]) if snap.deferred or snap.lazy_events else None
             self._background.submit(write, (kind, tags), gate)
             log.debug("step %d copied in %.3f s; writing in the background", prog["step"], time.monotonic() - t0)
@@ -407,7 +437,7 @@ class Checkpointer:
         """Bookkeeping after a commit (in the training thread): events, log, retention."""
         info = CheckpointInfo.of(self.run.describe(final), final, manifest)
         self.last_saved = info
-        self.schedule.saved(manifest.step, manifest.metrics)
+        self.schedule.saved(manifest.step, manifest.metrics, manifest.progress.get("epoch", 0))
         self.events.publish(Saved(final, info.path, manifest, took, tuple(tags)))
         new = self.run.chunks.last.written_bytes if self.run.chunks is not None else None
         log.info("saved step %d to %s (%s%.1f MB%s in %.2f s)", manifest.step, info.path,

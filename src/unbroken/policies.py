@@ -97,7 +97,8 @@ class _TriggerOps:
 
 @dataclass
 class EveryNSteps(_TriggerOps):
-    """Due at every step that is a positive multiple of ``n`` (aligned, like ``save_every``)."""
+    """Due at every step that is a positive multiple of ``n`` (aligned, like ``save_every``); at
+    steps only, not again at an epoch's end that falls on such a step (that step is saved already)."""
 
     n: int
 
@@ -105,7 +106,7 @@ class EveryNSteps(_TriggerOps):
         _positive_int(self.n, "EveryNSteps(n)")
 
     def due(self, ctx: TriggerContext) -> bool:
-        return ctx.step > 0 and ctx.step % self.n == 0
+        return ctx.step > 0 and ctx.step % self.n == 0 and not ctx.epoch_end
 
 
 @dataclass

@@ -34,6 +34,7 @@ class Schedule:
         self.retention: Retention | None = Union(*rules, KeepTagged()) if rules else None
         self.last_save_time: float | None = None
         self.last_saved: tuple[int, dict[str, Any]] | None = None
+        self._last_instant: tuple[int, int, dict[str, Any]] | None = None  # (step, epoch, metrics)
 
     def due(self, step: int, epoch: int, epoch_end: bool, metrics: Mapping[str, Any]) -> bool:
         if self.trigger is None:
@@ -43,13 +44,15 @@ class Schedule:
                              last_save_time=self.last_save_time, metrics=metrics)
         return self.trigger.due(ctx)
 
-    def already_saved(self, step: int, metrics: Mapping[str, Any]) -> bool:
-        """This step with these metrics is committed already (no second save needed)."""
-        return self.last_saved is not None and self.last_saved == (step, dict(metrics))
+    def already_saved(self, step: int, metrics: Mapping[str, Any], epoch: int = 0) -> bool:
+        """This instant (step and epoch: the last step of an epoch and the end of that epoch's
+        end work share a step) with these metrics is committed already (no second save needed)."""
+        return self._last_instant is not None and self._last_instant == (step, epoch, dict(metrics))
 
-    def saved(self, step: int, metrics: Mapping[str, Any]) -> None:
+    def saved(self, step: int, metrics: Mapping[str, Any], epoch: int = 0) -> None:
         self.last_save_time = time.monotonic()
         self.last_saved = (step, dict(metrics))
+        self._last_instant = (step, epoch, dict(metrics))
 
     def state_dict(self) -> dict[str, Any] | None:
         return self.trigger.state_dict() if self.trigger is not None else None

@@ -9,7 +9,15 @@ the ``r``-th slice of ``batch_size``. Resuming builds the order from that positi
 directly, so nothing is replayed, and a different world size continues from the same
 global sample: nothing repeated, nothing skipped.
 
-End of an epoch: with ``drop_last=True`` the trailing ``n mod (world_size * batch_size)``
+The epoch ends when the loop asks for a batch after its last one: the iterator finishes and
+the loader moves to the next epoch (position 0). A checkpoint taken after the last batch but
+before that (at the epoch's last step) is still inside the epoch: restored, the loader's next
+iterator serves nothing and closes the epoch, so a loop of the form ``for epoch ...: for batch
+in loader: ...; evaluate()`` goes on with that epoch's evaluation instead of skipping into the
+next epoch. In the process that served the last batch, a loop that broke out right after it
+(without finishing the iterator) starts the next epoch with its next iterator, as before.
+
+Epoch sizes: with ``drop_last=True`` the trailing ``n mod (world_size * batch_size)``
 samples of the epoch's order are skipped; otherwise the last global batch is padded by
 wrapping around to the start of the same epoch's order (like ``DistributedSampler``),
 so every rank gets a full batch. With one process, ``drop_last=False`` instead gives a
@@ -144,6 +152,7 @@ class ResumableLoader:
         self.position = 0
         self.samples_seen = 0
         self._restores = 0  # load_state_dict() calls: an iterator started before one is stale
+        self._served_end = False  # this process handed out the epoch's last batch (see the module docstring)
         self._generator = torch.Generator()
         loader_kwargs["worker_init_fn"] = _WorkerInit(loader_kwargs.get("worker_init_fn"))
         self._loader = DataLoader(dataset, batch_sampler=_RankBatches(self), generator=self._generator,
@@ -177,8 +186,10 @@ class ResumableLoader:
         return -(-(self.epoch_length - self.position) // self.global_batch)
 
     def __iter__(self) -> Iterator[Any]:
-        if self.position >= self.epoch_length:
-            self._next_epoch()
+        if self.position >= self.epoch_length and self._served_end:
+            self._next_epoch()  # this process served the epoch's end: the loop asks for the next epoch
+        # (restored at an epoch's end, a checkpoint of its last step, nothing is left of it: the
+        # iterator below serves nothing, and the epoch ends)
         # Worker base seeds come from our own generator, never from the global RNG, so
         # creating this iterator changes no random stream of the training loop.
         self._generator.manual_seed(mix_ints(self.seed, self.epoch, 0xDA7A) >> 1)
@@ -189,9 +200,11 @@ class ResumableLoader:
                     "this iterator of the ResumableLoader was started before restore() loaded a new data "
                     "position: it would serve batches of the old order. Create the iterator after restore() "
                     "(`for batch in loader:` inside the training loop).")
-            new = min(self.position + self.global_batch, self.epoch_length)
+            end = self.epoch_length
+            new = min(self.position + self.global_batch, end)
             self.samples_seen += new - self.position
             self.position = new
+            self._served_end = new >= end
             yield batch
         if self.position >= self.epoch_length:
             self._next_epoch()
@@ -199,6 +212,16 @@ class ResumableLoader:
     def _next_epoch(self) -> None:
         self.epoch += 1
         self.position = 0
+        self._served_end = False
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` at its first batch, unless the loader is in ``epoch`` already: then it
+        keeps its position (a resumed run goes on mid-epoch). Like ``DistributedSampler.set_epoch``;
+        :meth:`unbroken.Checkpointer.end_epoch` calls it with the loop's next epoch."""
+        if epoch < 0:
+            raise ValueError(f"epoch must be a non-negative integer, not {epoch!r}")
+        if int(epoch) != self.epoch:
+            self.epoch, self.position, self._served_end = int(epoch), 0, False
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "position": self.position, "samples_seen": self.samples_seen,
@@ -218,4 +241,5 @@ class ResumableLoader:
                 f"{state['position']} of epoch {state['epoch']} (batch boundaries shift)", stacklevel=2)
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self.samples_seen = int(state["samples_seen"])
+        self._served_end = False  # restored at an epoch's end: its next iterator serves nothing
         self._restores += 1

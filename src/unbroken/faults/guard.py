@@ -26,6 +26,9 @@ like any other — which instant the live state can be turned into, or that it c
   after the step (no optimizer waits for it, and its scale or growth tracker changed), and
   every module that no stepped optimizer updates (an EMA copy) has changed. Light objects are
   taken as they are: they must move before ``optimizer.step()`` (a data loader does).
+- **No optimizer in the state** while a module has trainable parameters (a loop that updates them
+  by hand, ``p.data.add_(p.grad, alpha=-lr)``: writes through ``.data`` bump no version counter,
+  so nothing proves they did not happen): no emergency checkpoint either.
 - **Anything else** — an optimizer raised half-way through its update, some optimizers stepped
   and others not, a scheduler or a ``GradScaler`` has not caught up with the optimizer step,
   or one of the proofs above fails: **no emergency checkpoint** (it would mix two instants).
@@ -315,6 +318,9 @@ class StepGuard:
             or isinstance(obj, torch.nn.Module) and k not in self._params]
         if swapped:
             return Verdict(None, f"state[{swapped[0]!r}] was replaced or added after the guard began watching")
+        if not self._optimizers and any(p.requires_grad for ps in self._params.values() for p in ps):
+            return Verdict(None, "the state holds no optimizer: parameters updated by hand (p.data.add_(...)) "
+                                 "leave no trace in version counters, so they cannot be proven unmoved")
         if not self._stepped:
             why = start.unmoved(state, self._params)
             return Verdict("start") if why is None else Verdict(None, why)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,14 +31,27 @@ def clean_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def forgotten_optimizer(state: Mapping[str, Any], stepped: Sequence[Any]) -> list[str]:
+    """The warning for a model in the state without the optimizer that steps it: ``stepped`` are
+    the optimizers seen stepping. None of them updating the model means the loop updates its
+    parameters by hand (``p.data.add_(p.grad, alpha=-lr)``): there is no optimizer to forget."""
+    values = list(state.values())
+    if any(isinstance(v, torch.optim.Optimizer) for v in values):
+        return []
+    params = {id(p) for v in values if isinstance(v, torch.nn.Module) for p in v.parameters()}
+    culprit = next((o for o in stepped if any(id(p) in params for g in o.param_groups for p in g["params"])), None)
+    if culprit is None:
+        return []
+    return [f"the state holds a model but not the {type(culprit).__name__} optimizer that steps its parameters: a "
+            "resumed run would restart the optimizer's moments and diverge; add it, e.g. state['optimizer'] = opt"]
+
+
 def find_forgotten_state(state: Mapping[str, Any]) -> list[str]:
-    """Warnings about state that is commonly forgotten and makes a resume diverge."""
+    """Warnings about state that is commonly forgotten and makes a resume diverge (the optimizer of a
+    model: :func:`forgotten_optimizer`, once optimizers were seen stepping)."""
     values = list(state.values())
     has = lambda cls: any(isinstance(v, cls) for v in values)  # noqa: E731
     out = []
-    if has(torch.nn.Module) and not has(torch.optim.Optimizer):
-        out.append("the state holds a model but no optimizer: a resumed run would restart the "
-                   "optimizer's moments and diverge; add it, e.g. state['optimizer'] = opt")
     sched_cls = torch.optim.lr_scheduler.LRScheduler
     for k, v in state.items():
         if isinstance(v, torch.optim.Optimizer) and any("initial_lr" in g for g in v.param_groups) \

@@ -1,10 +1,11 @@
-"""What can live in the state: the ``Stateful`` protocol and two small helpers.
+"""What can live in the state: the ``Stateful`` protocol and small helpers.
 
 Any object with ``state_dict()`` and ``load_state_dict(d)`` is ``Stateful``; no base
 class is needed. ``nn.Module``, optimizers, LR schedulers and ``GradScaler`` already
-are. :class:`Progress` holds the loop counters; :class:`Gradients` captures the
-``.grad`` of a model's parameters so a checkpoint taken in the middle of gradient
-accumulation resumes exactly.
+are. :class:`Progress` holds the loop counters; :class:`Vars` keeps the plain variables a
+loop changes (``lr``, ``best_val_loss``, a hidden state carried across batches) and is
+restored in place; :class:`Gradients` captures the ``.grad`` of a model's parameters so a
+checkpoint taken in the middle of gradient accumulation resumes exactly.
 """
 
 from __future__ import annotations
@@ -42,19 +43,34 @@ def is_stateful(obj: Any) -> bool:
 class Progress:
     """Loop counters saved with every checkpoint.
 
-    ``step`` counts completed optimizer steps, ``epoch`` the current epoch,
-    ``micro_step`` the micro-batches already accumulated into the current step, and
-    ``samples`` the global number of samples consumed (what data position is derived
-    from). :meth:`unbroken.Checkpointer.step` advances ``step``; the rest is yours.
+    - ``step``: completed optimizer steps (:meth:`~unbroken.Checkpointer.step` adds one).
+    - ``epoch``: the epochs whose batches are all done, i.e. the index (from 0) of the epoch the
+      data is in. It moves on when the epoch's batch loop ends: with a
+      :class:`~unbroken.data.ResumableLoader` in the state it is the loader's epoch (which moves
+      on when the loop asks for a batch after the last one); with :meth:`~unbroken.Checkpointer.batches`,
+      when its source runs out; and :meth:`~unbroken.Checkpointer.end_epoch` (which
+      :meth:`~unbroken.Checkpointer.epochs` calls after each epoch's body) moves it on if the loop
+      ended the epoch early. Never at the epoch's last step: a checkpoint taken there resumes
+      into the epoch, with no batch left, so its epoch-end work runs.
+    - ``batch``: the batches of the current epoch that :meth:`~unbroken.Checkpointer.batches` handed
+      out (a resumed run skips them); 0 for loops over a ``ResumableLoader``, which keeps its own position.
+    - ``micro_step``: the micro-batches already accumulated into the current step.
+    - ``samples``: the global number of samples consumed (the ``ResumableLoader``'s count).
     """
 
     step: int = 0
     epoch: int = 0
     micro_step: int = 0
     samples: int = 0
+    batch: int = 0
 
     def state_dict(self) -> dict[str, int]:
-        return asdict(self)
+        """The counters; ``batch`` only when it is not 0 (so checkpoints of loops that do not use
+        ``ckpt.batches()`` hold the same four counters as before it existed)."""
+        out = asdict(self)
+        if not out["batch"]:
+            del out["batch"]
+        return out
 
     @classmethod
     def check(cls, state_dict: Any) -> None:
@@ -87,9 +103,45 @@ class Progress:
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Set the counters from ``state_dict``, all checked first (see :meth:`check`)."""
-        for k, v in self._counters(state_dict).items():
+        """Set the counters from ``state_dict``, all checked first (see :meth:`check`); a missing
+        ``batch`` is 0 (see :meth:`state_dict`)."""
+        counters = self._counters(state_dict)
+        for k, v in {"batch": 0, **counters}.items():
             setattr(self, k, v)
+
+
+class Vars:
+    """The plain variables a loop changes, kept in the state and restored *in place*.
+
+    ``restore()`` replaces a top-level plain value of the state (``state["lr"]``) in the dict, not
+    in the variable the script reads, and updates a nested dict in place; a ``Vars`` is an object
+    whose attributes are set in place, so the script reads the restored values with no line of
+    its own::
+
+        loop = unbroken.Vars(lr=args.lr, best_val_loss=None)
+        state = {"model": model, "loop": loop}
+        ckpt.restore(state)              # loop.lr and loop.best_val_loss are the saved ones now
+        ...
+        loop.lr /= 4.0
+
+    Values are anything a checkpoint holds (numbers, ``None``, strings, tensors, tuples of
+    tensors such as an RNN's hidden state, lists, dicts). A name the checkpoint does not have
+    (a variable added to the script since) keeps its value.
+    """
+
+    def __init__(self, **values: Any) -> None:
+        self.__dict__.update(values)
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not isinstance(state_dict, dict) or not all(isinstance(k, str) for k in state_dict):
+            raise TypeError(f"Vars takes a dict of names, got {type(state_dict).__name__}")
+        self.__dict__.update(state_dict)
+
+    def __repr__(self) -> str:
+        return "Vars(" + ", ".join(f"{k}={v!r}" for k, v in self.__dict__.items()) + ")"
 
 
 class Gradients:
