@@ -141,6 +141,14 @@ def test_state_after_break_at_epoch_end_starts_next_epoch() -> None:
     assert next(iter(loader))[0].tolist() == first
     assert list(fresh) == [] and (fresh.epoch, fresh.position) == (1, 0)
     assert next(iter(fresh))[0].tolist() == first
+    # A framework that restores its own epoch loop (Lightning) ended that epoch itself: with
+    # "epoch_ended" in the state the next iterator starts the next epoch at once.
+    framework = make()
+    framework.load_state_dict(dict(state, epoch_ended=True))
+    assert next(iter(framework))[0].tolist() == first and framework.epoch == 1
+    mid = make()
+    mid.load_state_dict(dict(state, position=B, epoch_ended=True))  # inside an epoch: no effect
+    assert next(iter(mid))[0].tolist() == GlobalOrder(N, SEED).indices(0, B, 2 * B).tolist() and mid.epoch == 0
 
 
 # ------------------------------------------------------------------------ workers

@@ -15,7 +15,9 @@ before that (at the epoch's last step) is still inside the epoch: restored, the 
 iterator serves nothing and closes the epoch, so a loop of the form ``for epoch ...: for batch
 in loader: ...; evaluate()`` goes on with that epoch's evaluation instead of skipping into the
 next epoch. In the process that served the last batch, a loop that broke out right after it
-(without finishing the iterator) starts the next epoch with its next iterator, as before.
+(without finishing the iterator) starts the next epoch with its next iterator, as before. A
+framework that restores its own epoch loop (Lightning's) has ended the epoch itself: its
+integration marks the loader's state (``"epoch_ended"``) so the next iterator starts the next epoch.
 
 Epoch sizes: with ``drop_last=True`` the trailing ``n mod (world_size * batch_size)``
 samples of the epoch's order are skipped; otherwise the last global batch is padded by
@@ -241,5 +243,9 @@ class ResumableLoader:
                 f"{state['position']} of epoch {state['epoch']} (batch boundaries shift)", stacklevel=2)
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self.samples_seen = int(state["samples_seen"])
-        self._served_end = False  # restored at an epoch's end: its next iterator serves nothing
+        # restored at an epoch's end: its next iterator serves nothing and ends the epoch; unless the
+        # state says the loop that consumes it ended the epoch itself (``"epoch_ended": True``, set by
+        # integrations whose framework restores its own epoch loop, e.g. Lightning's): then the next
+        # iterator starts the next epoch
+        self._served_end = bool(state.get("epoch_ended", False))
         self._restores += 1

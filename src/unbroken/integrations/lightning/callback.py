@@ -81,7 +81,19 @@ class _Loops:
                 "test_loop": t.test_loop.state_dict(), "predict_loop": t.predict_loop.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.trainer.fit_loop.load_state_dict(dict(state["fit_loop"]))
+        fit = dict(state["fit_loop"])
+        # Lightning's restored fit loop ends an epoch whose last batch was done by itself and then
+        # iterates the loader for the next one: a ResumableLoader restored there starts that epoch
+        # (rather than serving an empty rest of the old one, for a loop of the user's own)
+        own = fit.get("state_dict")  # the fit loop's own state: {"combined_loader": [loader states]}
+        if isinstance(own, Mapping) and isinstance(own.get("combined_loader"), list):
+            fit["state_dict"] = dict(own, combined_loader=[dict(s, epoch_ended=True) if _resumable_state(s) else s
+                                                           for s in own["combined_loader"]])
+        self.trainer.fit_loop.load_state_dict(fit)
+
+
+def _resumable_state(s: Any) -> bool:
+    return isinstance(s, Mapping) and {"epoch", "position", "samples_seen", "seed", "n"} <= set(s)
 
 
 class _Callbacks:
