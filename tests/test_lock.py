@@ -346,6 +346,28 @@ def test_a_dropped_checkpointer_releases_its_lease_at_exit(s3, s3_url) -> None:
     lease.release()
 
 
+EXITER = textwrap.dedent("""
+    import json, logging, sys
+    from unbroken.store import open_store
+    from unbroken.store.lease import LeaseLock
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)  # every retry of a request is logged
+    LeaseLock(open_store(sys.argv[1], json.loads(sys.argv[2]))).acquire()
+    print("acquired", flush=True)
+""")
+
+
+def test_the_lease_is_deleted_at_exit_while_the_s3_client_still_works(s3, s3_url) -> None:
+    """A lease still held at a normal exit is deleted by a threading exit hook: by ``atexit`` time
+    the thread pools the S3 client resolves addresses on are shut down, and the delete failed and
+    was retried until its deadline (every such exit took 30-60 s)."""
+    res = subprocess.run([sys.executable, "-c", EXITER, s3_url, json.dumps(s3.storage_options)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip() == "acquired", res.stderr
+    assert "failed (attempt" not in res.stderr, res.stderr
+    store = open_store(s3_url, s3.storage_options)
+    assert not store.fs.exists(store.path(LEASE_FILE))
+
+
 def test_a_dropped_holder_releases_its_share_when_collected(s3, s3_url, tmp_path: Path) -> None:
     store = open_store(s3_url, s3.storage_options)
     LeaseLock(store).acquire()  # dropped at once, never released

@@ -192,6 +192,8 @@ def test_the_local_dir_is_a_local_folder(store) -> None:
 
 # ------------------------------------------------- across processes (not memory://: per process)
 CHILD = textwrap.dedent("""
+    import faulthandler
+    faulthandler.dump_traceback_later(100, exit=True)  # a hang ends with every thread's stack on stderr
     import json, os, signal, sys
     from unbroken.store import open_store, COMMIT_FILE
     url, opts, what = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
@@ -223,7 +225,7 @@ def _child(location: tuple[str, dict | None], what: str, **kw) -> subprocess.Pop
     import json
 
     return subprocess.Popen([sys.executable, "-c", CHILD, location[0], json.dumps(location[1] or {}), what],
-                            stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True, **kw)
+                            stdout=subprocess.PIPE, stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
 @pytest.mark.parametrize("backend", ["local", "s3"])
@@ -249,13 +251,13 @@ def test_a_second_writer_is_refused_while_the_first_lives(location, store) -> No
     try:
         assert holder.stdout.readline().strip() == "locked"
         other = _child(location, "try-lock")
-        out, _ = other.communicate(timeout=60)
-        assert other.returncode == 3 and "RunLockedError" in out and str(holder.pid) in out
+        out, err = other.communicate(timeout=150)
+        assert other.returncode == 3 and "RunLockedError" in out and str(holder.pid) in out, out + err
     finally:
-        holder.communicate("\n", timeout=60)
+        holder.communicate("\n", timeout=150)
     after = _child(location, "try-lock")
-    out, _ = after.communicate(timeout=60)
-    assert after.returncode == 0 and "acquired" in out
+    out, err = after.communicate(timeout=150)
+    assert after.returncode == 0 and "acquired" in out, out + err
 
 
 # -------------------------------------------------- the Checkpointer on every backend

@@ -29,8 +29,9 @@ Nothing leaks, nothing is lost silently:
   the store's ``identity``) shares one lease, reference-counted. A holder that is dropped
   without :meth:`~LeaseLock.release` gives its share back when it is garbage-collected, and
   every lease still held when the interpreter exits normally is released then, after the
-  ``Checkpointer``'s own close-at-exit (this hook is registered when :mod:`unbroken.store`
-  is imported, before that one, and ``atexit`` runs the last registered first).
+  ``Checkpointer``'s own close-at-exit (both are :mod:`threading` exit hooks, which run while
+  thread pools still work; this one is registered when :mod:`unbroken.store` is imported,
+  before that one, and the last registered runs first).
 
 Limits, documented: expiry compares the holder's clock with the reader's (keep clocks
 within a few seconds; ``ttl`` is 120 s by default). On stores without conditional
@@ -41,7 +42,6 @@ lives, but two writers starting within the same second could both proceed.
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import os
@@ -53,6 +53,7 @@ import weakref
 from typing import Any
 
 from ..errors import RunLockedError
+from ..exithooks import at_exit
 
 log = logging.getLogger("unbroken")
 LEASE_FILE = ".lock.json"
@@ -278,9 +279,13 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
 
 
-@atexit.register
+@at_exit
 def _release_all_at_exit() -> None:
-    """Leases still held when the interpreter exits (a holder never released, or dropped)."""
+    """Leases still held when the interpreter exits (a holder never released, or dropped). A
+    :mod:`threading` exit hook (:func:`~unbroken.exithooks.at_exit`), not ``atexit``: deleting the
+    lease is an S3 request, and by ``atexit`` time the thread pools the S3 client resolves
+    addresses on are shut down (the delete retried until its deadline: every exit of a process
+    that held a lease took 30-60 s)."""
     with _mutex:
         leases = list(_held.values())
         _held.clear()
