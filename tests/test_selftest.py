@@ -65,7 +65,7 @@ BROKEN = [
     ("global_rng_sampler", "batch/indices", "sampler is not in the state", True),
     ("unsaved_generator", "optimizer/gradients", "random generator the script holds outside the state", True),
     ("iterator_before_restore", "batch/indices", "iterator was created before restore()", True),
-    ("unsaved_accumulator", "optimizer/gradients", "not in the state (an accumulator", True),
+    ("unsaved_accumulator", "optimizer/gradients", "carries from step to step is not in the state: `running`", True),
     ("nondeterministic", "optimizer/gradients", "non-deterministic operation", False),
     ("rng_after_restore", "batch/rng/torch", "draws from the global RNG between restore() and the first step", True),
 ]

@@ -15,6 +15,8 @@ from .base import JSON_OPTION, app, emit_json, err, out
 
 TAIL_LINES = 20
 """Lines of a failed script's stderr shown (``--json`` has more)."""
+VALUES = 2
+"""Differing components whose two values are shown (``--json`` has all)."""
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -84,6 +86,8 @@ def _print(rep: Report) -> None:
         con.print(table)
     for n in rep.notes:
         note.print(f"[yellow]note: {escape(n)}[/]")
+    for n in rep.not_covered:
+        note.print(f"[yellow]not covered: {escape(n)}[/]")
     if rep.stderr_tail:
         lines = rep.stderr_tail.rstrip().splitlines()[-TAIL_LINES:]
         note.print("[dim]--- the script's stderr (last lines) ---[/]")
@@ -99,13 +103,18 @@ def _print(rep: Report) -> None:
         con.print(escape("  differ: " + ", ".join(describe(k) for k in d.differ)))
         if d.agree:
             con.print(escape("  agree:  " + ", ".join(describe(k) for k in d.agree)))
+        for k in d.differ[:VALUES]:
+            a, b = d.values.get(k, (None, None))
+            con.print(escape(f"  values: {describe(k)}: {a} (uninterrupted), {b} (interrupted)"))
         con.print(escape(f"  cause:  {g.cause}"))
+        if g.evidence:
+            con.print(escape(f"  evidence: {g.evidence}"))
         con.print(escape(f"  fix:    {g.fix}"))
     if rep.error:
         note.print(f"[red]{escape(rep.error)}[/]")
     if rep.verdict == IDENTICAL:
-        con.print(f"[bold green]identical[/]: {rep.steps} steps, every per-step fingerprint and the final state "
-                  f"bitwise equal across {len(rep.attempts) - 1} interruptions"
+        con.print(f"[bold green]identical[/]: {rep.steps} steps, what every step consumed and produced and the final "
+                  f"state bitwise equal across {len(rep.attempts) - 1} interruptions"
                   + (f", on each of the {rep.nproc} ranks" if rep.nproc > 1 else ""))
     elif rep.verdict != ERROR and not rep.divergence:
         con.print("[bold red]diverged[/]")
