@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,8 +24,10 @@ SCRIPTS = Path(__file__).parent / "selftest_scripts"
 
 
 @pytest.fixture(autouse=True)
-def _one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+def _one_thread(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    # the selftest's own temporary folders (kept when it diverges) go inside tmp_path too
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     for name in (protocol.DIR, protocol.RUN, protocol.KILL, protocol.STOP, "UNBROKEN_FAULTS"):
         monkeypatch.delenv(name, raising=False)
 

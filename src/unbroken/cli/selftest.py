@@ -24,7 +24,9 @@ def selftest(
     ctx: typer.Context,
     steps: int = typer.Option(40, "--steps", metavar="N", help="Optimizer steps of each run (the script is stopped "
                               "cleanly after step N; it needs no option of its own for that)."),
-    kills: int = typer.Option(4, "--kills", metavar="K", help="Interruptions of the second run, at random steps."),
+    kills: int = typer.Option(4, "--kills", metavar="K", help="Interruptions of the second run, at random steps "
+                              "(plus, when K > 0, up to two targeted ones: at an epoch's last step, and inside the "
+                              "work between two steps that reads other DataLoaders)."),
     kinds: str = typer.Option("sigkill,sigterm,exception", "--kinds", metavar="LIST",
                               help="Interruption kinds, cycled: sigkill (every second one inside a save), sigterm, "
                                    "exception, save (always inside a save)."),

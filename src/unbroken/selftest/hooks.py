@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import itertools
 import json
 import os
 import random
 import signal
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -76,14 +77,16 @@ def _next(self: Any) -> Any:
     hooks = _active
     if hooks is None:
         return _ORIG_NEXT(self)
-    start = hooks.before_batch(self)
+    with hooks.untraced():
+        start = hooks.before_batch(self)
     try:
         batch = _ORIG_NEXT(self)
     except StopIteration:
         hooks.ran_out(self)
         raise
     pending = self.__dict__.get("_unbroken_pending")
-    hooks.got_batch(self, start, pending.popleft() if pending else None, digest(batch))
+    with hooks.untraced():
+        hooks.got_batch(self, start, pending.popleft() if pending else None, digest(batch))
     return batch
 
 
@@ -104,9 +107,10 @@ def _install_process_hooks() -> None:
 
 def _before_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     if _active is not None:
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"]]
-        _active.grads.append((id(optimizer), digest(grads)))
-        _active.optimizer_step()
+        with _active.untraced():
+            grads = [p.grad for g in optimizer.param_groups for p in g["params"]]
+            _active.grads.append((id(optimizer), digest(grads)))
+            _active.optimizer_step()
 
 
 def _loader_of(it: Any) -> int:
@@ -146,6 +150,16 @@ class Hooks:
         _install_process_hooks()
         self.write({"kind": "hello", "pid": os.getpid()})
         ckpt.events.subscribe(self)
+
+    @contextlib.contextmanager
+    def untraced(self) -> Iterator[None]:
+        """The recorder's own work is not the script's: line tracing (the uninterrupted run) pauses."""
+        paused = self.lines.pause() if self.lines is not None else False
+        try:
+            yield
+        finally:
+            if self.lines is not None:
+                self.lines.resume(paused)
 
     # --------------------------------------------------------------- writing
     def write(self, record: dict[str, Any]) -> None:
@@ -219,6 +233,10 @@ class Hooks:
             self._restore_vars = (snapshot(frame.f_locals, self._skip()), where(frame))
 
     def on_event(self, e: Event) -> None:
+        with self.untraced():
+            self._on_event(e)
+
+    def _on_event(self, e: Event) -> None:
         if isinstance(e, (Restored, Started)) and self.state is not None:
             step = e.step
             self.resumed_from = step if isinstance(e, Restored) else None
@@ -239,6 +257,14 @@ class Hooks:
 
     def step_ended(self, ckpt: Any, state: Mapping[str, Any], metrics: Mapping[str, Any]) -> None:
         """In ``ckpt.step``, after the step's bookkeeping and before any save: one record."""
+        with self.untraced():
+            self._record(ckpt, state, metrics)
+        if self.kill == "sigterm" and self.step >= self.kill_at:
+            self.kill = ""
+            self.write({"kind": "injected", "what": "sigterm", "step": self.step})
+            os.kill(os.getpid(), signal.SIGTERM)  # the preemption handler runs now: this step saves and exits 75
+
+    def _record(self, ckpt: Any, state: Mapping[str, Any], metrics: Mapping[str, Any]) -> None:
         step = self.step = ckpt.progress.step
         frame = caller(1)
         if frame is not None:
@@ -262,10 +288,6 @@ class Hooks:
         self.train_loaders |= self.trained
         self.step_serial = next(_serial)
         self._fresh()
-        if self.kill == "sigterm" and step >= self.kill_at:
-            self.kill = ""
-            self.write({"kind": "injected", "what": "sigterm", "step": step})
-            os.kill(os.getpid(), signal.SIGTERM)  # the preemption handler runs now: this step saves and exits 75
 
     def _batches(self, c: dict[str, str]) -> dict[str, Any]:
         """The training batches' components into ``c``; the evidence about the batches returned."""

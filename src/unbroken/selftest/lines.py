@@ -73,6 +73,18 @@ class Lines:
         if sys.gettrace() == self._call:
             sys.settrace(None)
 
+    def pause(self) -> bool:
+        """Stop the trace function while the recorder works (its own calls are not the script's): True if
+        it was ours and running, for :meth:`resume`."""
+        if sys.gettrace() == self._call:
+            sys.settrace(None)
+            return True
+        return False
+
+    def resume(self, paused: bool) -> None:
+        if paused:
+            sys.settrace(self._call)
+
     def _call(self, frame: FrameType, event: str, arg: Any) -> Any:
         return self._line if frame.f_code.co_filename in self.files else None
 
