@@ -28,6 +28,7 @@ def _one_thread(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     # the selftest's own temporary folders (kept when it diverges) go inside tmp_path too
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # and the scripts' (torchrun's torchelastic_* folders)
     for name in (protocol.DIR, protocol.RUN, protocol.KILL, protocol.STOP, "UNBROKEN_FAULTS"):
         monkeypatch.delenv(name, raising=False)
 

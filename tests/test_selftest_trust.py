@@ -67,6 +67,27 @@ def test_a_hidden_state_carried_outside_the_state_is_named(tmp_path: Path) -> No
     assert "values: the loss passed to ckpt.step(): 0." in out  # the first differing values, readable
 
 
+def test_a_carried_value_the_records_cannot_see_is_a_plain_cannot_tell_with_the_values() -> None:
+    # the same running mean as unsaved_accumulator, kept in an object's attribute: no plain variable differs,
+    # so no cause can be backed by the records; the report says so and shows the first differing values
+    code, out, err = selftest("--steps", "20", "--kills", "1", "--kinds", "sigkill", "--seed", "1", "--timeout", "120",
+                              *script("unsaved_accumulator", "--attribute"))
+    assert code == 1, (out, err)
+    assert "diverged step 6: state['optimizer']'s gradients before optimizer.step() differ after the resume at step 5" \
+        in out
+    values = [x for x in out.splitlines() if x.startswith("  values: state['optimizer']'s gradients")]
+    assert len(values) == 1 and "(uninterrupted), " in values[0] and values[0].endswith("(interrupted)"), out
+    a, b = values[0].split(": ", 2)[2].replace(" (uninterrupted)", "").replace(" (interrupted)", "").split(", ")
+    assert a != b
+    cause = next(x for x in out.splitlines() if x.startswith("  cause:  "))
+    assert cause.startswith("  cause:  cannot tell: the state as restored, the training batch and the global RNG "
+                            "streams agree, no generator outside the state restarted, and no plain variable of the loop "
+                            "differs at the start of the step"), cause
+    assert cause.endswith(f"The first difference is state['optimizer']'s gradients before optimizer.step(): {a} in "
+                          f"the uninterrupted run, {b} in the interrupted one"), cause
+    assert "`running`" not in out and "`stats`" not in out  # no variable is blamed without evidence
+
+
 def test_the_suggested_fix_for_the_hidden_state_is_identical_and_the_uncovered_epoch_end_is_said() -> None:
     code, out, err = selftest("--steps", "12", "--kills", "1", "--seed", "0", "--timeout", "120", "--json",
                               *script("rnn_hidden", "--saved"))

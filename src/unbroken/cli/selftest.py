@@ -109,14 +109,15 @@ def _print(rep: Report) -> None:
             a, b = d.values.get(k, (None, None))
             con.print(escape(f"  values: {describe(k)}: {a} (uninterrupted), {b} (interrupted)"))
         con.print(escape(f"  cause:  {g.cause}"))
-        if g.evidence:
+        if g.evidence and g.known:  # a "cannot tell" has what it ruled out in its cause
             con.print(escape(f"  evidence: {g.evidence}"))
         con.print(escape(f"  fix:    {g.fix}"))
     if rep.error:
         note.print(f"[red]{escape(rep.error)}[/]")
     if rep.verdict == IDENTICAL:
+        n = len(rep.attempts) - 1
         con.print(f"[bold green]identical[/]: {rep.steps} steps, what every step consumed and produced and the final "
-                  f"state bitwise equal across {len(rep.attempts) - 1} interruptions"
+                  f"state bitwise equal across {n} interruption{'s' if n != 1 else ''}"
                   + (f", on each of the {rep.nproc} ranks" if rep.nproc > 1 else ""))
     elif rep.verdict != ERROR and not rep.divergence:
         con.print("[bold red]diverged[/]")

@@ -127,16 +127,20 @@ def _diagnose(d: Divergence) -> Diagnosis:
         return _rng(d, head, first.rsplit("/", 1)[1], resumed)
     if any(p in first for p in ("/gradients", "metric/", "/parameters", "/buffers")):
         return _computed(d, head, first, where, resumed)
-    if "/moments:" in first or first.endswith("/hyperparameters"):
+    grads_agree = any(k.endswith("/gradients") for k in d.agree)
+    if ("/moments:" in first or first.endswith("/hyperparameters")) and grads_agree:
         return Diagnosis(f"{head}, though its gradients agree",
                          "the optimizer does not continue exactly: its state_dict() leaves something out, or "
                          "something outside it changes its state (an LR set by hand from a variable not in the state)",
                          "keep everything the optimizer depends on in the state",
                          "its gradients before optimizer.step() agree, so its own state made the difference")
-    if first.startswith("rng/"):
+    if first.startswith("rng/") and f"batch/{first}" in d.agree:
         return Diagnosis(head, "the step drew a different number of random numbers (code whose behaviour depends "
                          "on something not in the state)", "put that state in the checkpointed state",
                          f"{stream_words(first[4:])} agreed at the step's first batch and differs at its end")
+    if "/moments:" in first or first.endswith("/hyperparameters") or first.startswith("rng/"):
+        return unknown(d, head, "no gradients before optimizer.step() or RNG stream at the step's first batch were "
+                       "recorded to compare, so the step's inputs cannot be checked")
     return Diagnosis(head, f"{describe(first)} does not continue exactly: it depends on something that is not in "
                      "its state_dict() or not in the state",
                      "make its state_dict() cover everything it changes, and keep what it depends on in the state",
@@ -154,6 +158,12 @@ def _restored(d: Divergence, first: str, resumed: bool) -> Diagnosis:
         return Diagnosis(f"step {d.step}: {describe(first)} as restored {differ(first)} from the saved step",
                          "the global RNG streams are not restored", "keep Checkpointer(rng=True)",
                          "the state as restored differs from the state this run saved at that step")
+    if not resumed:
+        return Diagnosis(f"step {d.step}: {describe(first)} {differ(first)} {_where(d)}, before the first step",
+                         f"{describe(first)} is initialised differently in the two runs (from an unseeded random "
+                         "source, the time, or the file system)", "seed everything the script initialises "
+                         "(torch.manual_seed(0) before building the model)",
+                         "the two runs' states differ before any step ran and no checkpoint was restored")
     return Diagnosis(f"step {d.step}: {describe(first)} as restored {differ(first)} from what it was at that step",
                      f"{describe(first)} does not round-trip: its state_dict() leaves out something its "
                      "behaviour depends on, or load_state_dict() does not put it all back",
