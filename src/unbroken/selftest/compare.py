@@ -92,6 +92,8 @@ class Divergence:
 
 @dataclass
 class Comparison:
+    """What :func:`compare` found: counts, the first divergence (or none), and what it set aside."""
+
     compared_records: int
     compared_components: int
     rerun_steps: int
@@ -143,6 +145,8 @@ def unused_unseeded(ref: list[dict[str, Any]], got: list[dict[str, Any]]) -> lis
 
 
 def compare(ref: list[dict[str, Any]], got: list[dict[str, Any]], steps: int) -> Comparison:
+    """Compare the interrupted run's records ``got`` with the uninterrupted run's ``ref`` up to step ``steps``
+    (see the module docstring)."""
     recs = Records(ref)
     ignored = unused_unseeded(ref, got)
     skip = set(EVIDENCE) | set(ignored) | {f"batch/{k}" for k in ignored}

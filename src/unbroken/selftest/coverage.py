@@ -37,6 +37,7 @@ class RunShape:
 
     @classmethod
     def of(cls, records: list[dict[str, Any]]) -> "RunShape":
+        """The shape of the uninterrupted run, from its records (its first process, segment 0)."""
         shape = cls()
         for r in records:
             if r.get("kind") == "lines" and shape.lines is None:

@@ -61,11 +61,14 @@ def describe(name: str) -> str:
 
 
 def stream_words(stream: str) -> str:
+    """A global RNG stream's name (``torch``) in plain words."""
     return _STREAMS.get(stream, f"the {stream} RNG")
 
 
 @dataclass
 class Diagnosis:
+    """A divergence explained: a headline, the cause and fix, and the facts the cause rests on."""
+
     headline: str
     cause: str
     fix: str

@@ -163,6 +163,7 @@ class Hooks:
 
     # --------------------------------------------------------------- writing
     def write(self, record: dict[str, Any]) -> None:
+        """Append one record (one JSON line) to this rank's records file."""
         if self._fd is None:
             self.dir.mkdir(parents=True, exist_ok=True)
             self._fd = os.open(self.dir / protocol.records_file(self.rank), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -198,6 +199,7 @@ class Hooks:
         return start
 
     def got_batch(self, it: Any, start: dict[str, Any] | None, index: Any, h: str) -> None:
+        """An iterator served a batch (``index``: its sample indices, ``h``: its digest)."""
         loader = _loader_of(it)
         if start is not None and loader not in self.starts:
             try:
@@ -214,6 +216,7 @@ class Hooks:
         self.ran_out_loaders.append(_loader_of(it))
 
     def optimizer_step(self) -> None:
+        """An ``optimizer.step()``: the DataLoader of the last batch before it is a training one."""
         loader = self.last_grad if self.last_grad is not None else (self.last[0] if self.last else None)
         if loader is not None:
             self.trained.add(loader)
@@ -233,6 +236,7 @@ class Hooks:
             self._restore_vars = (snapshot(frame.f_locals, self._skip()), where(frame))
 
     def on_event(self, e: Event) -> None:
+        """A Checkpointer event: a ``restore`` record after a restore, a ``saved`` record after a save."""
         with self.untraced():
             self._on_event(e)
 

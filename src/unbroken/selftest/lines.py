@@ -70,6 +70,7 @@ class Lines:
         sys.settrace(self._call)
 
     def stop(self) -> None:
+        """Stop tracing (the lines recorded so far are kept for :meth:`report`)."""
         if sys.gettrace() == self._call:
             sys.settrace(None)
 
@@ -82,6 +83,7 @@ class Lines:
         return False
 
     def resume(self, paused: bool) -> None:
+        """Trace again after :meth:`pause`, if it paused."""
         if paused:
             sys.settrace(self._call)
 

@@ -39,6 +39,8 @@ _OURS = (protocol.DIR, protocol.RUN, protocol.SEGMENT, protocol.STOP, protocol.K
 
 @dataclass
 class Report:
+    """The outcome of a selftest: the verdict and everything the CLI prints or ``--json`` emits."""
+
     verdict: str
     command: list[str]
     steps: int = 0
