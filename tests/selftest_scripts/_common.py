@@ -17,19 +17,20 @@ N, FEATURES, BATCH, TOTAL = 512, 16, 8, 1000
 
 
 class Points(Dataset):
-    def __init__(self) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(N, FEATURES, generator=g)
+    def __init__(self, n: int = N, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, FEATURES, generator=g)
         self.y = (self.x.sum(1) > 0).long()
 
     def __len__(self) -> int:
-        return N
+        return len(self.x)
 
     def __getitem__(self, i: int):
         return self.x[i], self.y[i]
 
 
-def make_model() -> torch.nn.Module:
+def make_model(dropout: bool = True) -> torch.nn.Module:
+    """An MLP; with ``dropout`` (the default) its training steps draw from the global torch RNG."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2),
-                               torch.nn.Linear(32, 2))
+    layers = [torch.nn.Linear(FEATURES, 32), torch.nn.ReLU()] + ([torch.nn.Dropout(0.2)] if dropout else [])
+    return torch.nn.Sequential(*layers, torch.nn.Linear(32, 2))

@@ -1,10 +1,20 @@
-"""Mistake: a running mean of the loss (used to normalise it) kept outside the state."""
+"""Mistake: a running mean of the loss (used to normalise it) kept outside the state.
+``unsaved_accumulator.py --attribute``: the same running mean kept in an object's attribute, where the
+selftest does not look for carried values: it must say that it cannot tell, with the differing values."""
+import sys
+
 import torch
 import torch.nn.functional as F
 
 import unbroken
 import unbroken.data
 from _common import RUN, TOTAL, BATCH, Points, make_model
+
+
+class Stats:
+    def __init__(self) -> None:
+        self.running = 1.0
+
 
 model = make_model()
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -13,11 +23,16 @@ ckpt = unbroken.Checkpointer(RUN, save_every=5)
 state = {"model": model, "optimizer": opt, "data": loader}
 ckpt.restore(state)
 running = 1.0  # the mistake: an accumulator outside the state
+stats = Stats()
 while ckpt.progress.step < TOTAL:
     for x, y in loader:
         loss = F.cross_entropy(model(x), y)
-        (loss / running).backward()
-        running = 0.9 * running + 0.1 * loss.item()
+        if "--attribute" in sys.argv:
+            (loss / stats.running).backward()
+            stats.running = 0.9 * stats.running + 0.1 * loss.item()
+        else:
+            (loss / running).backward()
+            running = 0.9 * running + 0.1 * loss.item()
         opt.step()
         opt.zero_grad()
         ckpt.step(state, loss=loss)

@@ -15,6 +15,8 @@ from .base import JSON_OPTION, app, emit_json, err, out
 
 TAIL_LINES = 20
 """Lines of a failed script's stderr shown (``--json`` has more)."""
+VALUES = 2
+"""Differing components whose two values are shown (``--json`` has all)."""
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -22,7 +24,9 @@ def selftest(
     ctx: typer.Context,
     steps: int = typer.Option(40, "--steps", metavar="N", help="Optimizer steps of each run (the script is stopped "
                               "cleanly after step N; it needs no option of its own for that)."),
-    kills: int = typer.Option(4, "--kills", metavar="K", help="Interruptions of the second run, at random steps."),
+    kills: int = typer.Option(4, "--kills", metavar="K", help="Interruptions of the second run, at random steps "
+                              "(plus, when K > 0, up to two targeted ones: at an epoch's last step, and inside the "
+                              "work between two steps that reads other DataLoaders)."),
     kinds: str = typer.Option("sigkill,sigterm,exception", "--kinds", metavar="LIST",
                               help="Interruption kinds, cycled: sigkill (every second one inside a save), sigterm, "
                                    "exception, save (always inside a save)."),
@@ -84,6 +88,8 @@ def _print(rep: Report) -> None:
         con.print(table)
     for n in rep.notes:
         note.print(f"[yellow]note: {escape(n)}[/]")
+    for n in rep.not_covered:
+        note.print(f"[yellow]not covered: {escape(n)}[/]")
     if rep.stderr_tail:
         lines = rep.stderr_tail.rstrip().splitlines()[-TAIL_LINES:]
         note.print("[dim]--- the script's stderr (last lines) ---[/]")
@@ -99,13 +105,19 @@ def _print(rep: Report) -> None:
         con.print(escape("  differ: " + ", ".join(describe(k) for k in d.differ)))
         if d.agree:
             con.print(escape("  agree:  " + ", ".join(describe(k) for k in d.agree)))
+        for k in d.differ[:VALUES]:
+            a, b = d.values.get(k, (None, None))
+            con.print(escape(f"  values: {describe(k)}: {a} (uninterrupted), {b} (interrupted)"))
         con.print(escape(f"  cause:  {g.cause}"))
+        if g.evidence and g.known:  # a "cannot tell" has what it ruled out in its cause
+            con.print(escape(f"  evidence: {g.evidence}"))
         con.print(escape(f"  fix:    {g.fix}"))
     if rep.error:
         note.print(f"[red]{escape(rep.error)}[/]")
     if rep.verdict == IDENTICAL:
-        con.print(f"[bold green]identical[/]: {rep.steps} steps, every per-step fingerprint and the final state "
-                  f"bitwise equal across {len(rep.attempts) - 1} interruptions"
+        n = len(rep.attempts) - 1
+        con.print(f"[bold green]identical[/]: {rep.steps} steps, what every step consumed and produced and the final "
+                  f"state bitwise equal across {n} interruption{'s' if n != 1 else ''}"
                   + (f", on each of the {rep.nproc} ranks" if rep.nproc > 1 else ""))
     elif rep.verdict != ERROR and not rep.divergence:
         con.print("[bold red]diverged[/]")

@@ -11,10 +11,14 @@ One concept per module:
 - :mod:`.protocol`: the environment variables between the command and the script's Checkpointer;
 - :mod:`.fingerprint`: cheap hashes of tensors, state objects, RNG streams;
 - :mod:`.hooks`: the recorder inside the script's process (installed only in selftest mode);
-- :mod:`.plan`: where and how the interrupted run is interrupted;
+- :mod:`.variables`: the loop's plain variables, hashed (evidence of a value carried outside the state);
+- :mod:`.lines`: which lines of the script ran (the uninterrupted run);
+- :mod:`.plan`: where and how the interrupted run is interrupted (random, plus targeted places);
 - :mod:`.runner`: one attempt: spawn, time out, clean up the process group;
-- :mod:`.compare`: align the two runs' records, find the first difference;
-- :mod:`.diagnose`: which components differ -> the cause in plain words, and the fix;
+- :mod:`.compare`: align the two runs' records, find the first difference in what the training consumes;
+- :mod:`.evidence`: the facts around a difference that a diagnosis must agree with;
+- :mod:`.diagnose`: which components differ -> the cause in plain words, and the fix (or "cannot tell");
+- :mod:`.coverage`: what the selftest did not cover, and notes on what it set aside;
 - :mod:`.session`: the whole selftest, from command to verdict;
 - :mod:`.workdir`: the work folder a tool owns (also the demo's): taken only if new, empty or marked.
 

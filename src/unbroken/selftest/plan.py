@@ -6,6 +6,11 @@ instead, half-way through a tensor file, before the manifest or before the commi
 ``exception`` (raised from ``ckpt.step``: the step guard's emergency checkpoint, if the
 script uses one). Steps are drawn without replacement from ``[1, steps - 1]`` and sorted;
 each interruption fires at the first step >= its step that its process reaches.
+
+:func:`targeted` adds, after the uninterrupted run showed where they are, interruptions at the
+places random steps rarely hit: an epoch's last step (a SIGTERM there saves that step, so the
+resume starts at the epoch boundary, where epoch-end work is skipped or repeated) and the work
+between two steps that reads other DataLoaders (``between``: a SIGKILL inside an evaluation).
 """
 
 from __future__ import annotations
@@ -26,12 +31,16 @@ class Interruption:
     kind: str
     step: int
     point: str = ""
+    why: str = ""
+    """Why it was placed there (targeted interruptions only)."""
 
     def describe(self) -> str:
         if self.kind == "save":
             return f"SIGKILL inside its first save ({_WHERE.get(self.point, self.point)})"
+        if self.kind == "between":
+            return f"SIGKILL during the work after step {self.step} (another DataLoader's batches)"
         what = {"sigkill": "SIGKILL", "sigterm": "SIGTERM", "exception": "an exception"}[self.kind]
-        return f"{what} after step {self.step}"
+        return f"{what} after step {self.step}" + (f" ({self.why})" if self.why else "")
 
     def env(self, nproc: int = 1) -> dict[str, str]:
         """The environment that makes the script's Checkpointer carry it out (:mod:`.protocol`);
@@ -71,3 +80,31 @@ def make_plan(steps: int, kills: int, kinds: list[str], seed: int) -> list[Inter
             saves += 1
         plan.append(Interruption(kind, step, point))
     return plan
+
+
+def targeted(plan: list[Interruption], kinds: list[str], epoch_ends: list[int], saved: list[int],
+             between: list[int]) -> list[Interruption]:
+    """``plan`` plus up to two interruptions where the uninterrupted run showed risky places:
+
+    - at ``epoch_ends[0]`` (an epoch's last step) a ``sigterm`` (it saves that very step), unless
+      an interruption of the plan already makes a resume start at an epoch's last step (a SIGTERM
+      there, or a SIGKILL or an exception at one that is ``saved``); without ``sigterm`` in
+      ``kinds``, a ``sigkill`` at the first epoch's last step that is saved;
+    - at ``between[0]`` (a step after which other DataLoaders served batches: an evaluation) a
+      SIGKILL during that work, when ``kinds`` has ``sigkill`` or ``save``.
+
+    Sorted by step (at the same step the epoch's resume comes first)."""
+    if not plan:
+        return plan
+    extra: list[Interruption] = []
+    covered = any(p.step in epoch_ends and (p.kind == "sigterm" or (p.kind in ("sigkill", "exception")
+                                                                      and p.step in saved)) for p in plan)
+    if epoch_ends and not covered:
+        why = "an epoch's last step"
+        if "sigterm" in kinds:
+            extra.append(Interruption("sigterm", epoch_ends[0], why=why))
+        elif "sigkill" in kinds and any(e in saved for e in epoch_ends):
+            extra.append(Interruption("sigkill", next(e for e in epoch_ends if e in saved), why=why))
+    if between and ("sigkill" in kinds or "save" in kinds):
+        extra.append(Interruption("between", between[0], why="inside the work between two steps"))
+    return sorted(plan + extra, key=lambda p: (p.step, p.kind == "between"))

@@ -10,10 +10,14 @@ The script is not modified: its :class:`~unbroken.Checkpointer` reads these at c
 - ``UNBROKEN_SELFTEST_STOP=<N>``: end the process cleanly (``SystemExit(0)``) after step N.
 - ``UNBROKEN_SELFTEST_KILL=<kind>@<step>``: interrupt this process after the first step >= ``step``:
   ``sigkill`` (SIGKILL itself), ``sigterm`` (SIGTERM itself: unbroken's preemption path saves and
-  exits 75), ``exception`` (raise from ``ckpt.step``). A kill *inside a save* uses the fault points
+  exits 75), ``exception`` (raise from ``ckpt.step``), ``between`` (SIGKILL itself when a DataLoader
+  other than the training one serves its first batch after that step: inside the work between
+  two steps, an evaluation). A kill *inside a save* uses the fault points
   of :mod:`unbroken._faults` (``UNBROKEN_FAULTS=save.mid_file=1``) instead. Under torchrun only
   rank 0 carries out the interruption (``save.mid_file@0=1`` for a kill inside a save); the others
   follow it: torchrun tears them down, or unbroken's preemption stops every rank at the same step.
+- ``UNBROKEN_SELFTEST_LINES=1``: record which lines of the script ran (the uninterrupted run only;
+  :mod:`.lines`).
 """
 
 from __future__ import annotations
@@ -21,8 +25,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-DIR, RUN, SEGMENT, STOP, KILL = ("UNBROKEN_SELFTEST", "UNBROKEN_SELFTEST_RUN", "UNBROKEN_SELFTEST_SEGMENT",
-                                 "UNBROKEN_SELFTEST_STOP", "UNBROKEN_SELFTEST_KILL")
+DIR, RUN, SEGMENT, STOP, KILL, LINES = ("UNBROKEN_SELFTEST", "UNBROKEN_SELFTEST_RUN", "UNBROKEN_SELFTEST_SEGMENT",
+                                        "UNBROKEN_SELFTEST_STOP", "UNBROKEN_SELFTEST_KILL", "UNBROKEN_SELFTEST_LINES")
 RECORDS = "records.jsonl"
 
 

@@ -24,8 +24,9 @@ from typing import Any
 from ..errors import TargetExistsError
 from . import protocol
 from .compare import Comparison, compare, load_records, order
+from .coverage import RunShape, explain, not_covered
 from .diagnose import diagnose
-from .plan import Interruption, make_plan
+from .plan import Interruption, make_plan, targeted
 from .runner import Attempt, run_attempt
 from .workdir import claim_workdir
 
@@ -33,11 +34,13 @@ IDENTICAL, DIVERGED, ERROR = "identical", "diverged", "error"
 EXIT = {IDENTICAL: 0, DIVERGED: 1, ERROR: 2}
 WORK_ENTRIES = ("uninterrupted", "interrupted")
 """What a selftest creates in its work folder (a ``--workdir`` it made is emptied of these alone)."""
-_OURS = (protocol.DIR, protocol.RUN, protocol.SEGMENT, protocol.STOP, protocol.KILL, "UNBROKEN_FAULTS")
+_OURS = (protocol.DIR, protocol.RUN, protocol.SEGMENT, protocol.STOP, protocol.KILL, protocol.LINES, "UNBROKEN_FAULTS")
 
 
 @dataclass
 class Report:
+    """The outcome of a selftest: the verdict and everything the CLI prints or ``--json`` emits."""
+
     verdict: str
     command: list[str]
     steps: int = 0
@@ -51,6 +54,8 @@ class Report:
     error: str = ""
     stderr_tail: str = ""
     notes: list[str] = field(default_factory=list)
+    not_covered: list[str] = field(default_factory=list)
+    """Code paths and interruption places the selftest did not exercise (:mod:`.coverage`)."""
     workdir: str | None = None
     nproc: int = 1
 
@@ -67,7 +72,7 @@ class Report:
                 "divergence": self.divergence.as_dict() if self.divergence else None,
                 "diagnosis": self.diagnosis.as_dict() if self.diagnosis else None,
                 "error": self.error or None, "stderr_tail": self.stderr_tail or None, "notes": self.notes,
-                "workdir": self.workdir}
+                "not_covered": self.not_covered, "workdir": self.workdir}
 
 
 def _env(records: Path, run: Path, segment: int, stop: int, extra: dict[str, str]) -> dict[str, str]:
@@ -130,6 +135,8 @@ def _outcome(att: Attempt, records: list[dict[str, Any]], seg: int, rc: int | No
         return "finished", last
     if rc == -9 and injected and injected[-1]["what"] == "sigkill":
         att.ended = f"killed{after}"
+    elif rc == -9 and injected and injected[-1]["what"] == "between":
+        att.ended = f"killed during the work{after}"
     elif rc == -9 and "save" in att.plan:
         att.ended = f"killed in a save{after}"
     elif injected and injected[-1]["what"] == "sigterm" and rc in (75, -15):
@@ -180,8 +187,8 @@ def _run(rep: Report, cmd: list[str], base: Path, steps: int, kills: int, kinds:
     for d in (ref_dir, got_dir):
         d.mkdir(parents=True, exist_ok=True)
     say(f"uninterrupted run to step {steps} ...")
-    ref = run_attempt(cmd, _env(ref_dir, ref_dir / "run", 0, steps, {}), ref_dir / "process-0", timeout,
-                      "run to the end")
+    ref = run_attempt(cmd, _env(ref_dir, ref_dir / "run", 0, steps, {protocol.LINES: "1"}), ref_dir / "process-0",
+                      timeout, "run to the end")
     ref_rc = _rank0_rc(ref, ref_dir / "process-0") if rep.nproc > 1 else ref.rc
     rep.reference = ref
     records = load_records(ref_dir)
@@ -215,7 +222,9 @@ def _run(rep: Report, cmd: list[str], base: Path, steps: int, kills: int, kinds:
     if not saved:
         rep.notes.append(f"the script saved no checkpoint in {steps} steps: every resume starts from scratch, so "
                          "this proves little; use --steps larger than its save interval")
-    rep.plan = make_plan(steps, kills, kinds, seed)
+    shape = RunShape.of(records)
+    rep.plan = targeted(make_plan(steps, kills, kinds, seed), kinds, [e for e in shape.epoch_ends if e < steps],
+                        saved, [b for b in shape.between if b < steps])
     seg, finished = 0, False
     for planned in rep.plan + [None]:
         label = planned.describe() if planned else "run to the end"
@@ -254,6 +263,11 @@ def _run(rep: Report, cmd: list[str], base: Path, steps: int, kills: int, kinds:
         rep.notes.append("no process of the interrupted run resumed from a checkpoint (every interruption came "
                          "before the first save): this proves little; raise --steps")
     result = _compare(ref_dir, got_dir, steps, rep.nproc)
+    resumes = [r["resumed_from"] for r in load_records(got_dir) if r.get("kind") == "restore"
+               and r.get("resumed_from") is not None]
+    rep.not_covered = not_covered(shape, steps, kinds, resumes,
+                                  any(a.ended.startswith("killed during the work") for a in rep.attempts))
+    rep.notes.extend(explain(result))
     rep.compared = {"records": result.compared_records, "components": result.compared_components,
                     "rerun_steps": result.rerun_steps}
     if result.ignored:
@@ -281,7 +295,7 @@ def _compare(ref_dir: Path, got_dir: Path, steps: int, nproc: int) -> Comparison
             res.divergence.rank = r
     total = Comparison(sum(x.compared_records for x in results), sum(x.compared_components for x in results),
                        sum(x.rerun_steps for x in results), None, [],
-                       sorted({k for x in results for k in x.ignored}))
+                       sorted({k for x in results for k in x.ignored}), None, results[0].not_drawn, results[0].skipped)
     diverged = [x.divergence for x in results if x.divergence is not None]
     if diverged:
         total.divergence = min(diverged, key=lambda d: (d.segment, d.step, d.kind != "restore", order(d.differ[0]),

@@ -1,0 +1,44 @@
+"""Mistake: an RNN whose hidden state is carried from batch to batch (truncated backpropagation through
+time, ``hidden = repackage_hidden(hidden)``) in a plain variable, not in the state: after a resume it
+starts again from zeros. ``rnn_hidden.py --saved``: the fix the selftest suggests (the hidden state in
+the state, read back after restore()): no mistake."""
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import unbroken
+import unbroken.data
+from _common import BATCH, RUN, TOTAL, Points
+
+HIDDEN = 16
+
+
+def repackage_hidden(h: torch.Tensor) -> torch.Tensor:
+    """Cut the graph to the previous batch (truncated BPTT), keep the values."""
+    return h.detach()
+
+
+torch.manual_seed(0)
+model = torch.nn.ModuleDict({"rnn": torch.nn.GRU(4, HIDDEN, batch_first=True), "head": torch.nn.Linear(HIDDEN, 2)})
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+loader = unbroken.data.ResumableLoader(Points(), batch_size=BATCH, seed=0, shuffle=False)
+ckpt = unbroken.Checkpointer(RUN, save_every=5)
+state = {"model": model, "optimizer": opt, "data": loader}
+hidden = torch.zeros(1, BATCH, HIDDEN)
+if "--saved" in sys.argv:
+    state["hidden"] = hidden
+ckpt.restore(state)
+if "--saved" in sys.argv:
+    hidden = state["hidden"]  # restored in place; read back after restore()
+while ckpt.progress.step < TOTAL:
+    for x, y in loader:
+        hidden = repackage_hidden(hidden)
+        out, hidden = model["rnn"](x.view(-1, 4, 4), hidden)
+        loss = F.cross_entropy(model["head"](out[:, -1]), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if "--saved" in sys.argv:
+            state["hidden"] = hidden
+        ckpt.step(state, loss=loss)
