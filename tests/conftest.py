@@ -24,12 +24,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 LONGEST_FIRST = (
     "test_integration_hf_dist.py", "test_llamafactory.py", "test_integration_lightning_dist.py",
-    "test_distributed.py", "test_selftest.py", "test_upstream_loops.py", "test_integration_hf.py",
+    "test_distributed.py", "test_selftest.py", "test_upstream_loops.py", "test_data_e2e.py", "test_integration_hf.py",
     "test_incremental_e2e.py",
     "test_integration_lightning.py", "test_examples.py", "test_deepspeed.py", "test_async_save.py",
     "test_deepspeed_alone.py", "test_preemption.py", "test_e2e_kill.py", "test_integration_accelerate.py",
     "test_readonly.py", "test_lock.py", "test_accelerate_alone.py", "test_multinode.py", "test_e2e_s3.py",
     "test_deepspeed_convert.py", "test_never_fresh.py", "test_s3.py", "test_boundary.py", "test_emergency_exact.py",
+    "test_selftest_trust.py", "test_epochs.py",
 )
 """Test files that take longest, longest first (measured; the README's "Tests" has the suite's
 timings). ``make test`` runs the files in parallel (pytest-xdist, ``--dist loadfile``: one file's tests
