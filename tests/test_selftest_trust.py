@@ -1,6 +1,7 @@
-"""``unbroken selftest`` can be trusted: no false alarm for an exact script whose evaluation between epochs
-draws from the global RNG; every "diverged" names a cause the records back (the carried variable by name)
-or says plainly that it cannot tell, with the values; the report says what the test did not cover."""
+"""``unbroken selftest`` can be trusted: no false alarm for an exact script whose evaluation every K steps
+draws from the global RNG (nor for one at an epoch's end, which a resume no longer skips); every "diverged"
+names a cause the records back (the carried variable by name) or says plainly that it cannot tell, with the
+values; the report says what the test did not cover."""
 
 from __future__ import annotations
 
@@ -17,41 +18,61 @@ from unbroken.selftest.plan import Interruption, targeted
 RUN = ("--steps", "20", "--kills", "1", "--kinds", "sigkill", "--timeout", "120", "--json")
 
 
-def test_an_evaluation_between_epochs_is_no_false_alarm(tmp_path: Path) -> None:
-    # 8 steps an epoch, a save every 4: the SIGKILL after step 8 resumes at the epoch boundary, where the
-    # evaluation (a plain DataLoader: its iterator draws a base seed from the global torch RNG) is skipped
-    code, out, err = selftest(*RUN, "--seed", "3", "--workdir", str(tmp_path / "w"), *script("eval_between_epochs"))
+def test_an_evaluation_every_k_steps_is_no_false_alarm(tmp_path: Path) -> None:
+    # an evaluation every 8 steps after ckpt.step(), a save every 4: the SIGKILL after step 8 resumes from the
+    # checkpoint of step 8, taken before that evaluation (a plain DataLoader: its iterator draws a base seed
+    # from the global torch RNG), so the resumed run does not redo it; the training draws nothing from that RNG
+    code, out, err = selftest(*RUN, "--seed", "3", "--workdir", str(tmp_path / "w"), *script("eval_every_k_steps"))
     doc = json.loads(out)
     assert code == 0 and doc["verdict"] == "identical", (doc["diagnosis"], doc["divergence"], err)
     att = doc["attempts"]
     assert [a["started"] for a in att] == ["fresh start", "resumed from step 8", "resumed from step 16"], att
-    # the random SIGKILL at the epoch's last step, then the targeted one inside the next evaluation
+    # the random SIGKILL right after step 8's save, then the targeted one inside the next evaluation
     assert att[0]["ended"] == "killed after step 8"
     assert att[1]["plan"].startswith("SIGKILL during the work after step 8")
     assert att[1]["ended"] == "killed during the work after step 16"
     notes = "\n".join(doc["notes"])
-    assert "after the resume at step 8, the work between steps 8 and 9 that reads other DataLoaders" in notes
-    assert "served 0 batches; the uninterrupted run's served 2" in notes
+    assert "after the resume at step 8, the work between steps 8 and 9 that reads other DataLoaders (an evaluation?) " \
+           "served 0 batches; the uninterrupted run's served 2: the checkpoint of step 8 was taken before that work" \
+           in notes
     assert "the torch CPU RNG differs from step 9 on (after the resume at step 8), but no step drew from it" in notes
-    assert not any("epoch" in n for n in doc["not_covered"]), doc["not_covered"]  # epoch ends were covered
+    assert "epoch" not in notes  # no epoch ended: none is blamed
+    assert any("no epoch of the training data ended within the 20 steps" in n for n in doc["not_covered"])
 
 
 def test_an_evaluation_that_shifts_the_rng_the_training_draws_from_is_the_cause(tmp_path: Path) -> None:
     # the same script whose training draws from the global RNG (dropout): the skipped evaluation now matters
-    code, out, err = selftest(*RUN, "--seed", "3", *script("eval_between_epochs", "--dropout"))
+    code, out, err = selftest(*RUN, "--seed", "3", *script("eval_every_k_steps", "--dropout"))
     doc = json.loads(out)
     assert code == 1 and doc["verdict"] == "diverged", (doc, err)
     d, g = doc["divergence"], doc["diagnosis"]
     assert (d["segment"], d["resumed_from"], d["step"], d["components"][0]) == (1, 8, 9, "batch/rng/torch"), d
     assert set(d["agreeing"]) >= {"batch/indices", "batch/data", "data/position"}
     assert d["evidence"]["drew_before"]["torch"] == [True, False]  # drawn between steps 8 and 9 only uninterrupted
-    assert d["evidence"]["side"] == [2, 0] and d["evidence"]["epoch_end"][0] is True
+    assert d["evidence"]["side"] == [2, 0] and d["evidence"]["epoch_end"] == [False, False]
     assert g["known"] is True
     assert g["cause"].startswith("the work between steps 8 and 9 drew from the torch CPU RNG in the uninterrupted "
-                                 "run (after the training data's epoch ended; 2 batches of another DataLoader")
-    assert "did not run after the resume at step 8" in g["cause"]
+                                 "run (2 batches of another DataLoader (an evaluation?), 0 after the resume) but "
+                                 "did not run after the resume at step 8: the checkpoint was taken before it"), g
+    assert "epoch" not in g["cause"]  # the training data's epoch did not end there
     assert "DataLoader(eval_set, generator=torch.Generator())" in g["fix"]
     assert "iterator" not in g["cause"]  # not the diagnosis of code the script does not have
+
+
+@pytest.mark.parametrize("args", [(), ("--dropout",)], ids=["no-dropout", "dropout"])
+def test_an_evaluation_at_an_epochs_end_runs_after_a_resume_there(args: tuple[str, ...]) -> None:
+    # 8 steps an epoch, a save every 4: the SIGKILL after step 8 resumes from the checkpoint of the epoch's last
+    # step; the restored loader ends the epoch, so the loop runs that epoch's evaluation (and its draw from the
+    # global torch RNG) as the uninterrupted run did: exact, even when the training draws from that RNG
+    code, out, err = selftest(*RUN, "--seed", "3", *script("eval_between_epochs", *args))
+    doc = json.loads(out)
+    assert code == 0 and doc["verdict"] == "identical", (doc["diagnosis"], doc["divergence"], err)
+    att = doc["attempts"]
+    assert [a["started"] for a in att] == ["fresh start", "resumed from step 8", "resumed from step 16"], att
+    assert att[0]["ended"] == "killed after step 8"  # the epoch's last step, saved
+    assert att[1]["ended"] == "killed during the work after step 16"  # inside the next epoch's evaluation
+    assert not any("served" in n or "differs from step" in n for n in doc["notes"]), doc["notes"]
+    assert not any("epoch" in n for n in doc["not_covered"]), doc["not_covered"]  # epoch ends were covered
 
 
 def test_a_hidden_state_carried_outside_the_state_is_named(tmp_path: Path) -> None:
@@ -184,6 +205,19 @@ def test_an_rng_that_differed_undrawn_since_an_earlier_resume_is_traced_back() -
     assert g.known and g.cause.startswith("the torch CPU RNG differs since step 9 (after the resume at step 8 (after "
                                           "the training data's epoch ended; 2 batches of another DataLoader")
     assert "step 12 is the first to draw from it" in g.cause
+
+
+def test_the_skipped_work_is_said_to_follow_an_epoch_end_only_when_one_ended() -> None:
+    ev = {"drew_before": {"torch": [True, False]}, "previous": "step", "side": [2, 0], "epoch_end": [False, False]}
+    d = Divergence(9, 1, "step", 8, ["batch/rng/torch"], ["batch/indices"], {"batch/rng/torch": ("a", "b")}, [],
+                   None, ev)
+    g = diagnose(d)
+    assert g.known and g.cause.startswith("the work between steps 8 and 9 drew from the torch CPU RNG in the "
+                                          "uninterrupted run (2 batches of another DataLoader (an evaluation?), 0 "
+                                          "after the resume) but did not run after the resume at step 8"), g.cause
+    ev["epoch_end"] = [True, False]
+    assert diagnose(d).cause.startswith("the work between steps 8 and 9 drew from the torch CPU RNG in the "
+                                        "uninterrupted run (after the training data's epoch ended; 2 batches")
 
 
 @pytest.mark.parametrize("kinds,expect", [

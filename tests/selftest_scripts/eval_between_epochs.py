@@ -1,8 +1,8 @@
 """No mistake: an evaluation pass over a plain DataLoader after every epoch (8 steps). Creating its
-iterator draws a base seed from the global torch RNG; the training step draws nothing from it (no
-dropout), so a resume at an epoch boundary, which skips that evaluation, trains bitwise identically.
-``eval_between_epochs.py --dropout``: the mistake: the training step draws from the global RNG
-(dropout), so the evaluation skipped after a resume at an epoch boundary changes its masks."""
+iterator draws a base seed from the global torch RNG. A resume from the checkpoint of an epoch's last
+step still runs that epoch's evaluation (the restored loader ends the epoch first), so the training is
+bitwise identical, also with ``--dropout`` (the training step draws from the global RNG): a regression
+test of the epoch boundary (before, such a resume skipped the evaluation and its draw)."""
 import sys
 
 import torch

@@ -10,9 +10,9 @@ Every record of the interrupted run is compared, in the order they were written:
 
 What counts is what the training consumes and produces: the training batches, gradients,
 parameters, optimizer, the other state keys, the metrics, and a global RNG stream only where a
-step draws from it. A stream that differs while no step draws from it (an evaluation between
-two epochs drew from it in one run and was skipped after a resume in the other) changes nothing
-the training computes: it is listed (:attr:`Comparison.not_drawn`), not a divergence. The first
+step draws from it. A stream that differs while no step draws from it (an evaluation after a
+step drew from it in one run and was skipped by a resume from that step in the other) changes
+nothing the training computes: it is listed (:attr:`Comparison.not_drawn`), not a divergence. The first
 record that differs in a counted component is the divergence; its components are listed in
 causal order (the data first, then the RNG, gradients, parameters, optimizer, the rest), with
 the evidence of :mod:`.evidence`.

@@ -6,7 +6,7 @@ has, which lines of the script ran (:mod:`.lines`). :func:`not_covered` says, in
 code paths and interruption places the selftest did not exercise: epoch-end work never reached,
 no resume at an epoch boundary, no interruption inside the work between steps, interruption
 kinds left out, lines of the script that never ran. :func:`explain` turns what the comparison
-set aside (an RNG stream that differs but is never drawn from, epoch-end work skipped after a
+set aside (an RNG stream that differs but is never drawn from, work between steps skipped after a
 resume) into notes.
 """
 
@@ -114,10 +114,10 @@ def explain(result: Comparison) -> list[str]:
         a, b, r = s["uninterrupted"], s["interrupted"], s["resumed_from"]
         what = (f"after the resume at step {r}, the work between steps {r} and {r + 1} that reads other DataLoaders "
                 f"(an evaluation?) served {b} batch{'es' if b != 1 else ''}; the uninterrupted run's served {a}")
-        if b < a and s.get("epoch_end"):
-            what += (": the checkpoint of step {r} was taken at an epoch's last step, before that work, and the "
-                     "resumed loop starts the next epoch; the training is not affected, but what that work "
-                     "reports (metrics, logs) for that epoch is missing after such a resume").format(r=r)
+        if b < a:
+            at = " (at an epoch's last step)" if s.get("epoch_end") else ""
+            what += (f": the checkpoint of step {r} was taken{at} before that work, and the resumed loop went on "
+                     f"past it; what that work reports (metrics, logs) for step {r} is missing after such a resume")
         out.append(what)
     for s in result.not_drawn:
         where = f" (after the resume at step {s['resumed_from']})" if s.get("resumed_from") is not None else ""

@@ -14,9 +14,10 @@ this, first rule that applies:
 3. a global RNG stream differs at the step's first training batch, and the step draws from it
    -> whichever run drew from it since the previous step: the resumed process between
    ``restore()`` and its first batch (code there draws), or the uninterrupted run between two
-   steps where the resumed process did not (the work between them, an evaluation after an
-   epoch, was skipped after a resume at its boundary); or it differed since an earlier step
-   that drew nothing from it, and this is the first step that does;
+   steps where the resumed process did not (the work between them, an evaluation every K steps
+   run after ``ckpt.step()``, came after the checkpoint the resume started from; the cause says
+   that the training data's epoch ended there only when the records show it did); or it
+   differed since an earlier step that drew nothing from it, and this is the first step that does;
 4. gradients, loss or parameters differ while the batch, the RNG and the state before the step
    agree -> without any interruption: a non-deterministic operation; after a resume: a
    generator the script holds outside the state (one was found restarted), a variable of the
