@@ -105,7 +105,9 @@ def test_killed_inside_save_state_every_restart_crashes(tmp_path, fsdp) -> None:
     written = {"optimizer_0", "pytorch_model_fsdp_0"} if fsdp else {"model.safetensors", "optimizer.bin"}
     assert written <= names and not {"scheduler.bin", "random_states_0.pkl"} & names, names
     missing = f"FileNotFoundError: [Errno 2] No such file or directory: '{tmp_path}/ckpt/step_{CUT}/scheduler.bin'"
-    assert log.count(missing) == 4, log  # both processes, in each of the 2 restarted rounds
+    # each of the 2 restarted rounds crashes on it: both processes, or one whose crash ends the round
+    # (torchrun then stops the other, which may not have reached load_state yet)
+    assert 2 <= log.count(missing) <= 4, log
     assert ": done" not in log
 
 
@@ -113,10 +115,13 @@ def test_sigterm_kills_every_process_and_the_steps_since_the_save_are_lost(tmp_p
     """Neither Accelerate nor the recipe handles SIGTERM: the launcher and both processes die of
     it after step 6 (no process exits through Python: no status written), nothing is saved, the
     newest checkpoint is step 4."""
-    out, sent = tmp_path / "out", []
+    out, sent, parked = tmp_path / "out", [], set()
 
     def on_line(line: str, proc) -> None:
-        if not sent and "rank 1 step 6" in line:
+        for rank in (0, 1):
+            if f"rank {rank} step 6" in line:
+                parked.add(rank)  # logged step 6, now waiting for go-6
+        if not sent and parked == {0, 1}:  # both, not only the first to log it
             for pid in [proc.pid] + [int(f.read_text()) for f in sorted(out.glob("pid-r*"))]:
                 os.kill(pid, signal.SIGTERM)
                 sent.append(pid)

@@ -27,7 +27,7 @@ LAYERS: dict[str, int] = {
     # 5: the public surface and thin tools
     "": 5, "cli": 5, "demo": 5, "demo_train": 5, "integrations": 5, "convert": 5, "plotting": 5,
 }
-SELF_CONTAINED = {"store": {"errors"}, "format": {"errors"}, "state": {"errors"}, "data": set()}
+SELF_CONTAINED = {"store": {"errors", "exithooks"}, "format": {"errors"}, "state": {"errors"}, "data": set()}
 
 
 def _top(module: str) -> str:

@@ -140,5 +140,10 @@ def test_selftest_finds_the_upstream_script_identical(reference: tuple[str, Path
     assert res.exit_code == 0 and doc["verdict"] == "identical", (doc.get("divergence"), doc.get("error"),
                                                                    doc.get("stderr_tail"))
     ended = [a["ended"] for a in doc["attempts"]]
-    assert ended[-1] == f"finished at step {STEPS[name]}" and len(ended) == 4, ended
+    # the 3 random interruptions, plus the targeted ones (an epoch's last step, the epoch-end work)
+    extra = [p for p in doc["plan"] if p["why"] or p["kind"] == "between"]
+    assert len(doc["plan"]) == 3 + len(extra) and ended[-1] == f"finished at step {STEPS[name]}", (doc["plan"], ended)
+    assert len(ended) == len(doc["plan"]) + 1, ended
+    if name == "mnist":  # its evaluation runs after every epoch: the selftest interrupted it there too
+        assert "between" in [p["kind"] for p in extra], doc["plan"]
     assert doc["compared"]["rerun_steps"] >= 1
