@@ -65,13 +65,22 @@ class Result:
 
 
 def run(cmd: list[str], *, env: dict[str, str] | None = None, kill=None, timeout: float = 180) -> Result:
-    """Run an example, output and errors interleaved line by line. ``kill(line, proc)`` is called
-    for every line and returns True once it has killed something."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    """Run an example, output and errors interleaved line by line (each read from its own pipe: a
+    log line written by a thread between a ``print``'s text and its newline would otherwise land
+    inside a step line). ``kill(line, proc)`` is called for every output line and returns True
+    once it has killed something."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env or ENV, cwd=REPO, start_new_session=True)
     timer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
     timer.start()
     res = Result(0, [])
+
+    def errors() -> None:
+        for line in proc.stderr:  # type: ignore[union-attr]
+            res.lines.append(line.rstrip("\n"))
+
+    reader = threading.Thread(target=errors, daemon=True)
+    reader.start()
     try:
         for line in proc.stdout:  # type: ignore[union-attr]
             res.lines.append(line.rstrip("\n"))
@@ -83,6 +92,7 @@ def run(cmd: list[str], *, env: dict[str, str] | None = None, kill=None, timeout
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        reader.join(timeout=30)
     return res
 
 
