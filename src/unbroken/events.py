@@ -59,6 +59,16 @@ class Uploaded(Event):
 
 
 @dataclass(frozen=True)
+class Persisted(Event):
+    """A RAM checkpoint was copied to the run location by the RAM tier's writer process
+    (:mod:`unbroken.ram`): from now on it survives the loss of the node's memory."""
+
+    name: str
+    location: str
+    took_s: float
+
+
+@dataclass(frozen=True)
 class UploadFailed(Event):
     """An upload attempt failed; it is retried (``will_retry``) or given up."""
 

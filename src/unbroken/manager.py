@@ -48,6 +48,7 @@ from .adapting import adapt
 from .state.checks import UnbrokenWarning, clean_metrics  # noqa: F401 (UnbrokenWarning: re-exported)
 from .state.stateful import Progress
 from .tags import check_tag
+from .ram import RamTier
 from .tiers import Remote
 
 log = logging.getLogger("unbroken")
@@ -79,6 +80,9 @@ class Checkpointer:
             combined with ``keep_last``. Tagged checkpoints are always kept.
         remote: a :class:`~unbroken.Remote` tier: checkpoints are saved to ``location`` (a fast
             local folder) and uploaded there in the background, with their own retention.
+        ram: a :class:`~unbroken.RamTier`: regular saves commit to node-local shared memory
+            (``/dev/shm``), every ``persist_every``-th is copied to ``location`` by a separate
+            writer process, and a relaunch after a crash restores from memory (:mod:`unbroken.ram`).
         storage_options: for a URL ``location``: endpoint, credentials, profile (never recorded).
         preemption: signal handling (:class:`~unbroken.Preemption`); ``None`` leaves signals alone.
         env: what to record about the environment and what a resume does about changes
@@ -120,7 +124,7 @@ class Checkpointer:
                  preemption: Preemption | None = Preemption(), env: EnvCheck | None = None,
                  probe: ProbeFn | None = None, rng: bool = True, strict: bool = True,
                  async_save: bool | Literal["lazy"] = False, allow_unsaved: Iterable[str] = (),
-                 incremental: bool = False) -> None:
+                 incremental: bool = False, ram: RamTier | None = None) -> None:
         console.install()
         if preemption is not None and not isinstance(preemption, Preemption):  # checked before anything is created
             raise ConfigurationError(f"preemption={preemption!r}: pass unbroken.Preemption(...), or None to leave "
@@ -130,7 +134,7 @@ class Checkpointer:
         self.events = EventBus()
         self.comm = Comm()
         self.run = Run(location, storage_options=storage_options, remote=remote, publish=self.events.publish,
-                       comm=self.comm, incremental=incremental)
+                       comm=self.comm, incremental=incremental, ram=ram)
         self.storage_options = storage_options  # for restore(path=URL)
         self.run.check()
         self.location: str = self.run.url
@@ -440,7 +444,8 @@ class Checkpointer:
         self.schedule.saved(manifest.step, manifest.metrics, manifest.progress.get("epoch", 0))
         self.events.publish(Saved(final, info.path, manifest, took, tuple(tags)))
         new = self.run.chunks.last.written_bytes if self.run.chunks is not None else None
-        log.info("saved step %d to %s (%s%.1f MB%s in %.2f s)", manifest.step, info.path,
+        log.log(logging.DEBUG if self.run.in_ram(final) else logging.INFO,  # RAM saves: often every step
+                "saved step %d to %s (%s%.1f MB%s in %.2f s)", manifest.step, info.path,
                  "" if kind == "regular" else f"{kind}, ", info.size_bytes / 1e6,
                  f", {new / 1e6:.1f} MB of it new" if new is not None else "", took)
         grace = self.preemption.grace_period

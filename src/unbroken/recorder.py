@@ -53,6 +53,8 @@ class Recorder:
             self.event("tagged", e.tag, checkpoint=e.name)
         elif isinstance(e, ev.Uploaded):
             self.event("uploaded", e.location, checkpoint=e.name, data={"took_s": e.took_s})
+        elif isinstance(e, ev.Persisted):
+            self.event("persisted", e.location, checkpoint=e.name, data={"took_s": e.took_s})
         elif isinstance(e, ev.UploadFailed):
             self.event("upload_failed", e.error, checkpoint=e.name,
                        data={"attempt": e.attempt, "will_retry": e.will_retry})
