@@ -187,7 +187,9 @@ def test_a_writer_killed_mid_copy_commits_nothing_and_training_goes_on(reference
     assert "the writer process exited" in att.stderr
     run = tmp_path / "run"
     persisted = [e["checkpoint"] for e in RunIndex(run).events("persisted")]
-    assert persisted[0] == f"step-{2 * PERSIST:09d}" and f"step-{PERSIST:09d}" not in persisted, persisted
+    # the next due one after the failure (a later one if several came due while the writer started)
+    assert persisted and f"step-{PERSIST:09d}" not in persisted, persisted
+    assert all(int(n.split("-")[1]) % PERSIST == 0 for n in persisted[:-1])  # the last one: close()
     assert not [p for p in run.iterdir() if p.name.startswith(".staging")]  # removed (its writer is dead)
     identical(reference, tmp_path / "out")
 
@@ -207,15 +209,48 @@ def test_a_flipped_byte_in_ram_is_quarantined_and_the_previous_one_restored(refe
     identical(reference, tmp_path / "out")
 
 
-def test_preemption_saves_to_disk_and_leaves_no_shared_memory(reference: Path, tmp_path: Path) -> None:
+def test_preemption_saves_to_disk_and_keeps_ram_for_the_relaunch(reference: Path, tmp_path: Path) -> None:
+    """SIGTERM: the state of the last step is on the disk before the exit (the node may go away);
+    the RAM folder is kept for a relaunch on this node, which reads memory and removes it when it ends."""
     att = run_attempt(cmd(tmp_path), "signal", "SIGTERM@12", env_for(tmp_path))
     assert att.ended.startswith("preempted at step"), att
     step = int(att.ended.split()[3])
     assert f"step-{step:09d}" in on_disk(tmp_path / "run")
-    assert ram_folders(tmp_path) == []  # the preemption exit closed the run
+    assert len(ram_folders(tmp_path)) == 1
     att = finish(tmp_path)
-    assert att.started == f"resumed from step {step} (disk)", att.started
+    assert att.started == f"resumed from step {step} (ram)", att.started  # on disk too; memory is read first
     identical(reference, tmp_path / "out")
+    assert ram_folders(tmp_path) == []
+
+
+def test_the_next_start_collects_ram_folders_no_process_owns(tmp_path: Path) -> None:
+    """Run A is killed (its RAM holds steps newer than its disk): run B's start keeps A's folder and
+    names it. A is relaunched and preempted (its disk is now newest, its RAM kept): B's next start
+    removes A's folder. A folder whose owner lives is never touched."""
+    a = tmp_path / "a"
+    att = run_attempt(cmd(a), "step", "7", env_for(tmp_path))
+    assert att.ended.startswith("killed"), att
+    (folder,) = ram_folders(tmp_path)
+    tier = unbroken.RamTier(keep_last=2, persist_every=5, root=str(tmp_path / "shm"))
+    state = _state(4)
+
+    def start_b() -> list[str]:
+        with pytest.MonkeyPatch.context() as mp:
+            messages: list[str] = []
+            mp.setattr("unbroken.ram.log.warning", lambda msg, *args: messages.append(msg % args))
+            mp.setattr("unbroken.ram.log.info", lambda msg, *args: messages.append(msg % args))
+            with unbroken.Checkpointer(tmp_path / "b", save_every=1, ram=tier) as ckpt:
+                ckpt.restore(state)
+                ckpt.step(state)
+                assert folder.is_dir() or "removing" in " ".join(messages)
+            return messages
+
+    said = start_b()
+    assert folder.is_dir() and any(str(folder) in m and "newer than its disk" in m for m in said), said
+    att = run_attempt(cmd(a), "signal", "SIGTERM@9", env_for(tmp_path))
+    assert att.ended.startswith("preempted at step") and folder.is_dir(), att
+    said = start_b()
+    assert not folder.exists() and any(m.startswith(f"removing {folder}") for m in said), said
 
 
 # ------------------------------------------------------------------ in process

@@ -60,7 +60,7 @@ def _close_at_exit() -> None:
     """A script that never calls close(): wait for its uploads and release its lock/lease."""
     for ckpt in list(_open):
         try:
-            ckpt.close()
+            ckpt._close(ended=False)  # (a crash, or a script that never closes: RAM kept, see unbroken.ram)
         except Exception as e:  # exiting anyway
             log.error("closing %s at exit failed: %s", ckpt.location, e)
 
@@ -206,7 +206,14 @@ class Checkpointer:
 
     def close(self) -> None:
         """Wait for a background save and pending uploads, release the run and restore the
-        previous signal handlers. A failed background save is raised after all that."""
+        previous signal handlers. A failed background save is raised after all that. With a
+        RAM tier, the newest checkpoint is persisted and the RAM folder removed (kept when the
+        process stops on a signal: see :mod:`unbroken.ram`)."""
+        self._close(ended=True)
+
+    def _close(self, ended: bool) -> None:
+        """``ended``: training ended normally (``close()``, a ``with`` block left without an
+        exception), not a crash: only then is a RAM tier's folder removed."""
         _open.discard(self)
         failed: BaseException | None = None
         try:
@@ -217,7 +224,7 @@ class Checkpointer:
         self._background.shutdown()
         self._signals.uninstall()
         self.rules.stop_watching()
-        self.run.close()
+        self.run.close(keep_ram=not ended or self._signals.received is not None)  # a relaunch here reads RAM
         self.comm.close()
         self._save_comm.close()
         for p in self._plugins:
@@ -233,7 +240,7 @@ class Checkpointer:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        self._close(ended=exc[0] is None)
 
     def guard(self, state: Mapping[str, Any]) -> StepGuard:
         """``with ckpt.guard(state):`` around the training loop: if a step raises, write an

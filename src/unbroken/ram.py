@@ -40,6 +40,7 @@ node's memory is not built yet.
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
 import logging
@@ -58,6 +59,9 @@ from .store.local import LocalStore
 log = logging.getLogger("unbroken")
 MARKER = ".unbroken-ram.json"
 """Written into every RAM folder: the run it belongs to (what removing it may touch)."""
+OWNER = ".owner"
+"""Locked (shared) by the trainer and its writer process while they live: a folder whose lock can be
+taken exclusively has no live owner (:func:`collect_orphans`)."""
 
 
 @dataclass
@@ -137,6 +141,7 @@ class RamRun:
         self.persisted: dict[str, str] = {}  # RAM name -> its name on disk
         self.failures: list[str] = []
         self._done: list[tuple[str, str, float]] = []  # persisted, not yet handled by the run
+        self._owner: int | None = None
 
     # ---------------------------------------------------------------- lifecycle
     def begin(self) -> None:
@@ -159,8 +164,10 @@ class RamRun:
                                    "remove it, or use RamTier(root=...)")
         else:
             self.store.write_meta(MARKER, json.dumps(mine).encode())
+        self._owner = own(self.dir)
         for name in self.store.clean_stale():
             log.info("removed leftover %s of an interrupted RAM save", name)
+        collect_orphans(self.dir.parent, self.dir)
         held = self.store.list_committed()
         if held:
             log.info("the RAM tier %s holds %d checkpoint(s) of a previous process", self.dir, len(held))
@@ -257,9 +264,9 @@ class RamRun:
             self.collect(timeout=left if left is not None else 3600.0)
         return True
 
-    def close(self, newest_on_disk: int, manifests: Mapping[str, Manifest]) -> None:
+    def close(self, newest_on_disk: int, manifests: Mapping[str, Manifest], keep: bool = False) -> None:
         """Persist the newest RAM checkpoint if the disk has nothing as new, wait, stop the writer
-        and remove the RAM folder (see the module docstring)."""
+        and remove the RAM folder, unless ``keep`` (see the module docstring)."""
         newest = max(manifests, key=lambda n: (manifests[n].seq, manifests[n].step), default=None)
         if newest is not None and manifests[newest].seq > newest_on_disk and newest not in self.persisted:
             if self.persister.busy != newest:
@@ -277,27 +284,86 @@ class RamRun:
             log.error("the newest RAM checkpoint %s could not be persisted to %s; the RAM folder %s is kept (the "
                       "next start on this node restores from it)", newest, self.disk.url, self.dir)
             return
+        if keep:
+            log.info("stopping on a signal: the RAM folder %s is kept for a relaunch on this node (its newest "
+                     "checkpoint is also in %s)", self.dir, self.disk.url)
+            self._release_owner()
+            return
         self.remove()
+
+    def _release_owner(self) -> None:
+        if self._owner is not None:
+            os.close(self._owner)
+            self._owner = None
 
     def remove(self) -> None:
         """Delete this run's RAM folder: its checkpoints, leftovers and quarantine, then the folder."""
+        self._release_owner()
+        remove_folder(self.dir, self.store)
+
+
+def own(folder: Path, exclusive: bool = False) -> int | None:
+    """Lock ``folder``'s owner file (shared; ``exclusive`` and non-blocking: None if a live
+    process holds it); the open descriptor holds the lock until closed."""
+    fd = os.open(folder / OWNER, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB if exclusive else fcntl.LOCK_SH)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def collect_orphans(root: Path, mine: Path) -> None:
+    """Remove the RAM folders under ``root`` that no live process owns and whose every checkpoint
+    is older than the newest one on its run's disk (a killed run relaunched elsewhere, or one that
+    ended with ``keep``); a folder holding a newer state is kept for its run's relaunch, and named."""
+    from .discovery import manifests
+    from .store import open_store
+
+    for folder in sorted(root.iterdir()):
+        if folder == mine or not (folder / MARKER).is_file():
+            continue
+        fd = own(folder, exclusive=True)
+        if fd is None:
+            continue  # a live trainer or writer
         try:
-            for name in self.store.list_committed():
-                self.store.delete(name)
-            self.store.clean_stale()
-            q = self.dir / "quarantine"
-            if q.is_dir():
-                names = sorted(p.name for p in q.iterdir())
-                if names:
-                    log.warning("removing the RAM tier's quarantined copies: %s", ", ".join(names))
-                _rmtree(q)
-            for p in self.dir.iterdir():
-                if p.name.startswith((".node-", ".lock", MARKER)):
-                    p.unlink()
-            self.dir.rmdir()
-        except OSError as e:
-            if e.errno != errno.ENOENT:
-                log.warning("could not remove the RAM tier's folder %s: %s", self.dir, e)
+            run = json.loads((folder / MARKER).read_text())["run"]
+            ram = max((m.seq for m in manifests(LocalStore(folder)).values()), default=-1)
+            disk = max((m.seq for m in manifests(open_store(run)).values()), default=-1) if "://" not in run else None
+            if disk is not None and ram <= disk:
+                log.info("removing %s: the RAM checkpoints of %s left by a process that ended (all older than "
+                         "its newest on disk)", folder, run)
+                remove_folder(folder, LocalStore(folder))
+            else:
+                log.warning("%s holds RAM checkpoints of %s newer than its disk's, left by a process that ended: "
+                            "relaunching that run on this node resumes from them (and removes them); delete the "
+                            "folder to give the memory back", folder, run)
+        except Exception as e:  # noqa: BLE001 - someone else's folder: never a reason to stop training
+            log.debug("not collecting %s: %s", folder, e)
+        finally:
+            os.close(fd)
+
+
+def remove_folder(folder: Path, store: LocalStore) -> None:
+    """Delete a RAM folder this library made: its checkpoints, leftovers and quarantine, then itself."""
+    try:
+        for name in store.list_committed():
+            store.delete(name)
+        store.clean_stale()
+        q = folder / "quarantine"
+        if q.is_dir():
+            names = sorted(p.name for p in q.iterdir())
+            if names:
+                log.warning("removing the RAM tier's quarantined copies: %s", ", ".join(names))
+            _rmtree(q)
+        for p in folder.iterdir():
+            if p.name.startswith((".node-", ".lock", OWNER, MARKER)):
+                p.unlink()
+        folder.rmdir()
+    except OSError as e:
+        if e.errno != errno.ENOENT:
+            log.warning("could not remove the RAM tier's folder %s: %s", folder, e)
 
 
 def _rmtree(path: Path) -> None:

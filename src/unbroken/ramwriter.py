@@ -18,6 +18,7 @@ memory is never persisted.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -118,6 +119,8 @@ def _serve(config: dict[str, Any], lines: Any, out: Any) -> None:
 
     src = open_store(config["ram"])
     dst = open_store(config["run"], config.get("storage_options") or None)
+    owner = os.open(os.path.join(config["ram"], ".owner"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fcntl.flock(owner, fcntl.LOCK_SH)  # the folder has a live owner while this process runs (unbroken.ram)
     for line in lines:
         job = json.loads(line)
         name = job["name"]

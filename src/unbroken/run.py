@@ -222,10 +222,13 @@ class Run:
             self._persisted()
         return self.uploader.wait(timeout) if self.uploader is not None else True
 
-    def close(self) -> None:
+    def close(self, keep_ram: bool = False) -> None:
+        """Release the run: persist the newest RAM checkpoint, wait for uploads, unlock. The RAM
+        folder is removed unless ``keep_ram`` (the process stops on a signal: a relaunch on this
+        node restores from memory, and removes it at its own close)."""
         if self.ram is not None and self.comm.coordinator and self._writing and not self._readonly:
             disk = max((m.seq for m in manifests(self.store).values()), default=-1)
-            self.ram.close(disk, manifests(self.ram.store))
+            self.ram.close(disk, manifests(self.ram.store), keep=keep_ram)
             self._persisted()
         if self.uploader is not None:
             assert self.remote is not None
