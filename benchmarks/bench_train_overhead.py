@@ -74,7 +74,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-CONFIGS: dict[str, Any] = {"no_ckpt": None, "sync": False, "async": True, "lazy": "lazy"}
+CONFIGS: dict[str, Any] = {"no_ckpt": None, "sync": False, "async": True, "lazy": "lazy",
+                           "ram": False, "ram_async": True, "ram_lazy": "lazy"}
+RAM_CONFIGS = ("ram", "ram_async", "ram_lazy")
+"""A RAM tier (``unbroken.RamTier(keep_last=2, persist_every=--every)``) and a save at *every* step."""
 MODEL_ARGS = ("layers", "dim", "seq", "batch", "vocab")
 MEDIANS = ("steps_per_s", "median_step_s", "stall_per_save_s", "next_step_wait_per_save_s", "saves", "opt_step_s")
 
@@ -149,8 +152,12 @@ def run_child(cfg: str, a: argparse.Namespace, out: Path) -> dict[str, Any]:
     loader = ResumableLoader(ds, batch_size=a.batch, seed=0, num_workers=0)
     state = {"model": model, "optimizer": opt, "data": loader}
     ckpt = None
+    ram = cfg in RAM_CONFIGS
+    every = 1 if ram else a.every
     if CONFIGS[cfg] is not None:
-        ckpt = unbroken.Checkpointer(out, save_every=a.every, keep_last=2, preemption=None, async_save=CONFIGS[cfg])
+        tier = unbroken.RamTier(keep_last=2, persist_every=a.every, root=str(out / "shm")) if ram else None
+        ckpt = unbroken.Checkpointer(out / "run", save_every=every, keep_last=2, preemption=None,
+                                     async_save=CONFIGS[cfg], ram=tier)
         ckpt.environment()  # once per process (git, versions): off the clock
     it = iter(loader)
     stall, saves, last_save, after_save, opt_times, after_times, step_times = 0.0, 0, None, False, [], [], []
@@ -168,11 +175,12 @@ def run_child(cfg: str, a: argparse.Namespace, out: Path) -> dict[str, Any]:
             t = time.perf_counter()
             ckpt.step(state)
             took = time.perf_counter() - t
-            if ckpt.progress.step % a.every == 0:
-                last_save, after_save = ckpt.progress.step, timed
+            if ckpt.progress.step % every == 0:
+                last_save, after_save = ckpt.progress.step, timed and not ram  # ram: every step saves
                 if timed:
                     stall, saves = stall + took, saves + 1
-                continue
+                if not ram:
+                    continue
         if timed:
             step_times.append(time.perf_counter() - ts)  # steps that did not save
     if ckpt is not None:
@@ -183,7 +191,13 @@ def run_child(cfg: str, a: argparse.Namespace, out: Path) -> dict[str, Any]:
         assert newest is not None and newest.step == last_save, f"{cfg}: newest {newest} is not step {last_save}"
         ckpt.close()
     base = statistics.median(opt_times)
-    return {"config": cfg, "steps": a.steps, "elapsed_s": elapsed, "steps_per_s": a.steps / elapsed,
+    persist = {}
+    if ram:  # what the writer process did: persisted checkpoints on disk, their copy times
+        from unbroken.index import RunIndex
+
+        done = RunIndex(out / "run").events("persisted")
+        persist = {"persisted": len(done), "persist_s": statistics.median(e["data"]["took_s"] for e in done)}
+    return {"config": cfg, "steps": a.steps, **persist, "elapsed_s": elapsed, "steps_per_s": a.steps / elapsed,
             "saves": saves, "stall_s": stall, "stall_per_save_s": stall / saves if saves else 0.0,
             "median_step_s": statistics.median(step_times), "opt_step_s": base, "next_step_wait_per_save_s":
                 sum(t - base for t in after_times) / len(after_times) if after_times else 0.0,
@@ -269,8 +283,10 @@ def main() -> None:
     # blocked time per save (the stall plus the next step's extra wait) over the time of `every`
     # median no_ckpt steps: what checkpointing costs the loop, robust to other work on the machine
     step0 = med["no_ckpt"]["median_step_s"]
+    for c in RAM_CONFIGS:  # every step follows a save: the wait is the optimizer step's excess over no_ckpt's
+        med[c]["next_step_wait_per_save_s"] = med[c]["opt_step_s"] - med["no_ckpt"]["opt_step_s"]
     blocked = {c: (max(0.0, med[c]["stall_per_save_s"]) + max(0.0, med[c]["next_step_wait_per_save_s"]))
-               / (a.every * step0) * 100 for c in CONFIGS if c != "no_ckpt"}
+               / ((1 if c in RAM_CONFIGS else a.every) * step0) * 100 for c in CONFIGS if c != "no_ckpt"}
     head = ["config", "steps/s", "overhead vs no_ckpt", "median step ms", "saves", "stall / save s",
             "next opt.step wait / save s", "blocked overhead"]
     rows = [[c, f"{m['steps_per_s']:.3f}", "-" if c == "no_ckpt" else f"{overhead[c]:+.1f} %",

@@ -45,6 +45,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,6 +143,7 @@ class RamRun:
         self.failures: list[str] = []
         self._done: list[tuple[str, str, float]] = []  # persisted, not yet handled by the run
         self._owner: int | None = None
+        self._lock = threading.RLock()  # saves commit in a background thread (async_save), prunes in the loop's
 
     # ---------------------------------------------------------------- lifecycle
     def begin(self) -> None:
@@ -193,10 +195,11 @@ class RamRun:
     # ------------------------------------------------------------------- saving
     def committed(self, name: str) -> None:
         """A regular save committed to RAM: hand it to the writer when it is due."""
-        self.saves += 1
-        self.collect()
-        if self.saves % self.tier.persist_every == 0:
-            self._persist(name)
+        with self._lock:
+            self.saves += 1
+            self.collect()
+            if self.saves % self.tier.persist_every == 0:
+                self._persist(name)
 
     def _persist(self, name: str) -> None:
         if self.persister.busy is None:
@@ -207,14 +210,19 @@ class RamRun:
     def drain(self) -> list[tuple[str, str, float]]:
         """Collect the writer's answers; ``(ram name, disk name, seconds)`` of every checkpoint
         persisted since the last call (for the run's uploads and retention)."""
-        self.collect()
-        done, self._done = self._done, []
+        with self._lock:
+            self.collect()
+            done, self._done = self._done, []
         return done
 
     def collect(self, timeout: float | None = 0.0) -> None:
         """Take the writer's answers: a persisted checkpoint is published as
         :class:`~unbroken.events.Persisted`; a failed copy is logged and kept in :attr:`failures`
         (the next due checkpoint is persisted as usual)."""
+        with self._lock:
+            self._collect(timeout)
+
+    def _collect(self, timeout: float | None) -> None:
         done = self._done
         while self.persister.busy is not None:
             answer = self.persister.poll(timeout)
@@ -247,10 +255,12 @@ class RamRun:
     def prune(self, keep: str | None, manifests: Mapping[str, Manifest]) -> list[str]:
         """Keep the newest ``keep_last`` RAM checkpoints (and those the writer needs)."""
         order = sorted(manifests, key=lambda n: (manifests[n].seq, manifests[n].step), reverse=True)
-        protect = set(self.protected()) | ({keep} if keep else set())
-        doomed = [n for n in order[self.tier.keep_last:] if n not in protect]
+        with self._lock:  # the writer is never handed a checkpoint being deleted
+            protect = set(self.protected()) | ({keep} if keep else set())
+            doomed = [n for n in order[self.tier.keep_last:] if n not in protect]
+            for name in doomed:
+                self.store.delete(name)
         for name in doomed:
-            self.store.delete(name)
             self.publish(Pruned(name, tier="ram"))
         return doomed
 
@@ -261,7 +271,7 @@ class RamRun:
             left = None if end is None else end - time.monotonic()
             if left is not None and left <= 0:
                 return False
-            self.collect(timeout=left if left is not None else 3600.0)
+            self.collect(timeout=min(left, 0.5) if left is not None else 0.5)  # the lock is held that long
         return True
 
     def close(self, newest_on_disk: int, manifests: Mapping[str, Manifest], keep: bool = False) -> None:

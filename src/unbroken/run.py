@@ -24,18 +24,18 @@ import errno
 import logging
 import os
 import threading
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
 from .api import CheckpointInfo
 from .chunks import ChunkWriter, LiveChunks, collect
 from .damage import Damage, acknowledge
 from .discovery import discover, manifests
-from .errors import ConfigurationError, CorruptCheckpointError, ReadOnlyRunError, RunLockedError, StorageError, UnbrokenError
+from .errors import ConfigurationError, ReadOnlyRunError, RunLockedError, StorageError, UnbrokenError
 from .events import Event, Pruned
 from .format.manifest import Manifest
-from . import collective
+from . import choosing, collective
 from .dist.comm import Comm
-from .reader import LoadedCheckpoint, read_checkpoint, verify_share
+from .reader import LoadedCheckpoint
 from .scheduling import Schedule
 from .snapshot import Snapshot
 from .store import open_store
@@ -45,8 +45,6 @@ from .ram import RamRun, RamTier
 from .tiers import Remote, Uploader, copy_checkpoint
 
 log = logging.getLogger("unbroken")
-RELISTS = 10
-"""How often :meth:`Run.newest_valid` looks again after checkpoints vanished while it read them."""
 
 
 def _identity(store: Any) -> str:
@@ -325,48 +323,10 @@ class Run:
 
     # ---------------------------------------------------------------------- read
     def newest_valid(self, repair: LiveChunks | None = None) -> tuple[LoadedCheckpoint | None, str, int]:
-        """The newest checkpoint that verifies in any tier (downloaded if only the remote has it),
-        where it was read, and how many committed checkpoints were seen. Invalid ones are
-        reported, quarantined and skipped; a damaged chunk the live state still holds is
-        rewritten by ``repair`` first. A collective: every rank gets its part."""
-        seen = [0]
-        rank, world = self.comm.rank, self.comm.world
-
-        def attempt(token: str) -> LoadedCheckpoint:
-            store, name = self._where(token)
-            files = verify_share(store, name, rank, world, repair=repair)
-            return read_checkpoint(store, name, rank, files, all_shards=world == 1)
-
-        def invalid(token: str, reason: str) -> None:
-            store, name = self._where(token)
-            self.invalid(store, name, reason, tier="ram" if store is not self.store else "primary")
-
-        for _ in range(RELISTS):  # a checkpoint pruned while read (a read-only run's writer): look again
-            self.damage.vanished = False
-            chosen = collective.choose(self.comm, self._candidates(seen) if self.comm.coordinator else None, attempt,
-                                       invalid)
-            if not self.comm.broadcast(self.damage.vanished and self.comm.coordinator and self._newer_than(chosen)):
-                break
-        seen_all = self.comm.broadcast(seen[0])
-        if chosen is None:
-            return None, "", seen_all
-        token, loaded = chosen
-        self.use_base(loaded)
-        store, name = self._where(token)
-        return loaded, store.describe(name), seen_all
-
-    RAM = "ram:"
-    """Prefix of a candidate in the RAM tier (checkpoint names never hold a colon)."""
-
-    def _where(self, token: str) -> tuple[Any, str]:
-        if self.ram is not None and token.startswith(self.RAM):
-            return self.ram.store, token[len(self.RAM):]
-        return self.store, token
-
-    def _newer_than(self, chosen: tuple[str, LoadedCheckpoint] | None) -> bool:
-        """Whether a checkpoint newer than ``chosen`` is committed now (one vanished meanwhile)."""
-        seq = chosen[1].manifest.seq if chosen is not None else -1
-        return any(m.seq > seq for m in manifests(self.store).values())
+        """The newest checkpoint that verifies in any tier (RAM, this location, the remote tier,
+        downloaded), where it was read, and how many committed checkpoints were seen; a collective
+        (see :func:`unbroken.choosing.newest_valid`)."""
+        return choosing.newest_valid(self, repair)
 
     def use_base(self, loaded: LoadedCheckpoint, location: Any = None) -> None:
         """Incremental saves deduplicate against ``loaded`` (just restored) if it is a checkpoint
@@ -381,53 +341,6 @@ class Run:
             if parent != own:
                 return
         self.chunks.use_base(loaded.manifest)
-
-    def _candidates(self, seen: list[int]) -> Iterator[str]:
-        """Names to try, newest first, in the primary store: a checkpoint only the remote tier
-        has (or whose local copy failed) is downloaded first."""
-        local = self._manifests(self.store)
-        remote = self._manifests(self.remote_store) if self.remote_store is not None and self._remote_ok else {}
-        ram = self._manifests(self.ram.store) if self.ram is not None else {}
-        keys = sorted({(m.seq, m.step) for m in [*local.values(), *remote.values(), *ram.values()]}, reverse=True)
-        seen[0] = len(keys)
-        by_key = lambda found: {(m.seq, m.step): n for n, m in found.items()}  # noqa: E731
-        local_by, remote_by, ram_by = by_key(local), by_key(remote), by_key(ram)
-        for key in keys:
-            if key in ram_by and self.ram is not None:
-                yield self.RAM + ram_by[key]  # memory first: the same checkpoint, read without a disk
-                if ram_by[key] in self.ram.store.list_committed():
-                    if key not in local_by and key not in remote_by:
-                        continue
-            if key in local_by:
-                yield local_by[key]
-                if local_by[key] in self.store.list_committed():
-                    continue  # invalid but could not be quarantined: not shadowed by a download
-            if key in remote_by and self.remote_store is not None:
-                try:
-                    yield self.download(remote_by[key])
-                except CorruptCheckpointError as e:
-                    self.invalid(self.remote_store, remote_by[key], str(e), tier="remote")
-
-    def _manifests(self, store: Any) -> dict[str, Manifest]:
-        """Readable manifests; unreadable committed ones are reported as invalid."""
-        from .reader import read_manifest
-
-        out = {}
-        try:
-            names = store.list_committed()
-        except Exception as e:
-            if store is self.store or (self.ram is not None and store is self.ram.store) or not is_transient(e):
-                raise
-            log.warning("remote tier %s unreachable (%s); resuming from the local tier only", store.url, e)
-            self._remote_unlisted = True
-            return {}
-        for name in names:
-            try:
-                out[name] = read_manifest(store, name)
-            except CorruptCheckpointError as e:
-                tier = "primary" if store is self.store else "ram" if self.ram and store is self.ram.store else "remote"
-                self.invalid(store, name, str(e), tier=tier)
-        return out
 
     def download(self, name: str) -> str:
         """Copy a checkpoint from the remote tier into the local one, verified; its local name."""
