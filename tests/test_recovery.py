@@ -258,10 +258,12 @@ def job(base: Path, *extra: str) -> list[str]:
     return [SCRIPT, "--run-dir", str(base / "run"), "--out", str(base / "out"), *extra]
 
 
-def run(args: list[str], ranks: int = 1, timeout: float = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, *args] if ranks == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *args]
-    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
+def run(args: list[str], ranks: int = 1, timeout: float = 300, restarts: int = 0,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, *args] if ranks == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+        f"--max-restarts={restarts}", *args]
+    return subprocess.run(cmd, env=env or ENV, capture_output=True, text=True, timeout=timeout)
 
 
 def final(base: Path) -> dict[str, torch.Tensor]:
@@ -352,17 +354,38 @@ def test_e2e_loss_spike_skip_is_reproduced_by_a_relaunch(ref1: Path, tmp_path: P
     assert last_losses(tmp_path / "b") == got
 
 
+@pytest.fixture(scope="module")
+def ref2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = tmp_path_factory.mktemp("ref2")
+    done = run(job(base), ranks=2)
+    assert done.returncode == 0, done.stderr
+    return base
+
+
 @pytest.mark.e2e
-def test_e2e_two_ranks_roll_back_to_the_same_step_bitwise(tmp_path: Path) -> None:
-    ref = run(job(tmp_path / "ref"), ranks=2)
-    assert ref.returncode == 0, ref.stderr
+def test_e2e_two_ranks_roll_back_to_the_same_step_bitwise(ref2: Path, tmp_path: Path) -> None:
     # an OOM on both ranks; a NaN loss on rank 0 only, made global by the job's all-reduced flag
     done = run(job(tmp_path / "f", "--faults", "7:oom,9:nan@0,17:oom"), ranks=2)
     assert done.returncode == 0, done.stderr
-    assert same(final(tmp_path / "f"), final(tmp_path / "ref"))
+    assert same(final(tmp_path / "f"), final(ref2))
     for rank in (0, 1):
-        assert last_losses(tmp_path / "f", rank) == last_losses(tmp_path / "ref", rank)
+        assert last_losses(tmp_path / "f", rank) == last_losses(ref2, rank)
     assert rollbacks(tmp_path / "f") == [(7, 5, 1, "OutOfMemoryError"), (9, 5, 1, "FloatingPointError"),
                                          (17, 15, 1, "OutOfMemoryError")]
     out = done.stdout + done.stderr
     assert out.count("step 9: FloatingPointError") == 2  # logged by both ranks
+
+
+@pytest.mark.e2e
+def test_e2e_one_rank_raising_alone_goes_to_the_relaunch_path(ref2: Path, tmp_path: Path) -> None:
+    """Rank 1 waits in the job's all-reduce: it cannot join; rank 0 re-raises after the bounded
+    agreement, torchrun restarts both ranks, and the restart resumes exactly."""
+    env = dict(ENV, UNBROKEN_RECOVER_AGREE_S="5")
+    done = run(job(tmp_path, "--faults", "7:oom@0"), ranks=2, restarts=1, env=env)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout + done.stderr
+    assert "not every rank joined the rollback" in out and "torch.OutOfMemoryError" in out
+    assert "resumed from" in out and rollbacks(tmp_path) == []
+    assert same(final(tmp_path), final(ref2))
+    for rank in (0, 1):
+        assert last_losses(tmp_path, rank) == last_losses(ref2, rank)

@@ -348,12 +348,13 @@ class Checkpointer:
         ``retries`` consecutive times without getting past the failed step. ``rollback_if(metrics)``
         true at a ``step()`` rolls back to before that step and skips ``skip_batches`` batches.
         Other exceptions, and the last one, propagate unchanged. See :mod:`unbroken.recovery`."""
-        classes = recovery.check(on, retries, rollback_if, skip_batches, state)
-        self._recovery = recovery.Policy(classes, retries, rollback_if, skip_batches)
+        policy = recovery.Policy(recovery.check(on, retries, rollback_if, skip_batches, state), retries, rollback_if,
+                                 skip_batches)
+        outer, self._recovery = self._recovery, policy  # nested: the inner one's predicate while it runs
         try:
-            return recovery.run(self, fn, state, self._recovery, lambda: self._guard and self._guard.mark())
+            return recovery.run(self, fn, state, policy, lambda: self._guard and self._guard.mark())
         finally:
-            self._recovery = None
+            self._recovery = outer
 
     def epochs(self, state: Mapping[str, Any], epochs: int | Sequence[Any]) -> Iterator[Any]:
         """``for epoch in ckpt.epochs(state, range(1, n + 1)):`` — the epochs left (an ``int`` n:

@@ -35,11 +35,12 @@ Rules and their reasons:
   checkpoint (a fresh run; a state restored from another path or an older tag), ``recover`` saves
   it first (a regular save, committed before ``fn`` starts). Restoring "the newest" would otherwise
   roll a fresh run back to nothing, or a branch back onto another branch.
-- **Several ranks.** Every rank must raise (step 3 is a collective). Before it, the ranks agree on
+- **Several ranks.** Every rank must raise (step 3 is a collective). First the failing ranks meet
+  in a gloo ``monitored_barrier`` bounded by ``UNBROKEN_RECOVER_AGREE_S`` (60 s), then agree on
   "retry or give up" with one collective, so all take the same decision. A rank that did not raise
-  and waits in the model's own collective (DDP's all-reduce) never joins: the failing rank's
-  agreement fails after the Checkpointer's collective timeout and the original exception is
-  re-raised, for the relaunch path. Make the decision global (all-reduce a non-finite flag).
+  and waits in the model's own collective (DDP's all-reduce) never joins: the barrier fails and the
+  original exception is re-raised on the ranks that raised, for the relaunch path (torchrun
+  restarts every rank). Make the decision global (all-reduce a non-finite flag) so every rank raises.
 - **Loss spikes** (``rollback_if``): evaluated in ``ckpt.step`` with that step's metrics, before
   the step is saved; with several ranks it rides on the step's existing agreement (any rank's
   True counts). ``ckpt.step`` raises :class:`LossSpike`, which ``recover`` handles like an
@@ -58,15 +59,16 @@ rank raising alone (above); and anything the step changed outside ``state``.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
 
 from .data import StreamLoader
 from .data.loader import ResumableLoader
-from .dist.comm import CoordinationError
 from .errors import ConfigurationError, UnbrokenError
 from .events import RolledBack
 
@@ -161,15 +163,12 @@ def run(ckpt: Any, fn: Callable[[], Any], state: MutableMapping[str, Any], polic
                 raise
             failed = e.step if isinstance(e, LossSpike) else ckpt.progress.step + 1
             attempt = policy.failure(failed)
-            try:
-                give_up = ckpt.comm.max(1 if attempt > policy.retries else 0)
-            except CoordinationError as ce:  # a rank that did not raise: it cannot join the rollback
-                log.error("step %d raised %s on rank %d, but the other ranks did not join the rollback (%s); "
-                          "re-raising it for the relaunch path", failed, type(e).__name__, ckpt.comm.rank, ce)
-                give_up = -1
-            if give_up == -1:
+            why = agree(ckpt.comm)
+            if why is not None:  # a rank that did not raise cannot join the rollback
+                log.error("step %d raised %s on rank %d, but not every rank joined the rollback (%s); re-raising "
+                          "it for the relaunch path", failed, type(e).__name__, ckpt.comm.rank, why)
                 raise
-            if give_up:
+            if ckpt.comm.max(1 if attempt > policy.retries else 0):
                 log.error("step %d raised %s: %s, after %d rollback(s) without getting past it; giving up "
                           "(the relaunch path takes over)", failed, type(e).__name__, e, attempt - 1)
                 raise
@@ -177,6 +176,25 @@ def run(ckpt: Any, fn: Callable[[], Any], state: MutableMapping[str, Any], polic
         # outside the except block: the exception's frames (and the dead iterators they hold) are released
         rollback(ckpt, state, policy, failed, error, attempt, spike)
         after_rollback()
+
+
+def agree(comm: Any) -> str | None:
+    """Whether every rank is here (in ``recover``, after an exception), within :func:`agree_timeout_s`:
+    ``None`` if so, else why not. A gloo ``monitored_barrier`` on the run's private group, so the
+    wait is bounded by its own timeout, not by the group's (10 minutes)."""
+    if comm.world == 1:
+        return None
+    try:
+        torch.distributed.monitored_barrier(group=comm.group, timeout=timedelta(seconds=agree_timeout_s()),
+                                            wait_all_ranks=True)
+    except RuntimeError as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
+
+
+def agree_timeout_s() -> float:
+    """How long a failing rank waits for the others to join the rollback (``UNBROKEN_RECOVER_AGREE_S``)."""
+    return float(os.environ.get("UNBROKEN_RECOVER_AGREE_S", "60"))
 
 
 def rollback(ckpt: Any, state: MutableMapping[str, Any], policy: Policy, failed: int, error: str, attempt: int,
