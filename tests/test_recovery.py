@@ -146,6 +146,22 @@ def test_retries_count_consecutive_failures_without_progress(tmp_path: Path) -> 
     assert got.value is errors[2]
 
 
+def test_a_guard_around_recover_saves_the_exact_emergency_checkpoint_once_retries_run_out(
+        tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
+    state = build()
+    with unbroken.Checkpointer(tmp_path / "run", save_every=4, preemption=None) as ckpt:
+        ckpt.restore(state)
+        with pytest.raises(torch.OutOfMemoryError), ckpt.guard(state):
+            ckpt.recover(train(ckpt, state, 10, {7: [torch.OutOfMemoryError("oom")] * 2}), state,
+                         on=torch.OutOfMemoryError, retries=1)
+        assert ckpt.last_saved is not None and (ckpt.last_saved.kind, ckpt.last_saved.step) == ("emergency", 6)
+    state = build(seed=5)  # the relaunch: new objects
+    with unbroken.Checkpointer(tmp_path / "run", save_every=4, preemption=None) as ckpt:
+        assert ckpt.restore(state).step == 6
+        assert train(ckpt, state, 10, {})() == 10
+    assert same(params(state), reference)
+
+
 def test_policy_counts_a_failure_earlier_in_the_rerun_stretch_as_consecutive() -> None:
     p = Policy((Exception,), retries=3)
     assert [p.failure(s) for s in (10, 10, 8, 10, 11, 11, 30)] == [1, 2, 3, 4, 1, 2, 1]
