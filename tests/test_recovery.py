@@ -405,3 +405,16 @@ def test_e2e_one_rank_raising_alone_goes_to_the_relaunch_path(ref2: Path, tmp_pa
     assert same(final(tmp_path), final(ref2))
     for rank in (0, 1):
         assert last_losses(tmp_path, rank) == last_losses(ref2, rank)
+
+
+@pytest.mark.e2e
+def test_e2e_an_oom_inside_ddp_backward_goes_to_the_relaunch_path(ref2: Path, tmp_path: Path) -> None:
+    """Documented limit: after an exception in the middle of DDP's backward its reducer still waits for
+    the rest of the reduction, so the re-run's first forward raises DDP's RuntimeError (not in ``on``):
+    it propagates, torchrun restarts both ranks, and the restart resumes exactly."""
+    done = run(job(tmp_path, "--faults", "7:oombw"), ranks=2, restarts=1)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout + done.stderr
+    assert "Expected to have finished reduction in the prior iteration" in out and "resumed from" in out
+    assert [r[0] for r in rollbacks(tmp_path)] == [7]
+    assert same(final(tmp_path), final(ref2))
