@@ -61,7 +61,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -101,7 +101,6 @@ class Policy:
     skip_batches: int = 0
     count: int = 0
     failed_at: int | None = None  # the furthest step that failed since the count last reset
-    history: list[RolledBack] = field(default_factory=list)
 
     def spiked(self, metrics: dict[str, Any]) -> bool:
         """The user's predicate on one step's metrics (``Checkpointer.step`` asks, before saving)."""
@@ -142,7 +141,12 @@ def check(on: Any, retries: Any, rollback_if: Any, skip_batches: Any, state: Map
 def ensure_target(ckpt: Any, state: Mapping[str, Any]) -> None:
     """Save the live state unless it is the run's newest checkpoint (see the module docstring)."""
     ckpt.flush()  # a failed background save is raised here: the user sees it before training
-    newest = ckpt.latest()
+    try:
+        newest = ckpt.latest()
+    except Exception as e:  # noqa: BLE001 - a tier that cannot be listed now: save, to be sure of a target
+        log.warning("recover: could not list %s (%s: %s); saving the live state as the rollback target",
+                    ckpt.location, type(e).__name__, e)
+        newest = None
     need = newest is None or newest.step != ckpt.progress.step or ckpt.progress.micro_step != 0
     if ckpt.comm.max(1 if need else 0):  # every rank saves, or none
         ckpt.save(state)
@@ -207,7 +211,6 @@ def rollback(ckpt: Any, state: MutableMapping[str, Any], policy: Policy, failed:
         raise ConfigurationError(f"recover: {ckpt.location} has no checkpoint to roll back to")
     skipped = skip(ckpt, state, policy.skip_batches) if spike else 0
     event = RolledBack(failed, info.step, info.name, error, attempt, policy.retries, skipped)
-    policy.history.append(event)
     ckpt.events.publish(event)
     log.warning("step %d: %s; rolled back to %s (step %d)%s, retry %d of %d", failed, error, info.name, info.step,
                 f", {skipped} batch(es) skipped" if skipped else "", attempt, policy.retries)
