@@ -229,6 +229,46 @@ def test_an_iterator_started_before_the_rollback_is_refused(tmp_path: Path) -> N
             ckpt.recover(fn, state, on=torch.OutOfMemoryError)
 
 
+def counted_job(run: Path, fail: set[int], spike_at: int = 0) -> tuple[dict[str, torch.Tensor], dict[int, int]]:
+    """Two epochs over ``ckpt.batches(range(...))`` (no ResumableLoader) inside ``ckpt.epochs``; the
+    steps in ``fail`` raise once; a loss spike at ``spike_at`` (once) skips 2 items. Returns the final
+    tensors and the item each step trained on."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.2), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    xs = torch.randn(40, 4, generator=torch.Generator().manual_seed(3))
+    state, seen = {"model": model, "optimizer": opt}, {}
+    with unbroken.Checkpointer(run, save_every=3, preemption=None) as ckpt:
+        ckpt.restore(state)
+
+        def fn() -> None:
+            for _ in ckpt.epochs(state, 2):
+                for i in ckpt.batches(range(0, 40, 4)):
+                    step = ckpt.progress.step + 1
+                    loss = model(xs[i:i + 4]).pow(2).mean()
+                    loss.backward()
+                    if step in fail:
+                        fail.discard(step)
+                        raise FloatingPointError(f"step {step}")
+                    opt.step()
+                    opt.zero_grad()
+                    seen[step] = i
+                    ckpt.step(state, loss=loss.detach())
+        spikes = [spike_at]
+        ckpt.recover(fn, state, on=FloatingPointError, skip_batches=2,
+                     rollback_if=lambda m: ckpt.progress.step in spikes and not spikes.remove(ckpt.progress.step))
+    return params(state), seen
+
+
+def test_ckpt_batches_serves_the_items_after_the_restored_position(tmp_path: Path) -> None:
+    want, want_seen = counted_job(tmp_path / "ref", set())
+    got, got_seen = counted_job(tmp_path / "run", {5, 12})  # 12: in the second epoch, back to step 9 in the first
+    assert got_seen == want_seen and len(got_seen) == 20
+    assert same(got, want)
+    _, spiked = counted_job(tmp_path / "spike", set(), spike_at=4)  # back to step 3 (item 3), 2 items skipped
+    assert [spiked[s] for s in range(1, 10)] == [0, 4, 8, 20, 24, 28, 32, 36, 0]
+
+
 def test_loss_spike_rolls_back_skips_and_saves_the_new_position(tmp_path: Path) -> None:
     state = build()
     with unbroken.Checkpointer(tmp_path / "run", save_every=3, keep_last=None, preemption=None) as ckpt:

@@ -46,7 +46,8 @@ Rules and their reasons:
   True counts). ``ckpt.step`` raises :class:`LossSpike`, which ``recover`` handles like an
   exception in ``on``: back to the newest checkpoint (an earlier step, since this one was not
   saved), then the data position moves ``skip_batches`` batches on (``ResumableLoader``: global
-  batches, never past the epoch's end; ``ckpt.batches()``: items), and that position is saved at
+  batches, never past the epoch's end; ``ckpt.batches()``: items, and a skip past the end of the
+  iterable just ends the epoch), and that position is saved at
   once (``kind="rollback"``, the newest checkpoint), so a relaunch reproduces the same run. The skip
   is in the run index's ``rolled_back`` row and in the checkpoint's progress.
 
