@@ -459,3 +459,23 @@ def test_e2e_an_oom_inside_ddp_backward_goes_to_the_relaunch_path(ref2: Path, tm
     assert "Expected to have finished reduction in the prior iteration" in out and "resumed from" in out
     assert [r[0] for r in rollbacks(tmp_path)] == [7]
     assert same(final(tmp_path), final(ref2))
+
+
+@pytest.mark.e2e
+def test_e2e_two_ranks_loss_spike_on_one_rank_rolls_back_both_and_a_relaunch_reproduces_it(
+        ref2: Path, tmp_path: Path) -> None:
+    bad = last_losses(ref2, 1)[12][1][0]  # a sample rank 1 trains on at step 12: only its loss spikes
+    spike = ("--spike-sample", str(bad), "--rollback-if", "--skip-batches", "3")
+    a = run(job(tmp_path / "a", *spike), ranks=2)
+    assert a.returncode == 0, a.stderr
+    out = a.stdout + a.stderr
+    assert "rollback_if was true at step 12 (loss=" in out and "at step 12 on another rank" in out
+    assert [(r[0], r[1]) for r in rollbacks(tmp_path / "a")][0] == (12, 10)
+    for rank in (0, 1):
+        ref, got = last_losses(ref2, rank), last_losses(tmp_path / "a", rank)
+        assert got[11][1] == ref[14][1]  # both ranks skipped the same three global batches
+    assert not same(final(tmp_path / "a"), final(ref2))
+    # rank 0 SIGKILLed at the first step after the rollback; torchrun restarts both: the same run
+    b = run(job(tmp_path / "b", *spike, "--faults", "11:kill:1:1@0"), ranks=2, restarts=1)
+    assert b.returncode == 0 and "step-000000010-2" in b.stdout + b.stderr, b.stderr
+    assert same(final(tmp_path / "b"), final(tmp_path / "a"))

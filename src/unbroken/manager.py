@@ -331,7 +331,7 @@ class Checkpointer:
         flags = self.comm.max((1 if self._due(epoch_end=False) else 0) | (2 if self._signals.received else 0)
                               | (4 if spike else 0))
         if flags & 4:  # before this step is saved: recover() rolls back to an earlier checkpoint
-            raise recovery.LossSpike(self.progress.step, clean)
+            raise recovery.LossSpike(self.progress.step, clean, here=spike)
         info = self.save(state) if flags & 1 else None
         if flags & 2:
             sig = self._signals.received or signal.SIGTERM  # a peer's signal: stop at the same step

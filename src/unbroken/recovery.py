@@ -80,9 +80,10 @@ class LossSpike(UnbrokenError):
     """``rollback_if`` returned True at ``step`` (raised by ``Checkpointer.step`` inside
     :meth:`~unbroken.Checkpointer.recover`; it propagates once the retries are used up)."""
 
-    def __init__(self, step: int, metrics: Mapping[str, Any]) -> None:
+    def __init__(self, step: int, metrics: Mapping[str, Any], here: bool = True) -> None:
         shown = ", ".join(f"{k}={_number(v)}" for k, v in metrics.items())
-        super().__init__(f"rollback_if was true at step {step} ({shown})")
+        where = f"({shown})" if here else f"on another rank (here: {shown})"
+        super().__init__(f"rollback_if was true at step {step} {where}")
         self.step = step
 
 
