@@ -13,6 +13,7 @@ counted in ``OUT/fault-*`` files so a relaunch sees how many already fired; ``@r
 one rank (default: every rank).
 
 - ``oom``: ``torch.OutOfMemoryError`` from inside the forward, after the dropout drew from the RNG;
+- ``realoom``: the same from a real 32 TiB allocation on the model's device (``--device cuda``);
 - ``oombw``: ``torch.OutOfMemoryError`` from inside the backward (a hook of the hidden layer's
   output), after the last layer's gradients were accumulated;
 - ``nan``: the loss becomes NaN; the loop all-reduces "is any loss non-finite" and every rank
@@ -96,6 +97,8 @@ class Raise(torch.nn.Module):
         kind, self.faults.armed = self.faults.armed, None
         if kind == "oom":
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        if kind == "realoom":  # a real allocation failure of the CUDA caching allocator (--device cuda)
+            torch.empty(1 << 45, dtype=torch.uint8, device=x.device)
         if kind == "key":
             raise KeyError("injected")
         if kind == "oombw":
@@ -118,6 +121,7 @@ def main() -> int:
     ap.add_argument("--spike-sample", type=int, default=-1)
     ap.add_argument("--rollback-if", action="store_true")
     ap.add_argument("--skip-batches", type=int, default=0)
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -127,9 +131,11 @@ def main() -> int:
     rank = dist.get_rank() if dist.is_initialized() else 0
     faults = Faults(args.faults, out, rank)
 
+    if args.device != "cpu":
+        torch.use_deterministic_algorithms(True)  # needs CUBLAS_WORKSPACE_CONFIG=:4096:8
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(D, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2), Raise(faults),
-                                torch.nn.Linear(32, C))
+                                torch.nn.Linear(32, C)).to(args.device)
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
@@ -147,7 +153,8 @@ def main() -> int:
                 step = ckpt.progress.step + 1
                 if faults.take(step, "kill"):
                     os.kill(os.getpid(), signal.SIGKILL)
-                for kind in ("oom", "oombw", "key"):
+                x, y = x.to(args.device), y.to(args.device)
+                for kind in ("oom", "realoom", "oombw", "key"):
                     if faults.take(step, kind):
                         faults.armed = kind
                 loss = F.cross_entropy(model(x), y)
@@ -178,10 +185,10 @@ def main() -> int:
     ckpt.close()
     if rank == 0:
         plain = model.module if world > 1 else model
-        tensors = {f"model/{k}": v.detach().clone().contiguous() for k, v in plain.state_dict().items()}
+        tensors = {f"model/{k}": v.detach().cpu().contiguous() for k, v in plain.state_dict().items()}
         for pid, st in opt.state_dict()["state"].items():
             for k, v in st.items():
-                tensors[f"optimizer/{pid}/{k}"] = torch.as_tensor(v).detach().clone().contiguous().reshape(-1)
+                tensors[f"optimizer/{pid}/{k}"] = torch.as_tensor(v).detach().cpu().contiguous().reshape(-1)
         save_file(tensors, str(out / "final.safetensors"))
     print(f"finished at step {done}", flush=True)
     if dist.is_initialized():
