@@ -122,6 +122,7 @@ def main() -> int:
     ap.add_argument("--rollback-if", action="store_true")
     ap.add_argument("--skip-batches", type=int, default=0)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--ram", action="store_true", help="a RAM tier (unbroken.RamTier, where it exists)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -142,8 +143,9 @@ def main() -> int:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.05 * s))
     loader = unbroken.data.ResumableLoader(Data(), batch_size=8, seed=5)
     state = {"model": model, "optimizer": opt, "scheduler": sched, "data": loader}
+    ram = dict(ram=unbroken.RamTier(keep_last=2, persist_every=4)) if args.ram else {}
     ckpt = unbroken.Checkpointer(args.run_dir, save_every=args.save_every, keep_last=None,
-                                 async_save=args.async_save)
+                                 async_save=args.async_save, **ram)
     ckpt.restore(state)
     log = open(out / f"losses-r{rank}.jsonl", "a")
 

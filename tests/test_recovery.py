@@ -479,3 +479,16 @@ def test_e2e_two_ranks_loss_spike_on_one_rank_rolls_back_both_and_a_relaunch_rep
     b = run(job(tmp_path / "b", *spike, "--faults", "11:kill:1:1@0"), ranks=2, restarts=1)
     assert b.returncode == 0 and "step-000000010-2" in b.stdout + b.stderr, b.stderr
     assert same(final(tmp_path / "b"), final(tmp_path / "a"))
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(not hasattr(unbroken, "RamTier"), reason="the RAM tier (issue 26 §1) is not on this branch yet")
+def test_e2e_rollbacks_read_the_ram_tier(ref1: Path, tmp_path: Path) -> None:
+    """With a RAM tier the rollback goes through the same restore path, so it reads memory."""
+    ram = tmp_path / "shm"
+    done = run(job(tmp_path, "--ram", "--faults", "7:oom,13:nan"), env=dict(ENV, UNBROKEN_RAM_ROOT=str(ram)))
+    assert done.returncode == 0, done.stderr
+    assert [r[:2] for r in rollbacks(tmp_path)] == [(7, 5), (13, 10)]
+    resumed = [line for line in done.stderr.splitlines() if "resumed from" in line]
+    assert len(resumed) == 2 and all(str(ram) in line for line in resumed), resumed
+    assert same(final(tmp_path), final(ref1))
