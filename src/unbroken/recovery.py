@@ -31,9 +31,11 @@ Rules and their reasons:
   object), so the relaunch path — torchrun restarts, SLURM requeue, the guard's emergency
   checkpoint when ``ckpt.guard`` is *around* ``recover`` — works as without recovery. The guard's
   evidence is re-taken after each rollback.
-- **A rollback target exists before ``fn`` runs.** If the live state is not the run's newest
-  checkpoint (a fresh run; a state restored from another path or an older tag), ``recover`` saves
-  it first (a regular save, committed before ``fn`` starts). Restoring "the newest" would otherwise
+- **A rollback target exists before ``fn`` runs.** If the run's newest checkpoint is not at the live
+  state's step (a fresh run; a state restored from another path or an older tag; a run whose tiers
+  cannot be listed now), ``recover`` saves the live state first (a regular save, committed before
+  ``fn`` starts). Judged by the step alone: a state restored from elsewhere *at the step of the
+  run's newest checkpoint* is not saved, and a rollback goes to that newest checkpoint. Restoring "the newest" would otherwise
   roll a fresh run back to nothing, or a branch back onto another branch.
 - **Several ranks.** Every rank must raise (step 3 is a collective). First the failing ranks meet
   in a gloo ``monitored_barrier`` bounded by ``UNBROKEN_RECOVER_AGREE_S`` (60 s), then agree on
