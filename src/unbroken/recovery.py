@@ -182,7 +182,11 @@ def run(ckpt: Any, fn: Callable[[], Any], state: MutableMapping[str, Any], polic
                 raise
             error = f"{type(e).__name__}: {e}"
         # outside the except block: the exception's frames (and the dead iterators they hold) are released
-        rollback(ckpt, state, policy, failed, error, attempt, spike)
+        try:
+            rollback(ckpt, state, policy, failed, error, attempt, spike)
+        except BaseException:  # the restore itself failed (no valid checkpoint, a rank gone): say what came first
+            log.error("step %d: %s; rolling back failed:", failed, error)
+            raise
         after_rollback()
 
 
