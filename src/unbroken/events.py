@@ -135,6 +135,22 @@ class Preempted(Event):
     requeue: bool
 
 
+@dataclass(frozen=True)
+class RolledBack(Event):
+    """``Checkpointer.recover`` rolled the live state back in the process: step ``step_failed``
+    raised ``error`` (or ``rollback_if`` was true there), ``checkpoint`` (step ``restored_step``)
+    was restored, ``attempt`` of ``retries`` consecutive rollbacks; ``skipped_batches`` of data
+    were skipped after it (a loss-spike rollback)."""
+
+    step_failed: int
+    restored_step: int
+    checkpoint: str
+    error: str
+    attempt: int
+    retries: int
+    skipped_batches: int = 0
+
+
 class Listener(Protocol):
     """Anything with ``on_event(event)``."""
 

@@ -15,12 +15,12 @@ import os
 import signal
 import weakref
 import time
-from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
+from typing import Any, Literal, TypeVar
 
 import torch
 
-from . import console
+from . import console, recovery
 from .exithooks import at_exit
 from .api import CheckpointInfo
 from .background import BackgroundSaves
@@ -52,6 +52,7 @@ from .ram import RamTier
 from .tiers import Remote
 
 log = logging.getLogger("unbroken")
+T = TypeVar("T")
 _open: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
 
 
@@ -159,6 +160,7 @@ class Checkpointer:
         self._save_comm = Comm() if async_save and self.comm.world > 1 else self.comm
         self._signals = SignalWatcher(self.preemption.signals)
         self._guard: StepGuard | None = None
+        self._recovery: recovery.Policy | None = None  # inside recover(): its loss-spike predicate
         self._environment: dict[str, Any] | None = None
         self._recorder: Recorder | None = None
         self._plugins: list[Any] = []
@@ -335,8 +337,12 @@ class Checkpointer:
         self.events.publish(StepEnded(self.progress.step, clean))
         if self._selftest is not None:  # the step's fingerprint, before any save (same instant in every run)
             self._selftest.step_ended(self, state, clean)
-        # the ranks agree on saving and on preemption: one small collective per step (none at world size 1)
-        flags = self.comm.max((1 if self._due(epoch_end=False) else 0) | (2 if self._signals.received else 0))
+        # the ranks agree on saving, preemption and a loss spike: one small collective per step (none at world size 1)
+        spike = self._recovery is not None and self._recovery.spiked(clean)
+        flags = self.comm.max((1 if self._due(epoch_end=False) else 0) | (2 if self._signals.received else 0)
+                              | (4 if spike else 0))
+        if flags & 4:  # before this step is saved: recover() rolls back to an earlier checkpoint
+            raise recovery.LossSpike(self.progress.step, clean, here=spike)
         info = self.save(state) if flags & 1 else None
         if flags & 2:
             sig = self._signals.received or signal.SIGTERM  # a peer's signal: stop at the same step
@@ -345,6 +351,21 @@ class Checkpointer:
         if self._selftest is not None:
             self._selftest.after_step(self)  # a planned interruption or stop (SystemExit(0) after step N)
         return info
+
+    def recover(self, fn: Callable[[], T], state: MutableMapping[str, Any], *, on: Any, retries: int = 3,
+                rollback_if: Callable[[dict[str, Any]], Any] | None = None, skip_batches: int = 0) -> T:
+        """Call ``fn()`` (the training loop) and return its result; when it raises an instance of
+        ``on``, roll ``state`` back in place to the newest checkpoint and call it again, up to
+        ``retries`` consecutive times without getting past the failed step. ``rollback_if(metrics)``
+        true at a ``step()`` rolls back to before that step and skips ``skip_batches`` batches.
+        Other exceptions, and the last one, propagate unchanged. See :mod:`unbroken.recovery`."""
+        policy = recovery.Policy(recovery.check(on, retries, rollback_if, skip_batches, state), retries, rollback_if,
+                                 skip_batches)
+        outer, self._recovery = self._recovery, policy  # nested: the inner one's predicate while it runs
+        try:
+            return recovery.run(self, fn, state, policy, lambda: self._guard and self._guard.mark())
+        finally:
+            self._recovery = outer
 
     def epochs(self, state: Mapping[str, Any], epochs: int | Sequence[Any]) -> Iterator[Any]:
         """``for epoch in ckpt.epochs(state, range(1, n + 1)):`` — the epochs left (an ``int`` n:

@@ -58,6 +58,12 @@ class Recorder:
         elif isinstance(e, ev.UploadFailed):
             self.event("upload_failed", e.error, checkpoint=e.name,
                        data={"attempt": e.attempt, "will_retry": e.will_retry})
+        elif isinstance(e, ev.RolledBack):  # a resume inside the process: a new segment after it
+            self.event("rolled_back", e.error, step=e.step_failed, checkpoint=e.checkpoint,
+                       data={"restored_step": e.restored_step, "attempt": e.attempt, "retries": e.retries,
+                             "skipped_batches": e.skipped_batches})
+            self._segment, self._rows = False, {}
+            self.segment(e.checkpoint, e.restored_step)
         elif isinstance(e, ev.Preempted):
             self.event("preempted", e.signal, step=e.step, checkpoint=e.checkpoint,
                        data={"waited_s": e.waited_s, "save_s": e.save_s, "grace_period_s": e.grace_period_s,
