@@ -123,8 +123,13 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor
     logits = model(batch[:, :-1])
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
     loss.backward()
+    cuda = loss.is_cuda
+    if cuda:
+        torch.cuda.synchronize()
     t = time.perf_counter()
     opt.step()
+    if cuda:
+        torch.cuda.synchronize()
     took = time.perf_counter() - t
     opt.zero_grad(set_to_none=True)
     return loss.detach(), took
@@ -138,7 +143,7 @@ def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
 def params_sha256(model: nn.Module) -> str:
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().contiguous().numpy())
+        h.update(p.detach().cpu().contiguous().numpy())
     return h.hexdigest()
 
 
@@ -148,7 +153,10 @@ def run_child(cfg: str, a: argparse.Namespace, out: Path) -> dict[str, Any]:
     from unbroken.data import ResumableLoader
 
     torch.set_num_threads(a.threads)
+    if a.device != "cpu":
+        torch.use_deterministic_algorithms(True, warn_only=True)
     model, opt, ds = build(a.layers, a.dim, a.seq, a.vocab)
+    model.to(a.device)
     loader = ResumableLoader(ds, batch_size=a.batch, seed=0, num_workers=0)
     state = {"model": model, "optimizer": opt, "data": loader}
     ckpt = None
@@ -166,7 +174,7 @@ def run_child(cfg: str, a: argparse.Namespace, out: Path) -> dict[str, Any]:
         if k == a.warmup:
             t0 = time.perf_counter()
         ts = time.perf_counter()
-        loss, opt_took = train_step(model, opt, next(it))
+        loss, opt_took = train_step(model, opt, next(it).to(a.device))
         timed = k >= a.warmup
         if timed:
             (after_times if after_save else opt_times).append(opt_took)
@@ -174,6 +182,8 @@ def run_child(cfg: str, a: argparse.Namespace, out: Path) -> dict[str, Any]:
         if ckpt is not None:
             t = time.perf_counter()
             ckpt.step(state)
+            if a.device != "cpu":  # what the training stream waited for, not only the CPU
+                torch.cuda.synchronize()
             took = time.perf_counter() - t
             if ckpt.progress.step % every == 0:
                 last_save, after_save = ckpt.progress.step, timed and not ram  # ram: every step saves
@@ -182,6 +192,8 @@ def run_child(cfg: str, a: argparse.Namespace, out: Path) -> dict[str, Any]:
                 if not ram:
                     continue
         if timed:
+            if a.device != "cpu":
+                torch.cuda.synchronize()
             step_times.append(time.perf_counter() - ts)  # steps that did not save
     if ckpt is not None:
         ckpt.flush()  # a background save still in flight is part of the cost
@@ -235,6 +247,8 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=50, help="save every this many steps (default 50)")
     ap.add_argument("--reps", type=int, default=3, help="runs per configuration, round robin; medians (default 3)")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads in every run (default 2)")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda: the model and batches there, "
+                    "deterministic algorithms, a synchronize after each step and each save (the stall is the GPU's)")
     ap.add_argument("--quick", action="store_true", help="smoke run: --steps 30 --warmup 3 --every 10 --reps 1")
     ap.add_argument("--dir", help="where to save (default: the temp dir if on the repo's filesystem, else the repo)")
     ap.add_argument("--json", metavar="FILE", help="also write the results as one JSON object")
@@ -251,7 +265,7 @@ def main() -> None:
     repo, tmpdir = Path(__file__).resolve().parents[1], tempfile.gettempdir()
     base = a.dir or (tmpdir if os.stat(tmpdir).st_dev == os.stat(repo).st_dev else str(repo))
     tmp = Path(tempfile.mkdtemp(prefix="unbroken-bench-train-", dir=base))
-    flags = [f"--{k}={getattr(a, k)}" for k in (*MODEL_ARGS, "steps", "warmup", "every", "threads")]
+    flags = [f"--{k}={getattr(a, k)}" for k in (*MODEL_ARGS, "steps", "warmup", "every", "threads", "device")]
     runs: list[dict[str, Any]] = []
     loadavg: list[float] = []
     started = time.perf_counter()
@@ -273,7 +287,7 @@ def main() -> None:
     ref = next(r for r in runs if r["config"] == "no_ckpt")
     for r in runs:  # exactness: checkpointing must not change a single bit of training
         if r["final_loss"] != ref["final_loss"] or r["params_sha256"] != ref["params_sha256"]:
-            sys.exit(f"NOT EXACT: {r['config']} (rep {r['rep']}) trained differently from no_ckpt: final loss "
+            (print if a.device != "cpu" else sys.exit)(f"NOT EXACT: {r['config']} (rep {r['rep']}) trained differently from no_ckpt: final loss "
                      f"{r['final_loss']!r} vs {ref['final_loss']!r}, parameters {r['params_sha256'][:16]} vs "
                      f"{ref['params_sha256'][:16]}")
     med = {c: {k: statistics.median(r[k] for r in runs if r["config"] == c)
@@ -298,8 +312,11 @@ def main() -> None:
              f"{ref['state_bytes'] / 1e6:.1f} MB (params + AdamW moments); {a.steps} timed steps after {a.warmup} "
              f"warm-up, save every {a.every}; {a.threads} torch threads; median of {a.reps} runs; 1-min load "
              f"average {min(loadavg):.1f}-{max(loadavg):.1f}; took {time.perf_counter() - started:.0f} s.")
+    all_exact = all(r["final_loss"] == ref["final_loss"] and r["params_sha256"] == ref["params_sha256"] for r in runs)
     exact = (f"Exactness: every run's final loss {ref['final_loss']!r} and parameter SHA-256 "
-             f"{ref['params_sha256'][:16]}... equal no_ckpt's ({len(runs)} runs).")
+             f"{ref['params_sha256'][:16]}... equal no_ckpt's ({len(runs)} runs)." if all_exact else
+             "NOT EXACT: some runs trained differently from no_ckpt (see above; on a GPU, a kernel without a "
+             "deterministic implementation does this to any two runs)")
     if min(overhead.values()) < -2:  # checkpointing cannot make training faster: other work skewed the runs
         exact += ("\nNOISY: a checkpointed configuration ran faster than no_ckpt, so other work on the machine "
                   "skewed the runs: trust the stall columns and the median step times, use more --reps.")
@@ -315,7 +332,7 @@ def main() -> None:
                "next_step_wait_per_save_s": {c: med[c]["next_step_wait_per_save_s"] for c in ckpts},
                "state_bytes": ref["state_bytes"], "every": a.every, "steps": a.steps, "warmup": a.warmup,
                "reps": a.reps, "threads": a.threads, "model": {k: getattr(a, k) for k in MODEL_ARGS},
-               "final_loss": ref["final_loss"], "exact": True, "machine": info, "runs": runs}
+               "final_loss": ref["final_loss"], "exact": all_exact, "device": a.device, "machine": info, "runs": runs}
         Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
     if a.markdown:
         Path(a.markdown).write_text(f"{title}\n\nMachine: {info}\n\n{render(head, rows, md=True)}\n\n{exact}\n\n"
