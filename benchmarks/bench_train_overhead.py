@@ -249,6 +249,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads in every run (default 2)")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda: the model and batches there, "
                     "deterministic algorithms, a synchronize after each step and each save (the stall is the GPU's)")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="which configurations, comma-separated "
+                    "(no_ckpt always runs; default: all)")
     ap.add_argument("--quick", action="store_true", help="smoke run: --steps 30 --warmup 3 --every 10 --reps 1")
     ap.add_argument("--dir", help="where to save (default: the temp dir if on the repo's filesystem, else the repo)")
     ap.add_argument("--json", metavar="FILE", help="also write the results as one JSON object")
@@ -259,6 +261,10 @@ def main() -> None:
         a.steps, a.warmup, a.every, a.reps = 30, 3, 10, 1
     if (a.warmup + a.steps) // a.every <= a.warmup // a.every:
         ap.error("no save would fall in the timed steps: raise --steps or lower --every")
+    wanted = ["no_ckpt", *(c for c in a.configs.split(",") if c in CONFIGS and c != "no_ckpt")]
+    for c in list(CONFIGS):
+        if c not in wanted and not a.child:
+            del CONFIGS[c]
     if a.child:  # one configuration in its own process; the result is the last line of stdout
         print(json.dumps(run_child(a.child, a, Path(a.dir))))
         return
@@ -297,7 +303,7 @@ def main() -> None:
     # blocked time per save (the stall plus the next step's extra wait) over the time of `every`
     # median no_ckpt steps: what checkpointing costs the loop, robust to other work on the machine
     step0 = med["no_ckpt"]["median_step_s"]
-    for c in RAM_CONFIGS:  # every step follows a save: the wait is the optimizer step's excess over no_ckpt's
+    for c in (c for c in RAM_CONFIGS if c in CONFIGS):  # every step follows a save: the wait is the optimizer step's excess over no_ckpt's
         med[c]["next_step_wait_per_save_s"] = med[c]["opt_step_s"] - med["no_ckpt"]["opt_step_s"]
     blocked = {c: (max(0.0, med[c]["stall_per_save_s"]) + max(0.0, med[c]["next_step_wait_per_save_s"]))
                / ((1 if c in RAM_CONFIGS else a.every) * step0) * 100 for c in CONFIGS if c != "no_ckpt"}
