@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -100,8 +101,8 @@ def train(args: argparse.Namespace) -> int:
     for part in args.omit:  # negative controls for the tests: forget part of the state
         state.pop(part, None)
     info = ckpt.restore(state)
-    print(f"resumed from step {info.step} ({'ram' if 'unbroken-' in info.path and args.ram else 'disk'})"
-          if info else "fresh start", flush=True)
+    where = f" ({'ram' if f'/unbroken-{os.getuid()}/' in info.path else 'disk'})" if info and args.ram else ""
+    print(f"resumed from step {info.step}{where}" if info else "fresh start", flush=True)
     # -----------------------------------------------------------------------------
 
     batches = iter(loader)  # continues mid-epoch after a restore, nothing replayed

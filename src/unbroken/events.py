@@ -47,6 +47,8 @@ class Saved(Event):
     manifest: Any
     took_s: float
     tags: tuple[str, ...] = ()
+    tier: str = "primary"
+    """``"ram"``: committed to the RAM tier (:mod:`unbroken.ram`), not (yet) to the run location."""
 
 
 @dataclass(frozen=True)

@@ -433,7 +433,7 @@ class Checkpointer:
         shared, mine = split(state, prog, self.schedule.state_dict() if self.schedule.trigger is not None else None,
                              self.rng, rng)
         if self._recorder is not None:  # the metric rows up to this checkpoint are durable before it commits
-            self._recorder.durable(prog["step"])
+            self._recorder.durable(prog["step"], sync=not self.run.saves_to_ram(kind))
         t0 = time.monotonic()
         probe = run_probe(self.probe) if self.probe is not None and kind != "emergency" else None
         lazy = self.async_save == "lazy" and kind == "regular"
@@ -470,9 +470,10 @@ class Checkpointer:
         info = CheckpointInfo.of(self.run.describe(final), final, manifest)
         self.last_saved = info
         self.schedule.saved(manifest.step, manifest.metrics, manifest.progress.get("epoch", 0))
-        self.events.publish(Saved(final, info.path, manifest, took, tuple(tags)))
+        in_ram = self.run.in_ram(final)
+        self.events.publish(Saved(final, info.path, manifest, took, tuple(tags), "ram" if in_ram else "primary"))
         new = self.run.chunks.last.written_bytes if self.run.chunks is not None else None
-        log.log(logging.DEBUG if self.run.in_ram(final) else logging.INFO,  # RAM saves: often every step
+        log.log(logging.DEBUG if in_ram else logging.INFO,  # RAM saves: often every step
                 "saved step %d to %s (%s%.1f MB%s in %.2f s)", manifest.step, info.path,
                  "" if kind == "regular" else f"{kind}, ", info.size_bytes / 1e6,
                  f", {new / 1e6:.1f} MB of it new" if new is not None else "", took)

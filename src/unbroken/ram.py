@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from .errors import ConfigurationError, InsufficientSpaceError, StorageError
+from .errors import ConfigurationError, InsufficientSpaceError, StorageError, UnbrokenError
 from .events import Event, Persisted, Pruned
 from .format.manifest import Manifest
 from .ramwriter import Persister
@@ -143,6 +143,7 @@ class RamRun:
         self.failures: list[str] = []
         self._done: list[tuple[str, str, float]] = []  # persisted, not yet handled by the run
         self._owner: int | None = None
+        self._manifests: dict[str, Manifest] = {}  # committed RAM checkpoints (a name never changes)
         self._lock = threading.RLock()  # saves commit in a background thread (async_save), prunes in the loop's
 
     # ---------------------------------------------------------------- lifecycle
@@ -173,6 +174,21 @@ class RamRun:
         held = self.store.list_committed()
         if held:
             log.info("the RAM tier %s holds %d checkpoint(s) of a previous process", self.dir, len(held))
+
+    def manifests(self) -> dict[str, Manifest]:
+        """The readable manifests of the committed RAM checkpoints (read once per checkpoint)."""
+        from .manifests import read_manifest
+
+        names = set(self.store.list_committed())
+        with self._lock:
+            for name in names - set(self._manifests):
+                try:
+                    self._manifests[name] = read_manifest(self.store, name)
+                except (UnbrokenError, OSError):  # unreadable: left to the restore's verification
+                    continue
+            for gone in set(self._manifests) - names:
+                del self._manifests[gone]
+            return {n: m for n, m in self._manifests.items() if n in names}
 
     def shared_token(self) -> str:
         """A file only this node's ranks can see (the multi-node check of :meth:`check_shared`)."""

@@ -226,7 +226,7 @@ class Run:
         node restores from memory, and removes it at its own close)."""
         if self.ram is not None and self.comm.coordinator and self._writing and not self._readonly:
             disk = max((m.seq for m in manifests(self.store).values()), default=-1)
-            self.ram.close(disk, manifests(self.ram.store), keep=keep_ram)
+            self.ram.close(disk, self.ram.manifests(), keep=keep_ram)
             self._persisted()
         if self.uploader is not None:
             assert self.remote is not None
@@ -271,8 +271,10 @@ class Run:
         return sorted(merged.values(), key=lambda c: (c.seq, c.step), reverse=True)
 
     def next_seq(self) -> int:
+        if self.ram is not None and self._next_seq > 0:  # the one writer knows (no listing at every RAM save)
+            return self._next_seq
         seqs = [c.seq for c in discover(self.store)] + \
-            ([m.seq for m in manifests(self.ram.store).values()] if self.ram is not None else [])
+            ([m.seq for m in self.ram.manifests().values()] if self.ram is not None else [])
         if self.remote_store is not None and self._next_seq == 0 and self._remote_ok:
             try:
                 seqs += [m.seq for m in manifests(self.remote_store).values()]
@@ -289,7 +291,7 @@ class Run:
         run beside the training loop's step collectives); the coordinator queues its upload.
         A read-only run raises :class:`ReadOnlyRunError` on every rank, before any collective."""
         self.require_writable("save a checkpoint to")
-        in_ram = self.ram is not None and fields.get("kind", "regular") == "regular"
+        in_ram = self.saves_to_ram(fields.get("kind", "regular"))
         store = self.ram.store if self.ram is not None and in_ram else self.store
         final, manifest = collective.write(comm or self.comm, store, self.lock, name, shared, mine,
                                            self.next_seq, broken, chunks=self.chunks, **fields)
@@ -299,6 +301,10 @@ class Run:
         elif self.uploader is not None:
             self.uploader.enqueue(final)
         return final, manifest
+
+    def saves_to_ram(self, kind: str) -> bool:
+        """Whether a save of ``kind`` goes to the RAM tier (regular ones; the others to the disk)."""
+        return self.ram is not None and kind == "regular"
 
     def in_ram(self, name: str) -> bool:
         """Whether checkpoint ``name`` was just committed to the RAM tier (not the run location)."""
@@ -313,7 +319,7 @@ class Run:
             if self.uploader is not None:
                 self.uploader.enqueue(final)
         if done:  # what waited for the writer may go now, in RAM and on disk
-            self.ram.prune(None, manifests(self.ram.store))
+            self.ram.prune(None, self.ram.manifests())
             if self._schedule is not None:
                 self._prune_disk(self._schedule, None)
         return bool(done)
@@ -385,8 +391,8 @@ class Run:
         if self.ram is None:
             return self._prune_disk(schedule, keep)
         persisted = self._persisted()
-        doomed = self.ram.prune(keep, manifests(self.ram.store))
-        if persisted or not (keep and self.in_ram(keep)):  # the run location changed
+        doomed = self.ram.prune(keep, self.ram.manifests())
+        if not persisted and not (keep and self.in_ram(keep)):  # a save to the disk (persisted: pruned above)
             doomed += self._prune_disk(schedule, keep)
         return doomed
 
