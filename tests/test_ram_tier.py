@@ -9,6 +9,7 @@ is written to the machine's /dev/shm. The capacity test mounts a small tmpfs ins
 
 from __future__ import annotations
 
+import fcntl
 import os
 import random
 import re
@@ -231,6 +232,7 @@ def test_the_next_start_collects_ram_folders_no_process_owns(tmp_path: Path) -> 
     att = run_attempt(cmd(a), "step", "7", env_for(tmp_path))
     assert att.ended.startswith("killed"), att
     (folder,) = ram_folders(tmp_path)
+    _no_owner(folder)  # the killed trainer's writer process finishes its copy in hand and exits
     tier = unbroken.RamTier(keep_last=2, persist_every=5, root=str(tmp_path / "shm"))
     state = _state(4)
 
@@ -249,8 +251,25 @@ def test_the_next_start_collects_ram_folders_no_process_owns(tmp_path: Path) -> 
     assert folder.is_dir() and any(str(folder) in m and "newer than its disk" in m for m in said), said
     att = run_attempt(cmd(a), "signal", "SIGTERM@9", env_for(tmp_path))
     assert att.ended.startswith("preempted at step") and folder.is_dir(), att
+    _no_owner(folder)
     said = start_b()
     assert not folder.exists() and any(m.startswith(f"removing {folder}") for m in said), said
+
+
+def _no_owner(folder: Path, timeout: float = 60.0) -> None:
+    """Wait until no process holds the folder's owner lock (as the next start will find it)."""
+    end = time.monotonic() + timeout
+    fd = os.open(folder / ".owner", os.O_RDWR)
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                assert time.monotonic() < end, f"{folder} is still owned after {timeout} s"
+                time.sleep(0.05)
+    finally:
+        os.close(fd)
 
 
 # ------------------------------------------------------------------ in process
