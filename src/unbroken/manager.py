@@ -27,23 +27,23 @@ from .background import BackgroundSaves
 from .environment import EnvCheck, fingerprint
 from .epochs import EpochLoop, batches as _batches
 from .errors import ConfigurationError, NoCheckpointError
-from .events import EventBus, Saved, StepEnded, Tagged
+from .events import EventBus, StepEnded, Tagged
 from .faults import Preemption, slurm
 from .faults.guard import StepGuard
 from .faults.handlers import preempt_and_exit, step_failed
 from .faults.signals import SignalWatcher
 from .format.manifest import Manifest
 from .policies import Retention, Trigger
-from .probe import ProbeFn, run_probe
+from .probe import ProbeFn
 from .recorder import Recorder
-from .lazy import StepGate, step_only_storages
 from .run import Run
+from . import saving
 from .scheduling import Schedule
 from .selftest import protocol as selftest
 from .snapshot import Snapshotter
 from .dist.comm import Comm
 from .restoring import apply_checkpoint, restore_into, sync_data_position
-from .saved_state import StateRules, split
+from .saved_state import StateRules
 from .adapting import adapt
 from .state.checks import UnbrokenWarning, clean_metrics  # noqa: F401 (UnbrokenWarning: re-exported)
 from .state.stateful import Progress
@@ -204,7 +204,7 @@ class Checkpointer:
         if done is None:
             return None
         (kind, tags), (final, manifest, took) = done
-        return self._committed(final, manifest, kind, tags, took)
+        return saving.committed(self, final, manifest, kind, tags, took)
 
     def close(self) -> None:
         """Wait for a background save and pending uploads, release the run and restore the
@@ -417,72 +417,7 @@ class Checkpointer:
         retention. ``progress`` and ``rng`` replace the live counters and RNG states with
         those of another instant (emergency checkpoints of the state at a step's start).
         """
-        state = adapt(state)
-        self.rules.check_reserved(state)
-        self._begin()
-        self.flush(raise_errors=kind == "regular")  # backpressure: at most one save in flight
-        if metrics:
-            self.metrics.update(metrics)
-        self.rules.validate(state)
-        self.rules.before_save(state, self.progress.micro_step, self.progress.step)
-        tags = [check_tag(tag)] if tag else []
-        if progress is None:
-            sync_data_position(self.progress, state)
-        prog = dict(progress) if progress is not None else self.progress.state_dict()
-        state = self.saved_part(state)
-        shared, mine = split(state, prog, self.schedule.state_dict() if self.schedule.trigger is not None else None,
-                             self.rng, rng)
-        if self._recorder is not None:  # the metric rows up to this checkpoint are durable before it commits
-            self._recorder.durable(prog["step"], sync=not self.run.saves_to_ram(kind))
-        t0 = time.monotonic()
-        probe = run_probe(self.probe) if self.probe is not None and kind != "emergency" else None
-        lazy = self.async_save == "lazy" and kind == "regular"
-        snap, rank_snap = (self._snapshotter.capture(shared, defer=step_only_storages(state) if lazy else frozenset()),
-                           self._rank_snapshotter.capture(mine, prefix=f"r{self.comm.rank:05d}-"))
-        fields = dict(step=prog["step"], metrics=clean_metrics(self.metrics), progress=prog,
-                      environment=self.environment(), kind=kind, probe=probe or {}, tags=tags)
-
-        def write(broken: BaseException | None = None, comm: Comm = self._save_comm) -> tuple[str, Manifest, float]:
-            final, manifest = self.run.write(snap, rank_snap, f"step-{prog['step']:09d}", comm, broken, **fields)
-            return final, manifest, time.monotonic() - t0
-
-        if self._in_background(kind, snap):
-            self.schedule.saved(prog["step"], fields["metrics"], prog.get("epoch", 0))
-            gate = StepGate([snap]) if snap.deferred or snap.lazy_events else None
-            self._background.submit(write, (kind, tags), gate)
-            log.debug("step %d copied in %.3f s; writing in the background", prog["step"], time.monotonic() - t0)
-            return None
-        final, manifest, took = write(comm=self.comm)
-        return self._committed(final, manifest, kind, tags, took)
-
-    def _in_background(self, kind: str, snap: Any) -> bool:
-        if not self.async_save or kind != "regular":
-            return False
-        if snap.sharded:  # written through DCP's collectives, on the training side
-            if not getattr(self, "_warned_sync", False):
-                self._warned_sync = True
-                log.warning("async_save does not cover sharded (FSDP2/DTensor) states yet: saving synchronously")
-            return False
-        return True
-
-    def _committed(self, final: str, manifest: Manifest, kind: str, tags: list[str], took: float) -> CheckpointInfo:
-        """Bookkeeping after a commit (in the training thread): events, log, retention."""
-        info = CheckpointInfo.of(self.run.describe(final), final, manifest)
-        self.last_saved = info
-        self.schedule.saved(manifest.step, manifest.metrics, manifest.progress.get("epoch", 0))
-        in_ram = self.run.in_ram(final)
-        self.events.publish(Saved(final, info.path, manifest, took, tuple(tags), "ram" if in_ram else "primary"))
-        new = self.run.chunks.last.written_bytes if self.run.chunks is not None else None
-        log.log(logging.DEBUG if in_ram else logging.INFO,  # RAM saves: often every step
-                "saved step %d to %s (%s%.1f MB%s in %.2f s)", manifest.step, info.path,
-                 "" if kind == "regular" else f"{kind}, ", info.size_bytes / 1e6,
-                 f", {new / 1e6:.1f} MB of it new" if new is not None else "", took)
-        grace = self.preemption.grace_period
-        if grace and took > grace and kind == "regular":
-            log.warning("a save takes %.1f s, longer than the %.0f s grace period: a preemption save "
-                        "would not finish in time", took, grace)
-        self.prune(keep=final)
-        return info
+        return saving.save(self, state, metrics, kind, tag, progress, rng)
 
     def saved_part(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """The part of ``state`` that is saved and restored: all but the ``allow_unsaved`` keys."""
