@@ -1,0 +1,56 @@
+"""Where a GPU save's stall goes: raw device-to-host copies into pinned and pageable memory against
+unbroken's staging (``Snapshotter(copy=True).capture`` + ``complete``), and a RAM-tier write of the
+same snapshot to /dev/shm split into its parts. Run on a CUDA machine: ``python3 scripts/gpu_copy_probe.py``."""
+
+import shutil
+import tempfile
+import time
+
+import torch
+
+from unbroken.persist import write_snapshot
+from unbroken.snapshot import Snapshotter
+from unbroken.store import open_store
+
+
+def timed(fn, reps=3):
+    out = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - t)
+    return min(out), out
+
+
+ts = [torch.randn(4 << 20, device="cuda") for _ in range(38)]  # 38 x 16 MiB = 637 MB
+nbytes = sum(t.numel() * 4 for t in ts)
+pinned = [torch.empty(t.shape, pin_memory=True) for t in ts]
+pageable = [torch.empty(t.shape) for t in ts]
+for name, bufs in (("pinned", pinned), ("pageable", pageable)):
+    best, all_ = timed(lambda: [b.copy_(t, non_blocking=True) for b, t in zip(bufs, ts)])
+    print(f"raw D2H {name}: {best:.4f} s = {nbytes / best / 1e9:.1f} GB/s  {[round(x, 4) for x in all_]}")
+snap = Snapshotter(copy=True)
+state = {"m": {f"t{i}": t for i, t in enumerate(ts)}}
+best, all_ = timed(lambda: snap.capture(state).complete())
+print(f"Snapshotter capture+complete: {best:.4f} s = {nbytes / best / 1e9:.1f} GB/s  {[round(x, 4) for x in all_]}")
+s0 = snap.capture(state)
+s0.complete()
+t = time.perf_counter()
+x = [b.clone() for b in s0.files[next(iter(s0.files))][0:1]]
+root = tempfile.mkdtemp(dir="/dev/shm")
+store = open_store(root)
+for i in range(3):
+    s = snap.capture(state)
+    s.complete()
+    t = time.perf_counter()
+    write_snapshot(s, store, f"step-{i:09d}", step=i, seq=i)
+    print(f"write_snapshot to /dev/shm #{i}: {time.perf_counter() - t:.4f} s")
+import xxhash
+b = pinned[0].numpy().tobytes() * 1
+t = time.perf_counter()
+for p in pinned:
+    xxhash.xxh3_128(memoryview(p.numpy())).hexdigest()
+print(f"xxh3 of {nbytes / 1e6:.0f} MB: {time.perf_counter() - t:.4f} s")
+shutil.rmtree(root)
