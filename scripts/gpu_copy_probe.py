@@ -37,8 +37,6 @@ best, all_ = timed(lambda: snap.capture(state).complete())
 print(f"Snapshotter capture+complete: {best:.4f} s = {nbytes / best / 1e9:.1f} GB/s  {[round(x, 4) for x in all_]}")
 s0 = snap.capture(state)
 s0.complete()
-t = time.perf_counter()
-x = [b.clone() for b in s0.files[next(iter(s0.files))][0:1]]
 root = tempfile.mkdtemp(dir="/dev/shm")
 store = open_store(root)
 for i in range(3):
@@ -48,7 +46,6 @@ for i in range(3):
     write_snapshot(s, store, f"step-{i:09d}", step=i, seq=i)
     print(f"write_snapshot to /dev/shm #{i}: {time.perf_counter() - t:.4f} s")
 import xxhash
-b = pinned[0].numpy().tobytes() * 1
 t = time.perf_counter()
 for p in pinned:
     xxhash.xxh3_128(memoryview(p.numpy())).hexdigest()
