@@ -24,12 +24,15 @@ memory filesystem cannot hold ``keep_last + 1`` checkpoints; containers often mo
 ``/dev/shm`` (``docker run --shm-size``). Shared memory counts against the job's memory limit
 on most schedulers.
 
-**Clean-up.** :meth:`~unbroken.Checkpointer.close` (also at interpreter exit, and at the end of a
-preemption) persists the newest RAM checkpoint if the disk does not have it, waits for the
-writer, and removes the run's RAM folder, so a finished run leaves no shared memory behind. A
-killed run's folder is what its relaunch restores from; that relaunch removes it at its own
-close. The folder of a run that is never relaunched stays until the machine reboots or someone
-deletes it (``/dev/shm/unbroken-<uid>/``, one folder per run, named in the log).
+**Clean-up.** A normal :meth:`~unbroken.Checkpointer.close` (or leaving a ``with`` block without an
+exception) persists the newest RAM checkpoint if the disk does not have it, waits for the writer,
+and removes the run's RAM folder, so a finished run leaves no shared memory behind. A process
+that stops on a signal (a preemption) or a crash (an exception, the close at interpreter exit of
+a Checkpointer left open) persists the same way but keeps the folder for its relaunch on this
+node, which restores from it and removes it at its own close. Every start removes the folders
+no live process owns (the trainer and its writer hold a shared lock on ``.owner``) whose
+checkpoints are all older than their run's newest on disk; one holding a newer state (a killed
+run never relaunched) is named in the log and kept (``/dev/shm/unbroken-<uid>/``).
 
 **Ranks.** With several ranks on one node every rank writes its part into the same RAM folder
 and the coordinator commits and persists, as on disk. Ranks on several nodes (each with its own
