@@ -198,7 +198,7 @@ def run_one(a: argparse.Namespace, config: str, kind: str, tmp: Path, cluster: A
                         failures.append(time.time())
                         cluster.nodes[1].kill_all()
                         next_at = failures[-1] + a.interval
-                time.sleep(0.02)
+                time.sleep(0.05)
         finally:
             job.stop()
     codes = job.codes()
