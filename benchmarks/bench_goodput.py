@@ -77,6 +77,10 @@ def node_reason() -> str | None:
     return available()
 
 
+def loadavg() -> float:
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
 class Tail:
     """The events the ranks have appended so far (read incrementally)."""
 
@@ -154,7 +158,7 @@ def run_one(a: argparse.Namespace, config: str, kind: str, tmp: Path, cluster: A
     with open(base / "log.txt", "w") as log:
         job = Job(a, config, base, cluster, log)
         tail = Tail(out, a.ranks)
-        launched = time.time()
+        load0, launched = loadavg(), time.time()
         job.launch()
         next_at, pending, deadline = launched + a.interval, None, launched + a.timeout
         try:
@@ -206,7 +210,8 @@ def run_one(a: argparse.Namespace, config: str, kind: str, tmp: Path, cluster: A
     if not final.exists():
         raise RuntimeError(f"{config}/{kind}: the job ended (exit {codes}) without finishing; see {base / 'log.txt'}")
     m = metrics(read_events(out), failures, launched, a.steps)
-    m.update(config=config, kind=kind, launches=job.launches, final_sha256=json.loads(final.read_text())["sha256"])
+    m.update(config=config, kind=kind, launches=job.launches, final_sha256=json.loads(final.read_text())["sha256"],
+             loadavg=[load0, loadavg()])
     shutil.copy(base / "log.txt", tmp / f"log-{config}-{kind}.txt")
     shutil.rmtree(base)
     return m
@@ -278,10 +283,13 @@ def main() -> None:
             r["exact"] = None if r["kind"] == "none" else r["final_sha256"] == ref.get(r["config"])
     from bench_train_overhead import machine
 
+    loads = [x for r in rows for x in r.get("loadavg", [])]
+
     info = machine(Path(a.dir or tempfile.gettempdir()))
     title = (f"{a.ranks} ranks (DDP, gloo, 1 thread each), model {a.layers} layers dim {a.dim} seq {a.seq} "
              f"batch {a.batch}/rank vocab {a.vocab}; {a.steps} steps a job, disk save every {a.save_every}, "
-             f"a failure every {a.interval:g} s; took {time.time() - started:.0f} s")
+             f"a failure every {a.interval:g} s; took {time.time() - started:.0f} s; 1-min load average "
+             f"{min(loads, default=0):.1f}-{max(loads, default=0):.1f} (at the start and end of each job)")
     print(f"\n{title}\nMachine: {info}\n\n{table(rows, md=False)}")
     for k, why in skipped.items():
         print(f"\n{k}: skipped: {why}")
