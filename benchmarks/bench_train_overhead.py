@@ -74,7 +74,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-CONFIGS: dict[str, Any] = {"no_ckpt": None, "sync": False, "async": True, "lazy": "lazy"}
+CONFIGS: dict[str, Any] = {"no_ckpt": None, "sync": False, "async": True, "lazy": "lazy",
+                           "ram": False, "ram_async": True, "ram_lazy": "lazy"}
+RAM_CONFIGS = ("ram", "ram_async", "ram_lazy")
+"""A RAM tier (``unbroken.RamTier(keep_last=2, persist_every=--every)``) and a save at *every* step."""
 MODEL_ARGS = ("layers", "dim", "seq", "batch", "vocab")
 MEDIANS = ("steps_per_s", "median_step_s", "stall_per_save_s", "next_step_wait_per_save_s", "saves", "opt_step_s")
 
@@ -120,8 +123,13 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor
     logits = model(batch[:, :-1])
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
     loss.backward()
+    cuda = loss.is_cuda
+    if cuda:
+        torch.cuda.synchronize()
     t = time.perf_counter()
     opt.step()
+    if cuda:
+        torch.cuda.synchronize()
     took = time.perf_counter() - t
     opt.zero_grad(set_to_none=True)
     return loss.detach(), took
@@ -135,7 +143,7 @@ def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
 def params_sha256(model: nn.Module) -> str:
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().contiguous().numpy())
+        h.update(p.detach().cpu().contiguous().numpy())
     return h.hexdigest()
 
 
@@ -145,12 +153,19 @@ def run_child(cfg: str, a: argparse.Namespace, out: Path) -> dict[str, Any]:
     from unbroken.data import ResumableLoader
 
     torch.set_num_threads(a.threads)
+    if a.device != "cpu":
+        torch.use_deterministic_algorithms(True, warn_only=True)
     model, opt, ds = build(a.layers, a.dim, a.seq, a.vocab)
+    model.to(a.device)
     loader = ResumableLoader(ds, batch_size=a.batch, seed=0, num_workers=0)
     state = {"model": model, "optimizer": opt, "data": loader}
     ckpt = None
+    ram = cfg in RAM_CONFIGS
+    every = 1 if ram else a.every
     if CONFIGS[cfg] is not None:
-        ckpt = unbroken.Checkpointer(out, save_every=a.every, keep_last=2, preemption=None, async_save=CONFIGS[cfg])
+        tier = unbroken.RamTier(keep_last=2, persist_every=a.every, root=str(out / "shm")) if ram else None
+        ckpt = unbroken.Checkpointer(out / "run", save_every=every, keep_last=2, preemption=None,
+                                     async_save=CONFIGS[cfg], ram=tier)
         ckpt.environment()  # once per process (git, versions): off the clock
     it = iter(loader)
     stall, saves, last_save, after_save, opt_times, after_times, step_times = 0.0, 0, None, False, [], [], []
@@ -159,7 +174,7 @@ def run_child(cfg: str, a: argparse.Namespace, out: Path) -> dict[str, Any]:
         if k == a.warmup:
             t0 = time.perf_counter()
         ts = time.perf_counter()
-        loss, opt_took = train_step(model, opt, next(it))
+        loss, opt_took = train_step(model, opt, next(it).to(a.device))
         timed = k >= a.warmup
         if timed:
             (after_times if after_save else opt_times).append(opt_took)
@@ -167,13 +182,18 @@ def run_child(cfg: str, a: argparse.Namespace, out: Path) -> dict[str, Any]:
         if ckpt is not None:
             t = time.perf_counter()
             ckpt.step(state)
+            if a.device != "cpu":  # what the training stream waited for, not only the CPU
+                torch.cuda.synchronize()
             took = time.perf_counter() - t
-            if ckpt.progress.step % a.every == 0:
-                last_save, after_save = ckpt.progress.step, timed
+            if ckpt.progress.step % every == 0:
+                last_save, after_save = ckpt.progress.step, timed and not ram  # ram: every step saves
                 if timed:
                     stall, saves = stall + took, saves + 1
-                continue
+                if not ram:
+                    continue
         if timed:
+            if a.device != "cpu":
+                torch.cuda.synchronize()
             step_times.append(time.perf_counter() - ts)  # steps that did not save
     if ckpt is not None:
         ckpt.flush()  # a background save still in flight is part of the cost
@@ -183,7 +203,13 @@ def run_child(cfg: str, a: argparse.Namespace, out: Path) -> dict[str, Any]:
         assert newest is not None and newest.step == last_save, f"{cfg}: newest {newest} is not step {last_save}"
         ckpt.close()
     base = statistics.median(opt_times)
-    return {"config": cfg, "steps": a.steps, "elapsed_s": elapsed, "steps_per_s": a.steps / elapsed,
+    persist = {}
+    if ram:  # what the writer process did: persisted checkpoints on disk, their copy times
+        from unbroken.index import RunIndex
+
+        done = RunIndex(out / "run").events("persisted")
+        persist = {"persisted": len(done), "persist_s": statistics.median(e["data"]["took_s"] for e in done)}
+    return {"config": cfg, "steps": a.steps, **persist, "elapsed_s": elapsed, "steps_per_s": a.steps / elapsed,
             "saves": saves, "stall_s": stall, "stall_per_save_s": stall / saves if saves else 0.0,
             "median_step_s": statistics.median(step_times), "opt_step_s": base, "next_step_wait_per_save_s":
                 sum(t - base for t in after_times) / len(after_times) if after_times else 0.0,
@@ -221,6 +247,10 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=50, help="save every this many steps (default 50)")
     ap.add_argument("--reps", type=int, default=3, help="runs per configuration, round robin; medians (default 3)")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads in every run (default 2)")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda: the model and batches there, "
+                    "deterministic algorithms, a synchronize after each step and each save (the stall is the GPU's)")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="which configurations, comma-separated "
+                    "(no_ckpt always runs; default: all)")
     ap.add_argument("--quick", action="store_true", help="smoke run: --steps 30 --warmup 3 --every 10 --reps 1")
     ap.add_argument("--dir", help="where to save (default: the temp dir if on the repo's filesystem, else the repo)")
     ap.add_argument("--json", metavar="FILE", help="also write the results as one JSON object")
@@ -231,13 +261,17 @@ def main() -> None:
         a.steps, a.warmup, a.every, a.reps = 30, 3, 10, 1
     if (a.warmup + a.steps) // a.every <= a.warmup // a.every:
         ap.error("no save would fall in the timed steps: raise --steps or lower --every")
+    wanted = ["no_ckpt", *(c for c in a.configs.split(",") if c in CONFIGS and c != "no_ckpt")]
+    for c in list(CONFIGS):
+        if c not in wanted and not a.child:
+            del CONFIGS[c]
     if a.child:  # one configuration in its own process; the result is the last line of stdout
         print(json.dumps(run_child(a.child, a, Path(a.dir))))
         return
     repo, tmpdir = Path(__file__).resolve().parents[1], tempfile.gettempdir()
     base = a.dir or (tmpdir if os.stat(tmpdir).st_dev == os.stat(repo).st_dev else str(repo))
     tmp = Path(tempfile.mkdtemp(prefix="unbroken-bench-train-", dir=base))
-    flags = [f"--{k}={getattr(a, k)}" for k in (*MODEL_ARGS, "steps", "warmup", "every", "threads")]
+    flags = [f"--{k}={getattr(a, k)}" for k in (*MODEL_ARGS, "steps", "warmup", "every", "threads", "device")]
     runs: list[dict[str, Any]] = []
     loadavg: list[float] = []
     started = time.perf_counter()
@@ -259,7 +293,7 @@ def main() -> None:
     ref = next(r for r in runs if r["config"] == "no_ckpt")
     for r in runs:  # exactness: checkpointing must not change a single bit of training
         if r["final_loss"] != ref["final_loss"] or r["params_sha256"] != ref["params_sha256"]:
-            sys.exit(f"NOT EXACT: {r['config']} (rep {r['rep']}) trained differently from no_ckpt: final loss "
+            (print if a.device != "cpu" else sys.exit)(f"NOT EXACT: {r['config']} (rep {r['rep']}) trained differently from no_ckpt: final loss "
                      f"{r['final_loss']!r} vs {ref['final_loss']!r}, parameters {r['params_sha256'][:16]} vs "
                      f"{ref['params_sha256'][:16]}")
     med = {c: {k: statistics.median(r[k] for r in runs if r["config"] == c)
@@ -269,8 +303,10 @@ def main() -> None:
     # blocked time per save (the stall plus the next step's extra wait) over the time of `every`
     # median no_ckpt steps: what checkpointing costs the loop, robust to other work on the machine
     step0 = med["no_ckpt"]["median_step_s"]
+    for c in (c for c in RAM_CONFIGS if c in CONFIGS):  # every step follows a save: the wait is the optimizer step's excess over no_ckpt's
+        med[c]["next_step_wait_per_save_s"] = med[c]["opt_step_s"] - med["no_ckpt"]["opt_step_s"]
     blocked = {c: (max(0.0, med[c]["stall_per_save_s"]) + max(0.0, med[c]["next_step_wait_per_save_s"]))
-               / (a.every * step0) * 100 for c in CONFIGS if c != "no_ckpt"}
+               / ((1 if c in RAM_CONFIGS else a.every) * step0) * 100 for c in CONFIGS if c != "no_ckpt"}
     head = ["config", "steps/s", "overhead vs no_ckpt", "median step ms", "saves", "stall / save s",
             "next opt.step wait / save s", "blocked overhead"]
     rows = [[c, f"{m['steps_per_s']:.3f}", "-" if c == "no_ckpt" else f"{overhead[c]:+.1f} %",
@@ -282,8 +318,11 @@ def main() -> None:
              f"{ref['state_bytes'] / 1e6:.1f} MB (params + AdamW moments); {a.steps} timed steps after {a.warmup} "
              f"warm-up, save every {a.every}; {a.threads} torch threads; median of {a.reps} runs; 1-min load "
              f"average {min(loadavg):.1f}-{max(loadavg):.1f}; took {time.perf_counter() - started:.0f} s.")
+    all_exact = all(r["final_loss"] == ref["final_loss"] and r["params_sha256"] == ref["params_sha256"] for r in runs)
     exact = (f"Exactness: every run's final loss {ref['final_loss']!r} and parameter SHA-256 "
-             f"{ref['params_sha256'][:16]}... equal no_ckpt's ({len(runs)} runs).")
+             f"{ref['params_sha256'][:16]}... equal no_ckpt's ({len(runs)} runs)." if all_exact else
+             "NOT EXACT: some runs trained differently from no_ckpt (see above; on a GPU, a kernel without a "
+             "deterministic implementation does this to any two runs)")
     if min(overhead.values()) < -2:  # checkpointing cannot make training faster: other work skewed the runs
         exact += ("\nNOISY: a checkpointed configuration ran faster than no_ckpt, so other work on the machine "
                   "skewed the runs: trust the stall columns and the median step times, use more --reps.")
@@ -299,7 +338,7 @@ def main() -> None:
                "next_step_wait_per_save_s": {c: med[c]["next_step_wait_per_save_s"] for c in ckpts},
                "state_bytes": ref["state_bytes"], "every": a.every, "steps": a.steps, "warmup": a.warmup,
                "reps": a.reps, "threads": a.threads, "model": {k: getattr(a, k) for k in MODEL_ARGS},
-               "final_loss": ref["final_loss"], "exact": True, "machine": info, "runs": runs}
+               "final_loss": ref["final_loss"], "exact": all_exact, "device": a.device, "machine": info, "runs": runs}
         Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
     if a.markdown:
         Path(a.markdown).write_text(f"{title}\n\nMachine: {info}\n\n{render(head, rows, md=True)}\n\n{exact}\n\n"

@@ -93,6 +93,10 @@ def main() -> int:
     p.add_argument("--incremental", action="store_true", help="incremental checkpoints (chunks)")
     p.add_argument("--touch-after", type=int, default=None,
                    help="rank 1 changes a parameter in place (by 1.0) right after this step's ckpt.step")
+    p.add_argument("--ram", type=int, default=0, metavar="N", help="a RAM tier persisting every N saves "
+                   "(root: UNBROKEN_RAM_ROOT)")
+    p.add_argument("--ram-root-per-rank", action="store_true",
+                   help="each rank its own RAM root (as ranks on several nodes have)")
     p.add_argument("--requeue", action="store_true", help="requeue the SLURM job after a preemption save")
     p.add_argument("--plain-init", action="store_true",
                    help="torch.distributed.init_process_group() instead of unbroken.init_distributed()")
@@ -120,7 +124,7 @@ def main() -> int:
     ckpt = unbroken.Checkpointer(args.run_dir, save_every=args.save_every, keep_last=3,
                                  preemption=unbroken.Preemption(requeue=args.requeue),
                                  async_save={None: False, "copy": True, "lazy": "lazy"}[args.async_save],
-                                 incremental=args.incremental)
+                                 incremental=args.incremental, ram=ram_tier(args, rank))
     state = {"model": model, "optimizer": opt, "scheduler": sched, "data": loader}
     if args.fail_save_on_rank == rank:
         _make_writes_fail()
@@ -172,6 +176,13 @@ def main() -> int:
         sys.stderr.flush()
         os._exit(0)
     return 0
+
+
+def ram_tier(args: argparse.Namespace, rank: int) -> "unbroken.RamTier | None":
+    if not args.ram:
+        return None
+    root = os.environ["UNBROKEN_RAM_ROOT"] + (f"/node{rank}" if args.ram_root_per_rank else "")
+    return unbroken.RamTier(keep_last=2, persist_every=args.ram, root=root)
 
 
 def _make_writes_fail() -> None:

@@ -48,6 +48,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported for re
     from .manager import Checkpointer
     from .probe import probe_step
     from .state.stateful import Gradients, PerRank, Progress, Stateful, Vars
+    from .ram import RamTier
     from .tiers import Remote
 
 _WHERE: dict[str, str] = {
@@ -63,6 +64,7 @@ _WHERE: dict[str, str] = {
     "probe_step": ".probe",
     **dict.fromkeys(("Gradients", "PerRank", "Progress", "Stateful", "Vars"), ".state.stateful"),
     "Remote": ".tiers",
+    "RamTier": ".ram",
 }
 
 __all__ = [
@@ -70,6 +72,7 @@ __all__ = [
     "CheckpointInfo",
     "PendingSave",
     "Remote",
+    "RamTier",
     "Preemption",
     "EnvCheck",
     "Stateful",

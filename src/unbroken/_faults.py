@@ -9,6 +9,9 @@ at the dangerous moments of a save: half-way through a tensor file, after the da
 files but before the manifest, and after the manifest but before the commit.
 ``UNBROKEN_FAULT_DELAY=0.3`` makes every point sleep that long (slow storage: a background
 save is then certainly still in flight while training goes on).
+``UNBROKEN_FAULT_ONCE=/path/marker`` lets the fault fire in the first process that reaches it only
+(it creates the marker; a process started later with the same environment, such as the RAM tier's
+next writer process, finds it and goes on).
 Unset (the normal case), a point costs one dictionary lookup.
 """
 
@@ -20,9 +23,11 @@ import time
 from collections import Counter
 
 POINTS = ("save.mid_file", "save.before_manifest", "save.before_commit", "save.after_commit",
-          "gc.after_mark", "gc.mid_sweep")
-"""The last two are in the collection of unused chunks (:mod:`unbroken.chunks`): after the
-manifests are read, and after the first chunk is deleted."""
+          "gc.after_mark", "gc.mid_sweep", "copy.after_file", "copy.before_manifest")
+"""``gc.*`` are in the collection of unused chunks (:mod:`unbroken.chunks`): after the manifests
+are read, and after the first chunk is deleted. ``copy.*`` are in the copy of a checkpoint to
+another tier (:func:`unbroken.tiers.copy_checkpoint`: an upload, a download, the RAM tier's
+writer process): after each data file, and before the manifest."""
 
 
 def _parse(spec: str, rank: str) -> dict[str, int]:
@@ -47,5 +52,16 @@ def point(name: str) -> None:
         time.sleep(_DELAY)
     if name in _SPEC:
         _hits[name] += 1
-        if _hits[name] == _SPEC[name]:
+        if _hits[name] == _SPEC[name] and _first():
             os.kill(os.getpid(), _ACTION)
+
+
+def _first() -> bool:
+    marker = os.environ.get("UNBROKEN_FAULT_ONCE")
+    if not marker:
+        return True
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:
+        return False
+    return True

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -94,12 +95,14 @@ def train(args: argparse.Namespace) -> int:
     ckpt = unbroken.Checkpointer(args.run_dir, save_every=args.save_every, keep_last=3, rng="rng" not in args.omit,
                                  preemption=unbroken.Preemption(requeue=args.requeue, grace_period=args.grace),
                                  async_save={None: False, "copy": True, "lazy": "lazy"}[args.async_save],
-                                 incremental=args.incremental)
+                                 incremental=args.incremental,
+                                 ram=unbroken.RamTier(persist_every=args.ram) if args.ram else None)
     state = {"model": model, "optimizer": opt, "scheduler": sched, "scaler": scaler, "data": loader}
     for part in args.omit:  # negative controls for the tests: forget part of the state
         state.pop(part, None)
     info = ckpt.restore(state)
-    print(f"resumed from step {info.step}" if info else "fresh start", flush=True)
+    where = f" ({'ram' if f'/unbroken-{os.getuid()}/' in info.path else 'disk'})" if info and args.ram else ""
+    print(f"resumed from step {info.step}{where}" if info else "fresh start", flush=True)
     # -----------------------------------------------------------------------------
 
     batches = iter(loader)  # continues mid-epoch after a restore, nothing replayed
@@ -184,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="write checkpoints in the background; 'lazy' also copies the optimizer's tensors "
                         "in the background, until the next optimizer step")
     p.add_argument("--incremental", action="store_true", help="incremental checkpoints (content-addressed chunks)")
+    p.add_argument("--ram", type=int, default=0, metavar="N",
+                   help="save to a RAM tier (unbroken.RamTier, its root from UNBROKEN_RAM_ROOT), persisting every N")
     p.add_argument("--freeze-first", action="store_true", help="freeze the first layer (not trained)")
     p.add_argument("--omit", action="append", default=[], choices=["rng", "scheduler", "scaler", "data"],
                    help="leave this out of the checkpoint (to show that the comparison catches it)")

@@ -47,11 +47,23 @@ class Saved(Event):
     manifest: Any
     took_s: float
     tags: tuple[str, ...] = ()
+    tier: str = "primary"
+    """``"ram"``: committed to the RAM tier (:mod:`unbroken.ram`), not (yet) to the run location."""
 
 
 @dataclass(frozen=True)
 class Uploaded(Event):
     """A checkpoint committed on the remote tier: from now on it is durable there."""
+
+    name: str
+    location: str
+    took_s: float
+
+
+@dataclass(frozen=True)
+class Persisted(Event):
+    """A RAM checkpoint was copied to the run location by the RAM tier's writer process
+    (:mod:`unbroken.ram`): from now on it survives the loss of the node's memory."""
 
     name: str
     location: str
@@ -123,6 +135,22 @@ class Preempted(Event):
     save_s: float
     grace_period_s: float | None
     requeue: bool
+
+
+@dataclass(frozen=True)
+class RolledBack(Event):
+    """``Checkpointer.recover`` rolled the live state back in the process: step ``step_failed``
+    raised ``error`` (or ``rollback_if`` was true there), ``checkpoint`` (step ``restored_step``)
+    was restored, ``attempt`` of ``retries`` consecutive rollbacks; ``skipped_batches`` of data
+    were skipped after it (a loss-spike rollback)."""
+
+    step_failed: int
+    restored_step: int
+    checkpoint: str
+    error: str
+    attempt: int
+    retries: int
+    skipped_batches: int = 0
 
 
 class Listener(Protocol):

@@ -223,13 +223,14 @@ class RunIndex:
 
     def record_checkpoint(self, name: str, step: int, seq: int, epoch: int | None, created: float,
                           duration_s: float | None, size_bytes: int, kind: str, metrics: Mapping[str, Any],
-                          tags: list[str], environment: Mapping[str, Any], status: str = "committed") -> None:
+                          tags: list[str], environment: Mapping[str, Any], status: str = "committed",
+                          sync: bool = True) -> None:
         """Add (or replace) a checkpoint's row with a ``saved`` event (``emergency_save`` for kind
         ``emergency``), in one durable transaction that also commits the pending metrics."""
         row = _ckpt_row(name, status, step=step, seq=seq, epoch=epoch, created=created, duration_s=duration_s,
                         size_bytes=size_bytes, kind=kind, metrics=_json(dict(metrics)), tags=_json(list(tags)),
                         environment=_json(dict(environment)), segment=self.segment)
-        with self._tx(durable=True) as conn:
+        with self._tx(durable=sync) as conn:  # sync=False: a RAM checkpoint (see mark_durable)
             conn.execute(_CKPT_INSERT, [row.get(c) for c in _COLUMNS["checkpoints"]])
             self._insert_event(conn, "emergency_save" if kind == "emergency" else "saved", step=step,
                                checkpoint=name, data={"kind": kind, "seq": seq, "size_bytes": size_bytes})
@@ -251,11 +252,12 @@ class RunIndex:
         with self._tx() as conn:
             return self._insert_event(conn, kind, message, step, checkpoint, data)
 
-    def mark_durable(self, step: int, rows: Mapping[str, tuple[int, int]]) -> None:
+    def mark_durable(self, step: int, rows: Mapping[str, tuple[int, int]], sync: bool = True) -> None:
         """At a save point: commit the buffered metrics durably (fsync), with a :data:`DURABLE` mark
         saying that this segment had logged ``rows[name] = (count, last_step)`` by then, so that
-        :meth:`continuity` can tell a lost row from one never logged."""
-        with self._tx(durable=True) as conn:
+        :meth:`continuity` can tell a lost row from one never logged. ``sync=False`` (a save to the
+        RAM tier, which a power cut loses anyway): committed so that a killed process keeps it, no fsync."""
+        with self._tx(durable=sync) as conn:
             self._insert_event(conn, DURABLE, step=step, data={"rows": {k: list(v) for k, v in rows.items()}})
 
     def log_metrics(self, step: int, metrics: Mapping[str, Any]) -> None:

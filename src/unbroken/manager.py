@@ -15,12 +15,12 @@ import os
 import signal
 import weakref
 import time
-from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
+from typing import Any, Literal, TypeVar
 
 import torch
 
-from . import console
+from . import console, recovery
 from .exithooks import at_exit
 from .api import CheckpointInfo
 from .background import BackgroundSaves
@@ -48,9 +48,11 @@ from .adapting import adapt
 from .state.checks import UnbrokenWarning, clean_metrics  # noqa: F401 (UnbrokenWarning: re-exported)
 from .state.stateful import Progress
 from .tags import check_tag
+from .ram import RamTier
 from .tiers import Remote
 
 log = logging.getLogger("unbroken")
+T = TypeVar("T")
 _open: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
 
 
@@ -59,7 +61,7 @@ def _close_at_exit() -> None:
     """A script that never calls close(): wait for its uploads and release its lock/lease."""
     for ckpt in list(_open):
         try:
-            ckpt.close()
+            ckpt._close(ended=False)  # (a crash, or a script that never closes: RAM kept, see unbroken.ram)
         except Exception as e:  # exiting anyway
             log.error("closing %s at exit failed: %s", ckpt.location, e)
 
@@ -79,6 +81,9 @@ class Checkpointer:
             combined with ``keep_last``. Tagged checkpoints are always kept.
         remote: a :class:`~unbroken.Remote` tier: checkpoints are saved to ``location`` (a fast
             local folder) and uploaded there in the background, with their own retention.
+        ram: a :class:`~unbroken.RamTier`: regular saves commit to node-local shared memory
+            (``/dev/shm``), every ``persist_every``-th is copied to ``location`` by a separate
+            writer process, and a relaunch after a crash restores from memory (:mod:`unbroken.ram`).
         storage_options: for a URL ``location``: endpoint, credentials, profile (never recorded).
         preemption: signal handling (:class:`~unbroken.Preemption`); ``None`` leaves signals alone.
         env: what to record about the environment and what a resume does about changes
@@ -120,7 +125,7 @@ class Checkpointer:
                  preemption: Preemption | None = Preemption(), env: EnvCheck | None = None,
                  probe: ProbeFn | None = None, rng: bool = True, strict: bool = True,
                  async_save: bool | Literal["lazy"] = False, allow_unsaved: Iterable[str] = (),
-                 incremental: bool = False) -> None:
+                 incremental: bool = False, ram: RamTier | None = None) -> None:
         console.install()
         if preemption is not None and not isinstance(preemption, Preemption):  # checked before anything is created
             raise ConfigurationError(f"preemption={preemption!r}: pass unbroken.Preemption(...), or None to leave "
@@ -130,7 +135,7 @@ class Checkpointer:
         self.events = EventBus()
         self.comm = Comm()
         self.run = Run(location, storage_options=storage_options, remote=remote, publish=self.events.publish,
-                       comm=self.comm, incremental=incremental)
+                       comm=self.comm, incremental=incremental, ram=ram)
         self.storage_options = storage_options  # for restore(path=URL)
         self.run.check()
         self.location: str = self.run.url
@@ -155,6 +160,7 @@ class Checkpointer:
         self._save_comm = Comm() if async_save and self.comm.world > 1 else self.comm
         self._signals = SignalWatcher(self.preemption.signals)
         self._guard: StepGuard | None = None
+        self._recovery: recovery.Policy | None = None  # inside recover(): its loss-spike predicate
         self._environment: dict[str, Any] | None = None
         self._recorder: Recorder | None = None
         self._plugins: list[Any] = []
@@ -202,7 +208,14 @@ class Checkpointer:
 
     def close(self) -> None:
         """Wait for a background save and pending uploads, release the run and restore the
-        previous signal handlers. A failed background save is raised after all that."""
+        previous signal handlers. A failed background save is raised after all that. With a
+        RAM tier, the newest checkpoint is persisted and the RAM folder removed (kept when the
+        process stops on a signal: see :mod:`unbroken.ram`)."""
+        self._close(ended=True)
+
+    def _close(self, ended: bool) -> None:
+        """``ended``: training ended normally (``close()``, a ``with`` block left without an
+        exception), not a crash: only then is a RAM tier's folder removed."""
         _open.discard(self)
         failed: BaseException | None = None
         try:
@@ -213,7 +226,7 @@ class Checkpointer:
         self._background.shutdown()
         self._signals.uninstall()
         self.rules.stop_watching()
-        self.run.close()
+        self.run.close(keep_ram=not ended or self._signals.received is not None)  # a relaunch here reads RAM
         self.comm.close()
         self._save_comm.close()
         for p in self._plugins:
@@ -229,7 +242,7 @@ class Checkpointer:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        self._close(ended=exc[0] is None)
 
     def guard(self, state: Mapping[str, Any]) -> StepGuard:
         """``with ckpt.guard(state):`` around the training loop: if a step raises, write an
@@ -324,8 +337,12 @@ class Checkpointer:
         self.events.publish(StepEnded(self.progress.step, clean))
         if self._selftest is not None:  # the step's fingerprint, before any save (same instant in every run)
             self._selftest.step_ended(self, state, clean)
-        # the ranks agree on saving and on preemption: one small collective per step (none at world size 1)
-        flags = self.comm.max((1 if self._due(epoch_end=False) else 0) | (2 if self._signals.received else 0))
+        # the ranks agree on saving, preemption and a loss spike: one small collective per step (none at world size 1)
+        spike = self._recovery is not None and self._recovery.spiked(clean)
+        flags = self.comm.max((1 if self._due(epoch_end=False) else 0) | (2 if self._signals.received else 0)
+                              | (4 if spike else 0))
+        if flags & 4:  # before this step is saved: recover() rolls back to an earlier checkpoint
+            raise recovery.LossSpike(self.progress.step, clean, here=spike)
         info = self.save(state) if flags & 1 else None
         if flags & 2:
             sig = self._signals.received or signal.SIGTERM  # a peer's signal: stop at the same step
@@ -334,6 +351,21 @@ class Checkpointer:
         if self._selftest is not None:
             self._selftest.after_step(self)  # a planned interruption or stop (SystemExit(0) after step N)
         return info
+
+    def recover(self, fn: Callable[[], T], state: MutableMapping[str, Any], *, on: Any, retries: int = 3,
+                rollback_if: Callable[[dict[str, Any]], Any] | None = None, skip_batches: int = 0) -> T:
+        """Call ``fn()`` (the training loop) and return its result; when it raises an instance of
+        ``on``, roll ``state`` back in place to the newest checkpoint and call it again, up to
+        ``retries`` consecutive times without getting past the failed step. ``rollback_if(metrics)``
+        true at a ``step()`` rolls back to before that step and skips ``skip_batches`` batches.
+        Other exceptions, and the last one, propagate unchanged. See :mod:`unbroken.recovery`."""
+        policy = recovery.Policy(recovery.check(on, retries, rollback_if, skip_batches, state), retries, rollback_if,
+                                 skip_batches)
+        outer, self._recovery = self._recovery, policy  # nested: the inner one's predicate while it runs
+        try:
+            return recovery.run(self, fn, state, policy, lambda: self._guard and self._guard.mark())
+        finally:
+            self._recovery = outer
 
     def epochs(self, state: Mapping[str, Any], epochs: int | Sequence[Any]) -> Iterator[Any]:
         """``for epoch in ckpt.epochs(state, range(1, n + 1)):`` — the epochs left (an ``int`` n:
@@ -401,7 +433,7 @@ class Checkpointer:
         shared, mine = split(state, prog, self.schedule.state_dict() if self.schedule.trigger is not None else None,
                              self.rng, rng)
         if self._recorder is not None:  # the metric rows up to this checkpoint are durable before it commits
-            self._recorder.durable(prog["step"])
+            self._recorder.durable(prog["step"], sync=not self.run.saves_to_ram(kind))
         t0 = time.monotonic()
         probe = run_probe(self.probe) if self.probe is not None and kind != "emergency" else None
         lazy = self.async_save == "lazy" and kind == "regular"
@@ -438,9 +470,11 @@ class Checkpointer:
         info = CheckpointInfo.of(self.run.describe(final), final, manifest)
         self.last_saved = info
         self.schedule.saved(manifest.step, manifest.metrics, manifest.progress.get("epoch", 0))
-        self.events.publish(Saved(final, info.path, manifest, took, tuple(tags)))
+        in_ram = self.run.in_ram(final)
+        self.events.publish(Saved(final, info.path, manifest, took, tuple(tags), "ram" if in_ram else "primary"))
         new = self.run.chunks.last.written_bytes if self.run.chunks is not None else None
-        log.info("saved step %d to %s (%s%.1f MB%s in %.2f s)", manifest.step, info.path,
+        log.log(logging.DEBUG if in_ram else logging.INFO,  # RAM saves: often every step
+                "saved step %d to %s (%s%.1f MB%s in %.2f s)", manifest.step, info.path,
                  "" if kind == "regular" else f"{kind}, ", info.size_bytes / 1e6,
                  f", {new / 1e6:.1f} MB of it new" if new is not None else "", took)
         grace = self.preemption.grace_period

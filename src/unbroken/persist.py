@@ -155,6 +155,9 @@ def write_snapshot(
 
 def check_space(storage: Store, payload: int) -> None:
     """Fail early and clearly, instead of half-writing, when the checkpoint cannot fit."""
+    own_rule = getattr(storage, "check_capacity", None)  # a store with its own rule (the RAM tier)
+    if own_rule is not None:
+        return own_rule(payload)
     free_bytes = getattr(storage, "free_bytes", None)
     free = free_bytes() if free_bytes is not None else None
     if free is None:  # object stores: no such thing as free space

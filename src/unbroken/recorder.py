@@ -36,7 +36,7 @@ class Recorder:
         elif isinstance(e, ev.StepEnded):
             self.metrics(e.step, e.metrics)
         elif isinstance(e, ev.Saved):
-            self.saved(e.name, e.manifest, e.took_s, list(e.tags))
+            self.saved(e.name, e.manifest, e.took_s, list(e.tags), sync=e.tier != "ram")
         elif isinstance(e, ev.CorruptionFound):
             self.event("corruption_found", e.reason, checkpoint=e.name, data={"tier": e.tier})
         elif isinstance(e, ev.Quarantined):
@@ -53,9 +53,17 @@ class Recorder:
             self.event("tagged", e.tag, checkpoint=e.name)
         elif isinstance(e, ev.Uploaded):
             self.event("uploaded", e.location, checkpoint=e.name, data={"took_s": e.took_s})
+        elif isinstance(e, ev.Persisted):
+            self.event("persisted", e.location, checkpoint=e.name, data={"took_s": e.took_s})
         elif isinstance(e, ev.UploadFailed):
             self.event("upload_failed", e.error, checkpoint=e.name,
                        data={"attempt": e.attempt, "will_retry": e.will_retry})
+        elif isinstance(e, ev.RolledBack):  # a resume inside the process: a new segment after it
+            self.event("rolled_back", e.error, step=e.step_failed, checkpoint=e.checkpoint,
+                       data={"restored_step": e.restored_step, "attempt": e.attempt, "retries": e.retries,
+                             "skipped_batches": e.skipped_batches})
+            self._segment, self._rows = False, {}
+            self.segment(e.checkpoint, e.restored_step)
         elif isinstance(e, ev.Preempted):
             self.event("preempted", e.signal, step=e.step, checkpoint=e.checkpoint,
                        data={"waited_s": e.waited_s, "save_s": e.save_s, "grace_period_s": e.grace_period_s,
@@ -96,19 +104,20 @@ class Recorder:
             for k in numbers:
                 self._rows[k] = (self._rows.get(k, (0, 0))[0] + 1, step)
 
-    def durable(self, step: int) -> None:
+    def durable(self, step: int, sync: bool = True) -> None:
         """At a save point: every metric row logged so far becomes durable before the checkpoint
-        commits, with a mark of how many there are (``metrics --check`` finds lost ones)."""
+        commits, with a mark of how many there are (``metrics --check`` finds lost ones); ``sync``
+        False for a RAM checkpoint (committed, not fsynced: see ``RunIndex.mark_durable``)."""
         if self._index is not None and self._segment:
-            self._call("mark_durable", lambda: self._index.mark_durable(step, self._rows))  # type: ignore[union-attr]
+            self._call("mark_durable", lambda: self._index.mark_durable(step, self._rows, sync))  # type: ignore[union-attr]
 
-    def saved(self, name: str, manifest: Any, took: float, tags: list[str]) -> None:
+    def saved(self, name: str, manifest: Any, took: float, tags: list[str], sync: bool = True) -> None:
         if self._index is None:
             return
         self.segment(None, manifest.step)
         self._call("record_checkpoint", lambda: self._index.record_checkpoint(  # type: ignore[union-attr]
             name, manifest.step, manifest.seq, manifest.progress.get("epoch"), manifest.created, took,
-            manifest.total_bytes, manifest.kind, manifest.metrics, tags, manifest.environment))
+            manifest.total_bytes, manifest.kind, manifest.metrics, tags, manifest.environment, sync=sync))
 
     def status(self, name: str, status: str, message: str) -> None:
         if self._index is not None:

@@ -24,28 +24,27 @@ import errno
 import logging
 import os
 import threading
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
 from .api import CheckpointInfo
 from .chunks import ChunkWriter, LiveChunks, collect
 from .damage import Damage, acknowledge
 from .discovery import discover, manifests
-from .errors import CorruptCheckpointError, ReadOnlyRunError, RunLockedError, StorageError, UnbrokenError
+from .errors import ConfigurationError, ReadOnlyRunError, RunLockedError, StorageError, UnbrokenError
 from .events import Event, Pruned
 from .format.manifest import Manifest
-from . import collective
+from . import choosing, collective
 from .dist.comm import Comm
-from .reader import LoadedCheckpoint, read_checkpoint, verify_share
+from .reader import LoadedCheckpoint
 from .scheduling import Schedule
 from .snapshot import Snapshot
 from .store import open_store
 from .store.retry import is_transient
 from .tags import TAGS_FILE, load_tags, save_tags, tags_by_checkpoint
+from .ram import RamRun, RamTier
 from .tiers import Remote, Uploader, copy_checkpoint
 
 log = logging.getLogger("unbroken")
-RELISTS = 10
-"""How often :meth:`Run.newest_valid` looks again after checkpoints vanished while it read them."""
 
 
 def _identity(store: Any) -> str:
@@ -58,9 +57,11 @@ class Run:
 
     def __init__(self, location: Any, *, storage_options: Mapping[str, Any] | None = None,
                  remote: Remote | None = None, publish: Callable[[Event], None] | None = None,
-                 comm: Comm | None = None, incremental: bool = False) -> None:
+                 comm: Comm | None = None, incremental: bool = False, ram: RamTier | None = None) -> None:
         self.comm = comm or Comm()
         self.store = open_store(location, storage_options)
+        if ram is not None and incremental:
+            raise ConfigurationError("a RAM tier with incremental=True is not supported: choose one")
         self.chunks: ChunkWriter | None = ChunkWriter(self.store) if incremental else None
         self._has_chunks = incremental
         self.remote: Remote | None = remote
@@ -69,6 +70,7 @@ class Run:
             raise StorageError("the remote tier must be another location than the run itself")
         self.remote_schedule = Schedule(None, None, remote.keep_last, remote.retention) if remote else None
         self.publish = publish or (lambda e: None)
+        self.ram = RamRun(ram, self.store, storage_options, self.publish) if ram is not None else None
         self.lock = self.store.lock()
         self.remote_lock = self.remote_store.lock() if self.remote_store is not None else None
         self.uploader: Uploader | None = None
@@ -127,6 +129,8 @@ class Run:
                     for name in self.store.clean_stale():
                         log.info("removed leftover %s of an interrupted save", name)
                     self._collect_at_start()
+                    if self.ram is not None:
+                        self.ram.begin()
                     if self.remote_store is not None:
                         self._begin_remote()
             except BaseException as e:  # noqa: BLE001 - told to every rank, then raised here
@@ -138,11 +142,26 @@ class Run:
         if outcome:
             raise RunLockedError(f"the coordinator (rank 0) could not open {self.url}: {outcome}")
         self._readonly, self._readonly_errno = readonly, code
+        if self.ram is not None and self.comm.world > 1 and not readonly:
+            self._check_ram_shared()
         if readonly and self.comm.coordinator:
             log.warning("%s: the run is read-only: restoring works (nothing is locked, cleaned or quarantined), "
                         "saving, pruning or tagging raises ReadOnlyRunError; to continue training, copy the run "
                         "to a writable folder", readonly)
         self._writing = True
+
+    def _check_ram_shared(self) -> None:
+        """Every rank must see the coordinator's RAM folder (one node): else refuse, on every rank."""
+        assert self.ram is not None
+        token = self.comm.broadcast(self.ram.shared_token() if self.comm.coordinator else None)
+        blind = [r for r, ok in enumerate(self.comm.gather(self.ram.sees(token))) if not ok]
+        blind = self.comm.broadcast(blind if self.comm.coordinator else None)
+        if self.comm.coordinator:
+            self.ram.forget(token)
+        if blind:
+            raise ConfigurationError(f"the RAM tier needs every rank on one node (one /dev/shm); rank(s) "
+                                     f"{', '.join(map(str, blind))} cannot see {self.ram.dir}: ranks on several "
+                                     "nodes are not supported by the RAM tier yet, train without it there")
 
     def require_writable(self, what: str) -> None:
         """Raise :class:`ReadOnlyRunError` (naming the run and why) if this run was opened read-only."""
@@ -195,9 +214,20 @@ class Run:
         remote tier is committed there (or superseded by a newer one that is: see
         :meth:`unbroken.tiers.Uploader.wait`); False if some is still pending after ``timeout``
         or could not be uploaded."""
+        if self.ram is not None and self.comm.coordinator:
+            if not self.ram.wait(timeout):
+                return False
+            self._persisted()
         return self.uploader.wait(timeout) if self.uploader is not None else True
 
-    def close(self) -> None:
+    def close(self, keep_ram: bool = False) -> None:
+        """Release the run: persist the newest RAM checkpoint, wait for uploads, unlock. The RAM
+        folder is removed unless ``keep_ram`` (the process stops on a signal: a relaunch on this
+        node restores from memory, and removes it at its own close)."""
+        if self.ram is not None and self.comm.coordinator and self._writing and not self._readonly:
+            disk = max((m.seq for m in manifests(self.store).values()), default=-1)
+            self.ram.close(disk, self.ram.manifests(), keep=keep_ram)
+            self._persisted()
         if self.uploader is not None:
             assert self.remote is not None
             if not self.uploader.wait(self.remote.close_timeout_s):
@@ -219,16 +249,16 @@ class Run:
     # ----------------------------------------------------------------- discovery
     def checkpoints(self) -> list[CheckpointInfo]:
         """Committed checkpoints with a readable manifest in every tier, newest first."""
-        local = discover(self.store, "local" if self.remote_store is not None else "")
-        if self.remote_store is None:
+        tiered = self.remote_store is not None or self.ram is not None
+        local = discover(self.store, "local" if tiered else "")
+        if not tiered:
             return local
-        if not self._remote_ok and self.uploader is not None and self.uploader.failing:
-            return local
-        try:
-            remote = discover(self.remote_store, "remote")
-        except Exception as e:
-            log.warning("cannot list the remote tier %s: %s", self.remote_store.url, e)
-            remote = []
+        remote = discover(self.ram.store, "ram") if self.ram is not None else []
+        if self.remote_store is not None and (self._remote_ok or self.uploader is None or not self.uploader.failing):
+            try:
+                remote += discover(self.remote_store, "remote")
+            except Exception as e:
+                log.warning("cannot list the remote tier %s: %s", self.remote_store.url, e)
         merged: dict[tuple[int, int], CheckpointInfo] = {}
         for c in remote + local:  # local last: its path wins
             key = (c.seq, c.step)
@@ -241,7 +271,10 @@ class Run:
         return sorted(merged.values(), key=lambda c: (c.seq, c.step), reverse=True)
 
     def next_seq(self) -> int:
-        seqs = [c.seq for c in discover(self.store)]
+        if self.ram is not None and self._next_seq > 0:  # the one writer knows (no listing at every RAM save)
+            return self._next_seq
+        seqs = [c.seq for c in discover(self.store)] + \
+            ([m.seq for m in self.ram.manifests().values()] if self.ram is not None else [])
         if self.remote_store is not None and self._next_seq == 0 and self._remote_ok:
             try:
                 seqs += [m.seq for m in manifests(self.remote_store).values()]
@@ -258,46 +291,48 @@ class Run:
         run beside the training loop's step collectives); the coordinator queues its upload.
         A read-only run raises :class:`ReadOnlyRunError` on every rank, before any collective."""
         self.require_writable("save a checkpoint to")
-        final, manifest = collective.write(comm or self.comm, self.store, self.lock, name, shared, mine,
+        in_ram = self.saves_to_ram(fields.get("kind", "regular"))
+        store = self.ram.store if self.ram is not None and in_ram else self.store
+        final, manifest = collective.write(comm or self.comm, store, self.lock, name, shared, mine,
                                            self.next_seq, broken, chunks=self.chunks, **fields)
         self._next_seq = manifest.seq + 1
-        if self.uploader is not None:
+        if self.ram is not None and in_ram and self.comm.coordinator:
+            self.ram.committed(final)
+        elif self.uploader is not None:
             self.uploader.enqueue(final)
         return final, manifest
 
+    def saves_to_ram(self, kind: str) -> bool:
+        """Whether a save of ``kind`` goes to the RAM tier (regular ones; the others to the disk)."""
+        return self.ram is not None and kind == "regular"
+
+    def in_ram(self, name: str) -> bool:
+        """Whether checkpoint ``name`` was just committed to the RAM tier (not the run location)."""
+        return self.ram is not None and name in self.ram.store.list_committed()
+
+    def _persisted(self) -> bool:
+        """Bookkeeping for RAM checkpoints the writer persisted: upload them (a remote tier) and
+        apply the run location's retention. True if any was."""
+        assert self.ram is not None
+        done = self.ram.drain()
+        for _, final, _ in done:
+            if self.uploader is not None:
+                self.uploader.enqueue(final)
+        if done:  # what waited for the writer may go now, in RAM and on disk
+            self.ram.prune(None, self.ram.manifests())
+            if self._schedule is not None:
+                self._prune_disk(self._schedule, None)
+        return bool(done)
+
     def describe(self, name: str) -> str:
-        return self.store.describe(name)
+        return self.ram.store.describe(name) if self.in_ram(name) else self.store.describe(name)
 
     # ---------------------------------------------------------------------- read
     def newest_valid(self, repair: LiveChunks | None = None) -> tuple[LoadedCheckpoint | None, str, int]:
-        """The newest checkpoint that verifies in any tier (downloaded if only the remote has it),
-        where it was read, and how many committed checkpoints were seen. Invalid ones are
-        reported, quarantined and skipped; a damaged chunk the live state still holds is
-        rewritten by ``repair`` first. A collective: every rank gets its part."""
-        seen = [0]
-        rank, world = self.comm.rank, self.comm.world
-
-        def attempt(name: str) -> LoadedCheckpoint:
-            files = verify_share(self.store, name, rank, world, repair=repair)
-            return read_checkpoint(self.store, name, rank, files, all_shards=world == 1)
-
-        for _ in range(RELISTS):  # a checkpoint pruned while read (a read-only run's writer): look again
-            self.damage.vanished = False
-            chosen = collective.choose(self.comm, self._candidates(seen) if self.comm.coordinator else None, attempt,
-                                       lambda name, reason: self.invalid(self.store, name, reason))
-            if not self.comm.broadcast(self.damage.vanished and self.comm.coordinator and self._newer_than(chosen)):
-                break
-        seen_all = self.comm.broadcast(seen[0])
-        if chosen is None:
-            return None, "", seen_all
-        name, loaded = chosen
-        self.use_base(loaded)
-        return loaded, self.store.describe(name), seen_all
-
-    def _newer_than(self, chosen: tuple[str, LoadedCheckpoint] | None) -> bool:
-        """Whether a checkpoint newer than ``chosen`` is committed now (one vanished meanwhile)."""
-        seq = chosen[1].manifest.seq if chosen is not None else -1
-        return any(m.seq > seq for m in manifests(self.store).values())
+        """The newest checkpoint that verifies in any tier (RAM, this location, the remote tier,
+        downloaded), where it was read, and how many committed checkpoints were seen; a collective
+        (see :func:`unbroken.choosing.newest_valid`)."""
+        return choosing.newest_valid(self, repair)
 
     def use_base(self, loaded: LoadedCheckpoint, location: Any = None) -> None:
         """Incremental saves deduplicate against ``loaded`` (just restored) if it is a checkpoint
@@ -312,46 +347,6 @@ class Run:
             if parent != own:
                 return
         self.chunks.use_base(loaded.manifest)
-
-    def _candidates(self, seen: list[int]) -> Iterator[str]:
-        """Names to try, newest first, in the primary store: a checkpoint only the remote tier
-        has (or whose local copy failed) is downloaded first."""
-        local = self._manifests(self.store)
-        remote = self._manifests(self.remote_store) if self.remote_store is not None and self._remote_ok else {}
-        keys = sorted({(m.seq, m.step) for m in [*local.values(), *remote.values()]}, reverse=True)
-        seen[0] = len(keys)
-        by_key = lambda found: {(m.seq, m.step): n for n, m in found.items()}  # noqa: E731
-        local_by, remote_by = by_key(local), by_key(remote)
-        for key in keys:
-            if key in local_by:
-                yield local_by[key]
-                if local_by[key] in self.store.list_committed():
-                    continue  # invalid but could not be quarantined: not shadowed by a download
-            if key in remote_by and self.remote_store is not None:
-                try:
-                    yield self.download(remote_by[key])
-                except CorruptCheckpointError as e:
-                    self.invalid(self.remote_store, remote_by[key], str(e), tier="remote")
-
-    def _manifests(self, store: Any) -> dict[str, Manifest]:
-        """Readable manifests; unreadable committed ones are reported as invalid."""
-        from .reader import read_manifest
-
-        out = {}
-        try:
-            names = store.list_committed()
-        except Exception as e:
-            if store is self.store or not is_transient(e):
-                raise
-            log.warning("remote tier %s unreachable (%s); resuming from the local tier only", store.url, e)
-            self._remote_unlisted = True
-            return {}
-        for name in names:
-            try:
-                out[name] = read_manifest(store, name)
-            except CorruptCheckpointError as e:
-                self.invalid(store, name, str(e), tier="primary" if store is self.store else "remote")
-        return out
 
     def download(self, name: str) -> str:
         """Copy a checkpoint from the remote tier into the local one, verified; its local name."""
@@ -369,7 +364,8 @@ class Run:
         found: list[tuple[str, str]] = []
         if self.comm.coordinator:
             unknown = self.remote_store is not None and (not self._remote_ok or self._remote_unlisted)
-            found = self.damage.unrestorable([s for s in (self.store, self.remote_store) if s is not None],
+            stores = (self.store, self.remote_store, self.ram.store if self.ram is not None else None)
+            found = self.damage.unrestorable([s for s in stores if s is not None],
                                              self.remote_store.url if unknown and self.remote_store else None)
         return [(str(a), str(b)) for a, b in self.comm.broadcast(found)]
 
@@ -392,6 +388,15 @@ class Run:
         self.require_writable("prune")
         if not self.comm.coordinator:
             return []
+        if self.ram is None:
+            return self._prune_disk(schedule, keep)
+        persisted = self._persisted()
+        doomed = self.ram.prune(keep, self.ram.manifests())
+        if not persisted and not (keep and self.in_ram(keep)):  # a save to the disk (persisted: pruned above)
+            doomed += self._prune_disk(schedule, keep)
+        return doomed
+
+    def _prune_disk(self, schedule: Schedule, keep: str | None) -> list[str]:
         with self._prune_lock:  # the uploader thread prunes too, after each upload
             infos = discover(self.store)
             protect = [keep] if keep else []
@@ -414,7 +419,7 @@ class Run:
         for this upload may go now)."""
         assert self.remote_store is not None and self.remote_schedule is not None
         if self._schedule is not None:
-            self.prune(self._schedule, None)
+            self._prune_disk(self._schedule, None)
         infos = discover(self.remote_store)
         doomed = self.remote_schedule.doomed(infos, {c.name: set(c.tags) for c in infos}, None)
         if doomed and self.remote_lock is not None:

@@ -37,6 +37,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from . import _faults
 from .discovery import manifests
 from .errors import CorruptCheckpointError
 from .events import Event, Pruned, Uploaded, UploadFailed
@@ -97,8 +98,10 @@ def copy_checkpoint(src: Any, name: str, dst: Any, *, lock: Any = None) -> tuple
                 with staging.open(fname) as f:
                     f.write(memoryview(buf))
             del buf
+            _faults.point("copy.after_file")
         if manifest.chunks:
             dst.sync_chunks()
+        _faults.point("copy.before_manifest")
         with staging.open(MANIFEST) as f:
             f.write(raw)
         if lock is not None:

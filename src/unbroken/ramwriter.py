@@ -1,0 +1,152 @@
+"""The writer process of the RAM tier: copies committed RAM checkpoints to the run location.
+
+``python -m unbroken.ramwriter`` is started by :class:`Persister` (the training side's handle)
+the first time a RAM checkpoint is due for persisting. It is a separate process so that its
+reading, hashing and writing never hold the training process's GIL, and so that it does not
+die with the trainer: a SIGKILL or an OOM kill of the training process closes the pipe, the
+writer finishes the checkpoint in hand (committed whole, manifest last, or not at all) and
+exits. It imports no torch (about 0.1 s to start).
+
+Protocol, one JSON document per line. The parent writes the configuration first
+(``{"ram": dir, "run": url, "storage_options": {...}}``: the options travel through the pipe,
+never on a command line other users can read), then one ``{"name": ...}`` per checkpoint to
+persist, at most one outstanding at a time. The writer answers each with
+``{"name", "final", "took_s"}`` or ``{"name", "error"}``. Every file is verified against the
+manifest while it is copied (:func:`unbroken.tiers.copy_checkpoint`): a RAM copy damaged in
+memory is never persisted.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Mapping
+
+log = logging.getLogger("unbroken")
+
+
+class Persister:
+    """The training side of the writer process: start it, hand it a checkpoint, collect answers."""
+
+    def __init__(self, ram_dir: str, run_url: str, storage_options: Mapping[str, Any] | None) -> None:
+        self.ram_dir, self.run_url = ram_dir, run_url
+        self.storage_options = dict(storage_options or {})
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._answers: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.busy: str | None = None  # the RAM checkpoint being persisted
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def _start(self) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self._proc = subprocess.Popen([sys.executable, "-m", "unbroken.ramwriter"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, env=env, close_fds=True)
+        assert self._proc.stdin is not None
+        self._send({"ram": self.ram_dir, "run": self.run_url, "storage_options": self.storage_options})
+        threading.Thread(target=self._read, args=(self._proc,), name="unbroken-persist-answers", daemon=True).start()
+
+    def _read(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            try:
+                self._answers.put(json.loads(line))
+            except ValueError:
+                continue
+        self._answers.put(None)  # the process ended
+
+    def _send(self, doc: dict[str, Any]) -> None:
+        assert self._proc is not None and self._proc.stdin is not None
+        self._proc.stdin.write(json.dumps(doc).encode() + b"\n")
+        self._proc.stdin.flush()
+
+    def submit(self, name: str) -> None:
+        """Persist RAM checkpoint ``name`` (nothing may be in hand: see :attr:`busy`)."""
+        assert self.busy is None, "one checkpoint at a time"
+        if self._proc is None or self._proc.poll() is not None:
+            self._start()
+        self.busy = name
+        try:
+            self._send({"name": name})
+        except OSError as e:  # the writer died: answered as a failure by the next poll
+            self._answers.put({"name": name, "error": f"the writer process is gone ({e})"})
+
+    def poll(self, timeout: float | None = 0.0) -> dict[str, Any] | None:
+        """The answer for the checkpoint in hand, if there is one by ``timeout`` (None: wait)."""
+        if self.busy is None:
+            return None
+        try:
+            answer = self._answers.get(timeout=timeout) if timeout != 0.0 else self._answers.get_nowait()
+        except queue.Empty:
+            return None
+        if answer is None:  # the process ended without answering
+            code = self._proc.wait() if self._proc is not None else None
+            answer = {"name": self.busy, "error": f"the writer process exited (code {code}) during the copy"}
+            self._proc = None
+        self.busy = None
+        return answer
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Close the pipe (the writer exits once idle) and wait for the process."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        try:
+            assert proc.stdin is not None
+            proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            log.error("the RAM tier's writer process %d did not exit within %.0f s: killed", proc.pid, timeout)
+            proc.kill()
+            proc.wait()
+
+
+def _serve(config: dict[str, Any], lines: Any, out: Any) -> None:
+    from .store import open_store
+    from .tiers import copy_checkpoint
+
+    src = open_store(config["ram"])
+    dst = open_store(config["run"], config.get("storage_options") or None)
+    owner = os.open(os.path.join(config["ram"], ".owner"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fcntl.flock(owner, fcntl.LOCK_SH)  # the folder has a live owner while this process runs (unbroken.ram)
+    for line in lines:
+        job = json.loads(line)
+        name = job["name"]
+        t0 = time.monotonic()
+        try:
+            final, _ = copy_checkpoint(src, name, dst)
+            answer: dict[str, Any] = {"name": name, "final": final, "took_s": time.monotonic() - t0}
+        except Exception as e:  # noqa: BLE001 - answered; the training side raises or logs it
+            answer = {"name": name, "error": f"{type(e).__name__}: {e}"}
+        out.write(json.dumps(answer) + "\n")
+        out.flush()
+
+
+def main() -> None:
+    # Ctrl-C reaches the whole foreground group: the trainer handles it (a preemption save), the
+    # writer goes on until the trainer closes the pipe
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.WARNING, format="unbroken ram writer: %(message)s")
+    config = json.loads(sys.stdin.readline() or "{}")
+    if not config:
+        return
+    try:
+        _serve(config, sys.stdin, sys.stdout)
+    except BrokenPipeError:  # the trainer is gone and cannot read answers: nothing to tell
+        pass
+
+
+if __name__ == "__main__":
+    main()
