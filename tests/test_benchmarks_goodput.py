@@ -6,7 +6,8 @@ from, that unbroken redid at most a save interval of steps per failure and ended
 its uninterrupted run, that goodput is a share of the wall time, and that a configuration this
 unbroken lacks (the RAM tier, in-process recovery, until they are merged) is marked "not
 available" rather than missing. The node-loss kind (network namespaces, root) is left to the full
-benchmark: it adds two relaunches per configuration.
+benchmark: it adds two relaunches per configuration. It takes 90-110 s on the 2 shared cores
+(11 jobs of a few seconds each, most of it process start-up).
 """
 
 from __future__ import annotations
