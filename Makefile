@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_format.py
 	$(PY) benchmarks/bench_data_resume.py
 	$(PY) benchmarks/bench_incremental.py
+	$(PY) benchmarks/bench_goodput.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info src/*.egg-info

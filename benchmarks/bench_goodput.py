@@ -1,0 +1,311 @@
+"""Goodput under failures: a multi-rank job under torchrun with failures injected at a fixed rate.
+
+The job (``goodput_worker.py``) is bench_train_overhead.py's GPT-like model, by default 2
+layers, dim 256, vocab 8192, seq 64, batch 4 per rank: 5.8M parameters, a checkpoint of ~70 MB
+(parameters + AdamW moments), ~140 ms a step on 2 idle cores, in DistributedDataParallel over
+gloo on ``--ranks`` (2) processes of one torch thread each. Configurations, in one run:
+
+* ``dcp``: a careful hand-written loop (``goodput_dcp.py``): ``dcp.save`` every
+  ``--save-every`` steps, rename-committed, restored from the newest complete one with
+  ``dcp.load``, the data position a step counter restored by skipping batches, RNGs saved;
+  ``dcp-async`` (with ``--configs``): the same with ``dcp.async_save``.
+* ``disk``: ``unbroken.Checkpointer(run, save_every=N)``, ``unbroken.init_distributed()``, a
+  ``ResumableLoader`` (``goodput_unbroken.py``).
+* ``ram``: ``Checkpointer(run, save_every=1, ram=unbroken.RamTier(keep_last=2, persist_every=N))``.
+* ``inproc``: ``disk`` inside ``ckpt.recover(train, state, on=(InjectedFault,))`` (exceptions only).
+
+``ram`` and ``inproc`` are reported "not available" when this unbroken lacks ``RamTier`` or
+``Checkpointer.recover``. Failure kinds: ``none`` (the baseline), ``kill`` (rank 1 SIGKILLed from
+outside; ``torchrun --max-restarts`` restarts the group), ``exception`` (every rank raises inside
+the same step; the process exits and torchrun restarts it, or ``recover`` restores in place) and
+``node`` (two torchrun agents in two network namespaces, one rank each; every process of node 1
+SIGKILLed at once, the survivor fails, and the job is launched again on both nodes, as a scheduler
+requeues it: needs root and iproute2, else skipped with the reason). A failure is injected every
+``--interval`` seconds of wall time (the first one ``--interval`` after the launch), once the job
+has made a new step since the previous one, and not in the last 3 steps. Every run trains
+``--steps`` steps; a run's numbers come from the ranks' event records (goodput_report.py says how).
+
+Exactness: each interrupted run's final parameters and AdamW state (SHA-256 of the bytes) must
+equal the same configuration's uninterrupted run; reported for every configuration, required
+(exit status 1 otherwise) for unbroken's.
+
+    python benchmarks/bench_goodput.py [--steps 600] [--interval 60] [--save-every 50] [--ranks 2]
+        [--configs dcp,disk,ram,inproc] [--kinds none,kill,exception,node]
+        [--layers 2 --dim 256 --seq 64 --batch 4 --vocab 8192] [--dir D] [--json F] [--plot F.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from goodput_report import metrics, plot, read_events, table  # noqa: E402
+
+WORKER = str(HERE / "goodput_worker.py")
+CONFIGS = ("dcp", "dcp-async", "disk", "ram", "inproc")
+KINDS = ("none", "kill", "exception", "node")
+MODEL = (("layers", 2), ("dim", 256), ("seq", 64), ("batch", 4), ("vocab", 8192))
+RDZV_PORT = 29400
+
+
+def unavailable(config: str, kind: str) -> str | None:
+    import unbroken
+
+    if config == "ram" and not hasattr(unbroken, "RamTier"):
+        return "unbroken.RamTier is not in this unbroken"
+    if config == "inproc" and not hasattr(unbroken.Checkpointer, "recover"):
+        return "unbroken.Checkpointer.recover is not in this unbroken"
+    return None
+
+
+def node_reason() -> str | None:
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    from netns import available
+
+    return available()
+
+
+def loadavg() -> float:
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
+class Tail:
+    """The events the ranks have appended so far (read incrementally)."""
+
+    def __init__(self, out: Path, ranks: int) -> None:
+        self.paths = [out / f"events-r{r}.jsonl" for r in range(ranks)]
+        self.pos = [0] * ranks
+        self.events: list[dict[str, Any]] = []
+
+    def poll(self) -> list[dict[str, Any]]:
+        for i, p in enumerate(self.paths):
+            with contextlib.suppress(FileNotFoundError), open(p) as f:
+                f.seek(self.pos[i])
+                chunk = f.read()
+                complete = chunk[:chunk.rfind("\n") + 1]
+                self.pos[i] += len(complete)
+                self.events += [json.loads(line) for line in complete.splitlines()]
+        return self.events
+
+
+class Job:
+    """The training job: one ``torchrun --standalone``, or one agent per network-namespace node."""
+
+    def __init__(self, a: argparse.Namespace, config: str, base: Path, cluster: Any, log: Any) -> None:
+        self.a, self.base, self.cluster, self.log = a, base, cluster, log
+        model = [f"--{k}={getattr(a, k)}" for k, _ in MODEL]
+        self.argv = [WORKER, "--config", config, "--run-dir", str(base / "run"), "--out", str(base / "out"),
+                     "--steps", str(a.steps), "--save-every", str(a.save_every), *model]
+        self.env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        self.procs: list[Any] = []
+        self.launches = 0
+
+    def launch(self) -> None:
+        self.launches += 1
+        run = [sys.executable, "-m", "torch.distributed.run"]
+        if self.cluster is None:
+            cmd = [*run, "--standalone", f"--nproc-per-node={self.a.ranks}", "--max-restarts=1000", *self.argv]
+            self.procs = [subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
+                                           start_new_session=True)]
+            return
+        from netns import IFNAME
+
+        host = self.cluster.nodes[0]
+        env = dict(self.env, GLOO_SOCKET_IFNAME=IFNAME)
+        self.procs = []
+        for i in (1, 0):
+            node = self.cluster.nodes[i]
+            cmd = [*run, "--nnodes=2", f"--nproc-per-node={self.a.ranks // 2}", "--rdzv-backend=c10d",
+                   f"--rdzv-endpoint={host.addr}:{RDZV_PORT}", f"--rdzv-id=goodput{self.launches}",
+                   f"--rdzv-conf=is_host={int(i == 0)},last_call_timeout=1,keep_alive_interval=1,join_timeout=120",
+                   f"--local-addr={node.addr}", "--max-restarts=0", *self.argv]
+            self.procs.append(node.start(cmd, env, on_line=lambda line: self.log.write(line)))
+
+    def codes(self) -> list[int | None]:
+        return [getattr(p, "popen", p).poll() for p in self.procs]
+
+    def stop(self) -> None:
+        if self.cluster is not None:
+            self.cluster.kill_all()
+            return
+        for p in self.procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        for pid in (self.base / "out").glob("pid-r*"):  # torchrun's workers have their own sessions
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid.read_text()), signal.SIGKILL)
+
+
+def run_one(a: argparse.Namespace, config: str, kind: str, tmp: Path, cluster: Any) -> dict[str, Any]:
+    """One job of ``config`` under failures of ``kind``; its metrics and final digest."""
+    base = tmp / f"{config}-{kind}"
+    out = base / "out"
+    out.mkdir(parents=True)
+    failures: list[float] = []
+    with open(base / "log.txt", "w") as log:
+        job = Job(a, config, base, cluster, log)
+        tail = Tail(out, a.ranks)
+        load0, launched = loadavg(), time.time()
+        job.launch()
+        next_at, pending, deadline = launched + a.interval, None, launched + a.timeout
+        try:
+            while True:
+                codes = job.codes()
+                events = tail.poll()
+                steps = [e for e in events if e["ev"] == "step"]
+                now = time.time()
+                if cluster is not None and None in codes and any(c is not None for c in codes):
+                    survivor = next(p for p, c in zip(job.procs, codes) if c is None)
+                    if survivor.wait(60) is None:  # the survivor must notice by itself; else it is stuck
+                        raise RuntimeError(f"the surviving agent did not end within 60 s:\n{job.log}")
+                    codes = job.codes()
+                if all(c is not None for c in codes):
+                    if all(c == 0 for c in codes) or cluster is None:
+                        break
+                    job.launch()  # a node was lost: the scheduler launches the job again on both nodes
+                    continue
+                if now > deadline:
+                    raise RuntimeError(f"{config}/{kind}: not done within {a.timeout} s (see {base / 'log.txt'})")
+                if pending is not None:  # an exception was planned: when it fires, it is the failure
+                    fired = [e["t"] for e in events if e["ev"] == "fault" and e["step"] == pending]
+                    if fired:
+                        failures.append(min(fired))
+                        pending, next_at = None, min(fired) + a.interval
+                last = {e["rank"]: e["step"] for e in steps}  # where each rank is now
+                latest = max(last.values(), default=0)
+                since = failures[-1] if failures else launched
+                done_before = max((e["step"] for e in steps if e["t"] <= since), default=0)
+                progressed = any(e["t"] > since and e["rank"] == 0 and e["step"] > done_before for e in steps)
+                if kind != "none" and pending is None and now >= next_at and progressed and latest < a.steps - 3 \
+                        and len(failures) < (a.max_failures if a.max_failures is not None else a.steps):
+                    if kind == "exception":
+                        pending = latest + 2
+                        (out / "fault-at").write_text(str(pending))
+                    elif kind == "kill":
+                        failures.append(time.time())
+                        os.kill(int((out / "pid-r1").read_text()), signal.SIGKILL)
+                        next_at = failures[-1] + a.interval
+                    else:
+                        failures.append(time.time())
+                        cluster.nodes[1].kill_all()
+                        next_at = failures[-1] + a.interval
+                time.sleep(0.05)
+        finally:
+            job.stop()
+    codes = job.codes()
+    final = out / "final.json"
+    if not final.exists():
+        raise RuntimeError(f"{config}/{kind}: the job ended (exit {codes}) without finishing; see {base / 'log.txt'}")
+    m = metrics(read_events(out), failures, launched, a.steps)
+    m.update(config=config, kind=kind, launches=job.launches, final_sha256=json.loads(final.read_text())["sha256"],
+             loadavg=[load0, loadavg()])
+    shutil.copy(base / "log.txt", tmp / f"log-{config}-{kind}.txt")
+    shutil.rmtree(base)
+    return m
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    for k, v in MODEL:
+        ap.add_argument(f"--{k}", type=int, default=v, help=f"model size, as bench_train_overhead.py (default {v})")
+    ap.add_argument("--steps", type=int, default=600, help="steps per job (default 600: ~90 s without failures)")
+    ap.add_argument("--interval", type=float, default=60.0, help="seconds between failures (default 60)")
+    ap.add_argument("--save-every", type=int, default=50, help="steps between disk checkpoints (default 50)")
+    ap.add_argument("--ranks", type=int, default=2, help="processes (default 2; split over 2 nodes for 'node')")
+    ap.add_argument("--configs", default="dcp,disk,ram,inproc", help=f"of {','.join(CONFIGS)}")
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"of {','.join(KINDS)}")
+    ap.add_argument("--max-failures", type=int, default=None, help="at most this many failures a job")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds a job may take before it is killed")
+    ap.add_argument("--dir", help="where the jobs run (default: the temporary folder)")
+    ap.add_argument("--keep-logs", action="store_true", help="keep each job's log in --dir")
+    ap.add_argument("--json", metavar="FILE", help="also write the results as one JSON object")
+    ap.add_argument("--plot", metavar="FILE", help="also draw goodput and recovery time (PNG)")
+    ap.add_argument("--markdown", metavar="FILE", help="also write the table as markdown")
+    a = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the jobs and clean up on the way out
+    configs, kinds = a.configs.split(","), a.kinds.split(",")
+    if bad := [c for c in configs if c not in CONFIGS] + [k for k in kinds if k not in KINDS]:
+        ap.error(f"unknown: {bad}")
+    if a.ranks < 2 or a.ranks % 2:
+        ap.error("--ranks must be even and at least 2 (a rank is killed; 'node' splits them over 2 nodes)")
+    if "none" not in kinds:
+        kinds.insert(0, "none")  # the reference for exactness and the ratios
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    tmp = Path(tempfile.mkdtemp(prefix="unbroken-bench-goodput-", dir=a.dir))
+    rows: list[dict[str, Any]] = []
+    started = time.time()
+    skipped: dict[str, str] = {}
+    try:
+        for kind in kinds:  # node losses last
+            cluster = None
+            if kind == "node":
+                if (why := node_reason()) is not None:
+                    skipped["node"] = why
+                    print(f"[node] skipped: {why}", file=sys.stderr, flush=True)
+                    continue
+                from netns import Cluster
+
+                cluster = Cluster(2)
+            try:
+                for config in configs:
+                    if config == "inproc" and kind not in ("none", "exception"):
+                        continue
+                    if (why := unavailable(config, kind)) is not None:
+                        rows.append({"config": config, "kind": kind, "unavailable": why})
+                        continue
+                    print(f"[{config} / {kind}]", file=sys.stderr, flush=True)
+                    r = run_one(a, config, kind, tmp, cluster)
+                    print(f"  goodput {r['goodput']:.3f}, {r['failures']} failures, recovery "
+                          f"{r['median_recovery_s']}, redone {r['steps_redone']}", file=sys.stderr, flush=True)
+                    rows.append(r)
+            finally:
+                if cluster is not None:
+                    cluster.close()
+    finally:
+        if not a.keep_logs:
+            shutil.rmtree(tmp, ignore_errors=True)
+    ref = {r["config"]: r["final_sha256"] for r in rows if r["kind"] == "none" and "final_sha256" in r}
+    for r in rows:
+        if "final_sha256" in r:
+            r["exact"] = None if r["kind"] == "none" else r["final_sha256"] == ref.get(r["config"])
+    from bench_train_overhead import machine
+
+    loads = [x for r in rows for x in r.get("loadavg", [])]
+
+    info = machine(Path(a.dir or tempfile.gettempdir()))
+    title = (f"{a.ranks} ranks (DDP, gloo, 1 thread each), model {a.layers} layers dim {a.dim} seq {a.seq} "
+             f"batch {a.batch}/rank vocab {a.vocab}; {a.steps} steps a job, disk save every {a.save_every}, "
+             f"a failure every {a.interval:g} s; took {time.time() - started:.0f} s; 1-min load average "
+             f"{min(loads, default=0):.1f}-{max(loads, default=0):.1f} (at the start and end of each job)")
+    print(f"\n{title}\nMachine: {info}\n\n{table(rows, md=False)}")
+    for k, why in skipped.items():
+        print(f"\n{k}: skipped: {why}")
+    wrong = [f"{r['config']}/{r['kind']}" for r in rows if r.get("exact") is False]
+    print("\nExactness (final parameters + AdamW state vs the same configuration's uninterrupted run): " +
+          ("every interrupted run bitwise equal" if not wrong else "DIFFERENT: " + ", ".join(wrong)))
+    if a.json:
+        doc = {"title": title, "machine": info, "args": vars(a), "skipped": skipped, "rows": rows}
+        Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
+    if a.markdown:
+        Path(a.markdown).write_text(f"{title}\n\nMachine: {info}\n\n{table(rows, md=True)}\n")
+    if a.plot:
+        plot(rows, a.plot, title)
+    if any(not w.startswith("dcp") for w in wrong):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""One rank of bench_goodput.py's training job (run under torchrun); see that script's docstring.
+
+    torchrun --nproc-per-node 2 --max-restarts 99 benchmarks/goodput_worker.py --config disk \
+        --run-dir RUN --out OUT --steps 400 --save-every 20 [--layers 2 --dim 256 ...]
+
+The model, its AdamW and the synthetic token dataset are bench_train_overhead.py's (``build``),
+wrapped in DistributedDataParallel over gloo. Every rank appends one JSON line per event to
+``OUT/events-r<rank>.jsonl``: ``launch`` (this script's first line), ``ready`` (imports, process
+group, model, optimizer and data built), ``restored`` (the checkpoint is in place: the step it
+holds), ``step`` (``step``, ``t0`` before the batch is fetched, ``t1`` after ``optimizer.step()``,
+``redone``: this rank had finished that step before), ``fault`` (an injected exception is
+raised) and ``done``. Times are ``time.time()``. At the end rank 0 writes ``OUT/final.json``:
+the SHA-256 of every parameter and AdamW moment, bitwise.
+
+An exception is injected when ``OUT/fault-at`` names the step about to run: every rank raises
+:class:`InjectedFault` after that step's forward pass (no collective is in flight), once per
+step number (``OUT/fired-<step>-r<rank>``).
+"""
+
+from __future__ import annotations
+
+import time
+
+T_LAUNCH = time.time()
+
+import argparse  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+class InjectedFault(RuntimeError):
+    """The exception bench_goodput.py injects inside a step."""
+
+
+class Events:
+    def __init__(self, out: Path, rank: int) -> None:
+        self.path = out / f"events-r{rank}.jsonl"
+        self.rank = rank
+        self.done = 0  # the highest step this rank finished in any earlier process or attempt
+        if self.path.exists():
+            for line in self.path.read_text().splitlines():
+                with_step = json.loads(line)
+                if with_step.get("ev") == "step":
+                    self.done = max(self.done, with_step["step"])
+        self.f = open(self.path, "a")
+
+    def __call__(self, ev: str, **kw: object) -> None:
+        kw.setdefault("t", time.time())
+        self.f.write(json.dumps({"ev": ev, "rank": self.rank, "pid": os.getpid(), **kw}) + "\n")
+        self.f.flush()
+
+    def step(self, step: int, t0: float) -> None:
+        self("step", step=step, t0=t0, t=time.time(), redone=step <= self.done)
+        self.done = max(self.done, step)
+
+
+class FaultPlan:
+    """Raise :class:`InjectedFault` at the step ``OUT/fault-at`` names (once per step number)."""
+
+    def __init__(self, out: Path, rank: int) -> None:
+        self.file, self.out, self.rank, self.mtime, self.at = out / "fault-at", out, rank, None, None
+
+    def check(self, step: int, events: Events) -> None:
+        try:
+            mtime = self.file.stat().st_mtime_ns
+        except FileNotFoundError:
+            return
+        if mtime != self.mtime:
+            self.mtime, self.at = mtime, int(self.file.read_text() or 0)
+        fired = self.out / f"fired-{step}-r{self.rank}"
+        if step == self.at and not fired.exists():
+            fired.touch()
+            events("fault", step=step)
+            raise InjectedFault(f"injected at step {step} on rank {self.rank}")
+
+
+def digest(model, opt) -> str:
+    import torch
+
+    h = hashlib.sha256()
+    for k, v in sorted(model.state_dict().items()):
+        h.update(k.encode())
+        h.update(v.detach().contiguous().view(-1).view(torch.uint8).numpy())
+    for pid, st in sorted(opt.state_dict()["state"].items()):
+        for k, v in sorted(st.items()):
+            h.update(f"{pid}/{k}".encode())
+            h.update(v.detach().contiguous().view(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", choices=["dcp", "dcp-async", "disk", "ram", "inproc"], required=True)
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--save-every", type=int, required=True)
+    for k, v in (("layers", 2), ("dim", 256), ("seq", 64), ("batch", 4), ("vocab", 8192)):
+        p.add_argument(f"--{k}", type=int, default=v)
+    a = p.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rank = int(os.environ.get("RANK", "0"))
+    events = Events(out, rank)
+    events("launch", t=T_LAUNCH)
+    (out / f"pid-r{rank}").write_text(str(os.getpid()))
+
+    import torch
+    import unbroken
+    from bench_train_overhead import build
+
+    torch.set_num_threads(1)
+    if a.config.startswith("dcp"):
+        import goodput_dcp
+
+        goodput_dcp.init()
+    else:
+        unbroken.init_distributed("gloo")
+    model, opt, ds = build(a.layers, a.dim, a.seq, a.vocab)
+    model = torch.nn.parallel.DistributedDataParallel(model)
+    faults = FaultPlan(out, rank)
+    if a.config.startswith("dcp"):
+        import goodput_dcp
+
+        loop = goodput_dcp.Loop(model, opt, ds, a, events, faults, async_save=a.config == "dcp-async")
+    else:
+        import goodput_unbroken
+
+        loop = goodput_unbroken.Loop(model, opt, ds, a, events, faults, InjectedFault)
+    loop.run()
+    if rank == 0:
+        (out / "final.json").write_text(json.dumps({"sha256": digest(model, opt), "step": loop.step_no()}))
+    events("done")
+    # Leave without tearing the process group down: on gloo, after a restart, a rank sometimes
+    # waited for ever in destroy_process_group() once its peer had exited (seen in the DCP loop);
+    # the job's work is done and recorded, and the benchmark measures nothing after it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
