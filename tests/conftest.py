@@ -4,7 +4,9 @@ that fails the session if any test wrote into the repository (:mod:`repo_guard`)
 from __future__ import annotations
 
 import os
+import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -57,6 +59,18 @@ def _repository_unchanged(tmp_path_factory: pytest.TempPathFactory) -> None:
         pytest.fail("tests changed the repository (a test must write only inside its tmp_path):\n  "
                     + "\n  ".join(found[:50]) + (f"\n  ... {len(found) - 50} more" if len(found) > 50 else ""),
                     pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def _signal_dispositions_restored() -> Iterator[None]:
+    """A test that leaves a signal ignored in this process is undone: Lightning sets
+    SIGINT to "ignore" for good when a fit is interrupted, and every process a later test of the
+    same worker starts would inherit that (a Ctrl-C test then fails far from its cause)."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    yield
+    for s, handler in before.items():  # only an "ignore" left behind: handlers a fixture keeps are its own
+        if signal.getsignal(s) == signal.SIG_IGN and handler not in (None, signal.SIG_IGN):
+            signal.signal(s, handler)
 
 
 @pytest.fixture(autouse=True, scope="session")

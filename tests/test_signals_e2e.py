@@ -64,7 +64,11 @@ class Terminal:
     def __init__(self, argv: list[str], env: dict[str, str]) -> None:
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: a new session whose controlling terminal is the pty
-            try:
+            try:  # what a shell gives a foreground job: default dispositions, nothing blocked (an in-process
+                # test of the same pytest worker may have left SIGINT ignored: Lightning does on Ctrl-C)
+                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT):
+                    signal.signal(sig, signal.SIG_DFL)
+                signal.pthread_sigmask(signal.SIG_SETMASK, set())
                 os.execve(argv[0], argv, env)
             finally:
                 os._exit(127)
