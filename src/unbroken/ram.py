@@ -48,17 +48,18 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from .errors import ConfigurationError, InsufficientSpaceError, StorageError, UnbrokenError
+from .errors import ConfigurationError, StorageError, UnbrokenError
 from .events import Event, Persisted, Pruned
 from .format.manifest import Manifest
 from .ramwriter import Persister
-from .store.local import LocalStore
+from .store import open_ram_store, open_store
 
 log = logging.getLogger("unbroken")
 MARKER = ".unbroken-ram.json"
@@ -99,36 +100,6 @@ class RamTier:
         return root / f"unbroken-{os.getuid()}" / digest
 
 
-class RamStore(LocalStore):
-    """A :class:`LocalStore` in shared memory with the tier's capacity rule."""
-
-    def __init__(self, root: Path, keep_last: int) -> None:
-        super().__init__(root)
-        self.keep_last = keep_last
-
-    def used_bytes(self) -> int:
-        total = 0
-        for name in self.list_committed():
-            try:
-                total += sum(f.stat().st_size for f in (self.root / name).iterdir() if f.is_file())
-            except OSError:
-                continue
-        return total
-
-    def check_capacity(self, payload: int) -> None:
-        """Refuse a save when ``keep_last + 1`` checkpoints of ``payload`` bytes cannot fit."""
-        need = int((self.keep_last + 1) * payload * 1.01) + (1 << 20)
-        st = os.statvfs(self.root)
-        free, size, mine = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize, self.used_bytes()
-        if free + mine < need or free < payload:
-            raise InsufficientSpaceError(
-                f"the RAM tier in {self.root.parent.parent} cannot hold its checkpoints: it keeps {self.keep_last} "
-                f"of about {payload / 1e6:.1f} MB plus one being written, {need / 1e6:.1f} MB in all; the shared "
-                f"memory filesystem has {free / 1e6:.1f} MB free of {size / 1e6:.1f} MB ({mine / 1e6:.1f} MB of them "
-                "this run's). Give it more (docker run --shm-size=..., or RamTier(root=...) on a bigger tmpfs), "
-                "lower RamTier(keep_last=...), or train without the RAM tier. Nothing was written.")
-
-
 class RamRun:
     """The RAM side of a :class:`~unbroken.run.Run`: the RAM store, its retention, the writer."""
 
@@ -138,7 +109,7 @@ class RamRun:
             raise ConfigurationError(f"ram={tier!r}: pass unbroken.RamTier(...)")
         self.tier, self.disk, self.publish = tier, disk, publish
         self.dir = tier.folder(str(getattr(disk, "identity", None) or disk.url))
-        self.store = RamStore(self.dir, tier.keep_last)
+        self.store = open_ram_store(self.dir, tier.keep_last)
         self.persister = Persister(str(self.dir), disk.url, storage_options)
         self.saves = 0  # RAM commits by this process
         self.pending: str | None = None  # due for persisting while the writer was busy
@@ -265,8 +236,6 @@ class RamRun:
             if self.pending is not None:
                 nxt, self.pending = self.pending, None
                 self.persister.submit(nxt)
-            if timeout != 0.0:
-                timeout = 0.0 if self.persister.busy is None else timeout
 
     def protected(self) -> list[str]:
         return [n for n in (self.persister.busy, self.pending) if n]
@@ -348,7 +317,6 @@ def collect_orphans(root: Path, mine: Path) -> None:
     is older than the newest one on its run's disk (a killed run relaunched elsewhere, or one that
     ended with ``keep``); a folder holding a newer state is kept for its run's relaunch, and named."""
     from .discovery import manifests
-    from .store import open_store
 
     for folder in sorted(root.iterdir()):
         if folder == mine or not (folder / MARKER).is_file():
@@ -358,12 +326,13 @@ def collect_orphans(root: Path, mine: Path) -> None:
             continue  # a live trainer or writer
         try:
             run = json.loads((folder / MARKER).read_text())["run"]
-            ram = max((m.seq for m in manifests(LocalStore(folder)).values()), default=-1)
+            store = open_store(str(folder))
+            ram = max((m.seq for m in manifests(store).values()), default=-1)
             disk = max((m.seq for m in manifests(open_store(run)).values()), default=-1) if "://" not in run else None
             if disk is not None and ram <= disk:
                 log.info("removing %s: the RAM checkpoints of %s left by a process that ended (all older than "
                          "its newest on disk)", folder, run)
-                remove_folder(folder, LocalStore(folder))
+                remove_folder(folder, store)
             else:
                 log.warning("%s holds RAM checkpoints of %s newer than its disk's, left by a process that ended: "
                             "relaunching that run on this node resumes from them (and removes them); delete the "
@@ -374,7 +343,7 @@ def collect_orphans(root: Path, mine: Path) -> None:
             os.close(fd)
 
 
-def remove_folder(folder: Path, store: LocalStore) -> None:
+def remove_folder(folder: Path, store: Any) -> None:
     """Delete a RAM folder this library made: its checkpoints, leftovers and quarantine, then itself."""
     try:
         for name in store.list_committed():
@@ -385,7 +354,7 @@ def remove_folder(folder: Path, store: LocalStore) -> None:
             names = sorted(p.name for p in q.iterdir())
             if names:
                 log.warning("removing the RAM tier's quarantined copies: %s", ", ".join(names))
-            _rmtree(q)
+            shutil.rmtree(q)
         for p in folder.iterdir():
             if p.name.startswith((".node-", ".lock", OWNER, MARKER)):
                 p.unlink()
@@ -393,12 +362,3 @@ def remove_folder(folder: Path, store: LocalStore) -> None:
     except OSError as e:
         if e.errno != errno.ENOENT:
             log.warning("could not remove the RAM tier's folder %s: %s", folder, e)
-
-
-def _rmtree(path: Path) -> None:
-    for p in path.iterdir():
-        if p.is_dir() and not p.is_symlink():
-            _rmtree(p)
-        else:
-            p.unlink()
-    path.rmdir()

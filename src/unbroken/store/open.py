@@ -26,6 +26,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 from ..errors import StorageError
 from .fsspec import FsspecStore
 from .local import LocalStore
+from .ram import RamStore
 
 EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure",
           "abfss": "azure", "adl": "azure"}
@@ -79,6 +80,11 @@ def local_path(url: str) -> str:
                            "(three slashes; file://localhost/absolute/path also works), or pass the path "
                            "itself (runs/exp1); percent-encode a ? or # in a folder name (%3F, %23)")
     return os.path.abspath(path)
+
+
+def open_ram_store(folder: str | os.PathLike[str], keep_last: int) -> RamStore:
+    """The RAM tier's store in ``folder`` (a tmpfs), holding ``keep_last`` checkpoints plus one."""
+    return RamStore(os.path.abspath(folder), keep_last)
 
 
 def open_store(location: str | os.PathLike[str] | Any, storage_options: Mapping[str, Any] | None = None,
