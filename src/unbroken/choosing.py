@@ -84,10 +84,7 @@ def _candidates(run: Run, seen: list[int]) -> Iterator[str]:
     local_by, remote_by, ram_by = by_key(local), by_key(remote), by_key(ram)
     for key in keys:
         if key in ram_by and run.ram is not None:
-            yield RAM + ram_by[key]  # memory first: the same checkpoint, read without a disk
-            if ram_by[key] in run.ram.store.list_committed():
-                if key not in local_by and key not in remote_by:
-                    continue
+            yield RAM + ram_by[key]  # memory first; if it fails, the same checkpoint from disk or remote
         if key in local_by:
             yield local_by[key]
             if local_by[key] in run.store.list_committed():

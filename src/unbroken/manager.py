@@ -37,7 +37,7 @@ from .policies import Retention, Trigger
 from .probe import ProbeFn
 from .recorder import Recorder
 from .run import Run
-from . import saving
+from .saving import Saving
 from .scheduling import Schedule
 from .selftest import protocol as selftest
 from .snapshot import Snapshotter
@@ -66,7 +66,7 @@ def _close_at_exit() -> None:
             log.error("closing %s at exit failed: %s", ckpt.location, e)
 
 
-class Checkpointer:
+class Checkpointer(Saving):
     """Saves and restores the complete training state of one run.
 
     Args:
@@ -204,7 +204,7 @@ class Checkpointer:
         if done is None:
             return None
         (kind, tags), (final, manifest, took) = done
-        return saving.committed(self, final, manifest, kind, tags, took)
+        return self._committed(final, manifest, kind, tags, took)
 
     def close(self) -> None:
         """Wait for a background save and pending uploads, release the run and restore the
@@ -406,18 +406,6 @@ class Checkpointer:
             return False
         return not sched.already_saved(self.progress.step, clean_metrics(self.metrics), self.progress.epoch)
 
-    def save(self, state: Mapping[str, Any], metrics: dict[str, Any] | None = None, *, kind: str = "regular",
-             tag: str | None = None, progress: Mapping[str, int] | None = None,
-             rng: Mapping[str, Any] | None = None) -> CheckpointInfo | None:
-        """Save ``state`` (plus progress and RNG) now, then apply retention; what was committed.
-
-        With ``async_save``, a regular save returns ``None`` once the state is copied, and is
-        written in the background (:meth:`flush` waits for it and returns its info). A save
-        first waits for the one in flight. A ``tag`` names the checkpoint and protects it from
-        retention. ``progress`` and ``rng`` replace the live counters and RNG states with
-        those of another instant (emergency checkpoints of the state at a step's start).
-        """
-        return saving.save(self, state, metrics, kind, tag, progress, rng)
 
     def saved_part(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """The part of ``state`` that is saved and restored: all but the ``allow_unsaved`` keys."""

@@ -306,26 +306,26 @@ class Run:
         """Whether a save of ``kind`` goes to the RAM tier (regular ones; the others to the disk)."""
         return self.ram is not None and kind == "regular"
 
-    def in_ram(self, name: str) -> bool:
-        """Whether checkpoint ``name`` was just committed to the RAM tier (not the run location)."""
-        return self.ram is not None and name in self.ram.store.list_committed()
-
-    def _persisted(self) -> bool:
-        """Bookkeeping for RAM checkpoints the writer persisted: upload them (a remote tier) and
-        apply the run location's retention. True if any was."""
+    def _uploaded_persisted(self) -> bool:
+        """Queue the RAM checkpoints the writer persisted for the remote tier; True if any was."""
         assert self.ram is not None
         done = self.ram.drain()
         for _, final, _ in done:
             if self.uploader is not None:
                 self.uploader.enqueue(final)
-        if done:  # what waited for the writer may go now, in RAM and on disk
+        return bool(done)
+
+    def _persisted(self) -> None:
+        """After waiting for the writer: uploads, then what waited for it may go, in RAM and on disk."""
+        assert self.ram is not None
+        if self._uploaded_persisted():
             self.ram.prune(None, self.ram.manifests())
             if self._schedule is not None:
                 self._prune_disk(self._schedule, None)
-        return bool(done)
 
-    def describe(self, name: str) -> str:
-        return self.ram.store.describe(name) if self.in_ram(name) else self.store.describe(name)
+    def describe(self, name: str, in_ram: bool = False) -> str:
+        """Where checkpoint ``name`` is; ``in_ram``: in the RAM tier (a save of :meth:`saves_to_ram`)."""
+        return self.ram.store.describe(name) if in_ram and self.ram is not None else self.store.describe(name)
 
     # ---------------------------------------------------------------------- read
     def newest_valid(self, repair: LiveChunks | None = None) -> tuple[LoadedCheckpoint | None, str, int]:
@@ -390,9 +390,10 @@ class Run:
             return []
         if self.ram is None:
             return self._prune_disk(schedule, keep)
-        persisted = self._persisted()
-        doomed = self.ram.prune(keep, self.ram.manifests())
-        if not persisted and not (keep and self.in_ram(keep)):  # a save to the disk (persisted: pruned above)
+        persisted = self._uploaded_persisted()
+        in_ram = self.ram.manifests()
+        doomed = self.ram.prune(keep, in_ram)
+        if persisted or keep not in in_ram:  # the run location changed: a persisted copy, or a save to it
             doomed += self._prune_disk(schedule, keep)
         return doomed
 
