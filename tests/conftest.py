@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,30 @@ def _repository_unchanged(tmp_path_factory: pytest.TempPathFactory) -> None:
         pytest.fail("tests changed the repository (a test must write only inside its tmp_path):\n  "
                     + "\n  ".join(found[:50]) + (f"\n  ... {len(found) - 50} more" if len(found) > 50 else ""),
                     pytrace=False)
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
+    """``tmpfs("2m")``: a real tmpfs of that size mounted in the test's folder (a full filesystem, a
+    small /dev/shm), unmounted after the test. Mounting needs root: without it the test is skipped;
+    as root (CI) a failed mount fails the test."""
+    mounted: list[Path] = []
+
+    def mount(size: str) -> Path:
+        mnt = tmp_path / f"tmpfs-{len(mounted)}"
+        mnt.mkdir()
+        res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True)
+        if res.returncode != 0:
+            why = f"cannot mount a tmpfs: {res.stderr.decode().strip()}"
+            if os.geteuid() == 0:
+                pytest.fail(why)
+            pytest.skip(why + " (needs root)")
+        mounted.append(mnt)
+        return mnt
+
+    yield mount
+    for mnt in mounted:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 @pytest.fixture(autouse=True)

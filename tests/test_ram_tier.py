@@ -324,16 +324,8 @@ def test_ram_tier_with_incremental_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def small_tmpfs(tmp_path: Path):
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (root is needed): {done.stderr.decode().strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+def small_tmpfs(tmpfs) -> Path:
+    return tmpfs("2m")
 
 
 def test_a_tmpfs_too_small_for_keep_last_plus_one_is_refused_with_the_numbers(tmp_path: Path, small_tmpfs: Path):

@@ -14,17 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from test_distributed import ENV, STEPS, all_rows, job, losses, run, same_final, torchrun
+from test_distributed import (ENV, STEPS, all_rows, job, losses, reference,  # noqa: F401 (reference: the fixture)
+                              run, same_final, torchrun)
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    base = tmp_path_factory.mktemp("ram-ddp-reference")
-    code, out = run(torchrun(2, *job(base)))
-    assert code == 0, out
-    return base / "out"
 
 
 def test_ddp_rank_killed_resumes_from_ram_on_every_rank_bitwise(reference: Path, tmp_path: Path) -> None:

@@ -144,16 +144,8 @@ def test_enospc_in_the_middle_of_a_save_keeps_everything(tmp_path: Path, monkeyp
 
 
 @pytest.fixture
-def tiny_fs(tmp_path: Path):
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=7m", "tmpfs", str(mnt)], capture_output=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {res.stderr.decode().strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+def tiny_fs(tmpfs) -> Path:
+    return tmpfs("7m")
 
 
 def test_real_full_filesystem(tiny_fs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
