@@ -16,7 +16,12 @@ Configurations, each in a fresh subprocess:
 * ``no_ckpt``: the bare loop, no Checkpointer.
 * ``sync`` / ``async`` / ``lazy``: ``Checkpointer(dir, save_every=--every, keep_last=2,
   preemption=None, async_save=False | True | "lazy")`` and ``ckpt.step(state)`` after every
-  ``optimizer.step()``.
+  ``optimizer.step()``. The background saves' tensor files are written by the writer process
+  (:mod:`unbroken.filewriter`).
+* ``async_thread`` / ``lazy_thread``: the same, written by the training process's background
+  thread instead (``UNBROKEN_WRITER_PROCESS=0``, as before the writer process).
+* ``ram`` / ``ram_async`` / ``ram_lazy``: a save every step into a RAM tier, persisted every
+  ``--every`` (see the README's RAM tier section).
 
 Every run does ``--warmup`` (10) untimed steps, then ``--steps`` (200) timed steps: steps
 11-210 with saves at steps 50, 100, 150 and 200 (4 saves). The timed window ends after a
@@ -30,7 +35,8 @@ Reported per configuration (median over ``--reps`` runs, which go round robin ov
 configurations so that a noisy phase of the machine hits all of them): steps/s; overhead =
 ``time / no_ckpt's time - 1``; the median time of the steps that did not save (robust to
 the spikes of a shared machine; shows a slowdown spread over all steps, e.g. the background
-writer competing for the cores); the stall per save = time inside the ``ckpt.step()`` calls
+writer competing for the cores); the mean time of the 3 steps after each save, which run beside
+its background write (the writer's interference with training); the stall per save = time inside the ``ckpt.step()`` calls
 that saved, divided by the saves; and the extra time of the ``optimizer.step()`` right after
 a save over the median ``optimizer.step()`` (where ``lazy`` waits for its deferred copies);
 and the **blocked overhead**: (stall + that wait) per save over the time of ``--every``
@@ -75,11 +81,18 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 CONFIGS: dict[str, Any] = {"no_ckpt": None, "sync": False, "async": True, "lazy": "lazy",
+                           "async_thread": True, "lazy_thread": "lazy",
                            "ram": False, "ram_async": True, "ram_lazy": "lazy"}
 RAM_CONFIGS = ("ram", "ram_async", "ram_lazy")
+THREAD_CONFIGS = ("async_thread", "lazy_thread")
+"""Background saves written by the training process's background thread (``UNBROKEN_WRITER_PROCESS=0``),
+as before the writer process: the others write from the writer process."""
+AFTER = 3
+"""Steps after each save timed as "during the write" (the background write runs beside them)."""
 """A RAM tier (``unbroken.RamTier(keep_last=2, persist_every=--every)``) and a save at *every* step."""
 MODEL_ARGS = ("layers", "dim", "seq", "batch", "vocab")
-MEDIANS = ("steps_per_s", "median_step_s", "stall_per_save_s", "next_step_wait_per_save_s", "saves", "opt_step_s")
+MEDIANS = ("steps_per_s", "median_step_s", "stall_per_save_s", "next_step_wait_per_save_s", "saves", "opt_step_s",
+           "during_write_step_s")
 
 
 class SyntheticTokens(Dataset):
@@ -169,6 +182,7 @@ def run_child(cfg: str, a: argparse.Namespace, out: Path) -> dict[str, Any]:
         ckpt.environment()  # once per process (git, versions): off the clock
     it = iter(loader)
     stall, saves, last_save, after_save, opt_times, after_times, step_times = 0.0, 0, None, False, [], [], []
+    during, since = [], AFTER + 1  # the steps right after a save (its background write runs beside them)
     t0 = time.perf_counter()
     for k in range(a.warmup + a.steps):
         if k == a.warmup:
@@ -186,6 +200,7 @@ def run_child(cfg: str, a: argparse.Namespace, out: Path) -> dict[str, Any]:
                 torch.cuda.synchronize()
             took = time.perf_counter() - t
             if ckpt.progress.step % every == 0:
+                since = 0
                 last_save, after_save = ckpt.progress.step, timed and not ram  # ram: every step saves
                 if timed:
                     stall, saves = stall + took, saves + 1
@@ -195,6 +210,9 @@ def run_child(cfg: str, a: argparse.Namespace, out: Path) -> dict[str, Any]:
             if a.device != "cpu":
                 torch.cuda.synchronize()
             step_times.append(time.perf_counter() - ts)  # steps that did not save
+            since += 1
+            if since <= AFTER and not ram:
+                during.append(step_times[-1])
     if ckpt is not None:
         ckpt.flush()  # a background save still in flight is part of the cost
     elapsed = time.perf_counter() - t0
@@ -211,7 +229,8 @@ def run_child(cfg: str, a: argparse.Namespace, out: Path) -> dict[str, Any]:
         persist = {"persisted": len(done), "persist_s": statistics.median(e["data"]["took_s"] for e in done)}
     return {"config": cfg, "steps": a.steps, **persist, "elapsed_s": elapsed, "steps_per_s": a.steps / elapsed,
             "saves": saves, "stall_s": stall, "stall_per_save_s": stall / saves if saves else 0.0,
-            "median_step_s": statistics.median(step_times), "opt_step_s": base, "next_step_wait_per_save_s":
+            "median_step_s": statistics.median(step_times), "opt_step_s": base,
+            "during_write_step_s": statistics.mean(during) if during else statistics.median(step_times), "next_step_wait_per_save_s":
                 sum(t - base for t in after_times) / len(after_times) if after_times else 0.0,
             "final_loss": loss.item(), "params_sha256": params_sha256(model), "state_bytes": state_bytes(model, opt)}
 
@@ -281,8 +300,9 @@ def main() -> None:
                 print(f"[run {rep + 1}/{a.reps}] {cfg}", file=sys.stderr, flush=True)
                 loadavg.append(float(Path("/proc/loadavg").read_text().split()[0]))
                 out = tmp / f"{cfg}-{rep}"
+                env = dict(os.environ, UNBROKEN_WRITER_PROCESS="0" if cfg in THREAD_CONFIGS else "1")
                 p = subprocess.run([sys.executable, __file__, "--child", cfg, "--dir", str(out), *flags],
-                                   check=False, capture_output=True, text=True)
+                                   check=False, capture_output=True, text=True, env=env)
                 shutil.rmtree(out, ignore_errors=True)
                 if p.returncode:
                     sys.exit(f"{cfg} failed:\n{p.stderr}")
@@ -307,10 +327,11 @@ def main() -> None:
         med[c]["next_step_wait_per_save_s"] = med[c]["opt_step_s"] - med["no_ckpt"]["opt_step_s"]
     blocked = {c: (max(0.0, med[c]["stall_per_save_s"]) + max(0.0, med[c]["next_step_wait_per_save_s"]))
                / ((1 if c in RAM_CONFIGS else a.every) * step0) * 100 for c in CONFIGS if c != "no_ckpt"}
-    head = ["config", "steps/s", "overhead vs no_ckpt", "median step ms", "saves", "stall / save s",
-            "next opt.step wait / save s", "blocked overhead"]
+    head = ["config", "steps/s", "overhead vs no_ckpt", "median step ms", f"{AFTER} steps after a save: mean ms",
+            "saves", "stall / save s", "next opt.step wait / save s", "blocked overhead"]
     rows = [[c, f"{m['steps_per_s']:.3f}", "-" if c == "no_ckpt" else f"{overhead[c]:+.1f} %",
-             f"{m['median_step_s'] * 1e3:.1f}", "-" if c == "no_ckpt" else f"{m['saves']:.0f}",
+             f"{m['median_step_s'] * 1e3:.1f}", "-" if c == "no_ckpt" or c in RAM_CONFIGS else
+             f"{m['during_write_step_s'] * 1e3:.1f}", "-" if c == "no_ckpt" else f"{m['saves']:.0f}",
              "-" if c == "no_ckpt" else f"{m['stall_per_save_s']:.3f}",
              "-" if c == "no_ckpt" else f"{m['next_step_wait_per_save_s']:+.3f}",
              "-" if c == "no_ckpt" else f"{blocked[c]:.2f} %"] for c, m in med.items()]
@@ -336,6 +357,7 @@ def main() -> None:
                "blocked_overhead_pct": blocked,
                "stall_per_save_s": {c: med[c]["stall_per_save_s"] for c in ckpts},
                "next_step_wait_per_save_s": {c: med[c]["next_step_wait_per_save_s"] for c in ckpts},
+               "during_write_step_s": {c: med[c]["during_write_step_s"] for c in CONFIGS},
                "state_bytes": ref["state_bytes"], "every": a.every, "steps": a.steps, "warmup": a.warmup,
                "reps": a.reps, "threads": a.threads, "model": {k: getattr(a, k) for k in MODEL_ARGS},
                "final_loss": ref["final_loss"], "exact": all_exact, "device": a.device, "machine": info, "runs": runs}

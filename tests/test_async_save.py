@@ -21,6 +21,7 @@ import torch
 
 import unbroken
 from unbroken import persist
+from unbroken.filewriter import FileWriter
 from unbroken.demo import compare, run_attempt
 
 STEPS, SAVE_EVERY = 12, 3
@@ -60,13 +61,20 @@ def slow_writes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Every tensor file takes 0.2 s longer to write, so training certainly runs on (and changes
     the live tensors) while a background save is being written. Records the writing thread."""
     real, threads = persist.write_tensors, []
+    real_process = FileWriter.write
 
     def slow(staging, fname, entries):
         threads.append(threading.current_thread().name)
         time.sleep(0.2)
         return real(staging, fname, entries)
 
+    def slow_process(self, staging, files, *args, **kwargs):  # the writer process's job, sent from this thread
+        threads.append(threading.current_thread().name)
+        time.sleep(0.2 * len(files))
+        return real_process(self, staging, files, *args, **kwargs)
+
     monkeypatch.setattr(persist, "write_tensors", slow)
+    monkeypatch.setattr(FileWriter, "write", slow_process)
     return threads
 
 
@@ -113,6 +121,9 @@ def test_flush_returns_the_commit_and_one_save_at_most_is_in_flight(
 @pytest.mark.parametrize("mode", MODES)
 def test_a_failed_background_save_is_raised_in_the_loop_and_loses_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: Any) -> None:
+    # the background machinery's error path, written by this process (the writer process's own errors:
+    # tests/test_filewriter.py)
+    monkeypatch.setenv("UNBROKEN_WRITER_PROCESS", "0")
     state = build()
     ckpt = unbroken.Checkpointer(tmp_path / "run", save_every=2, keep_last=None, preemption=None, async_save=mode)
     ckpt.restore(state)
@@ -142,6 +153,7 @@ def test_a_failed_background_save_is_raised_in_the_loop_and_loses_nothing(
 
 @pytest.mark.parametrize("mode", MODES)
 def test_close_raises_a_failure_it_finds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: Any) -> None:
+    monkeypatch.setenv("UNBROKEN_WRITER_PROCESS", "0")  # an error of this process's writes (see above)
     state = build()
     ckpt = unbroken.Checkpointer(tmp_path / "run", keep_last=None, preemption=None, async_save=mode)
     ckpt.restore(state)
@@ -167,11 +179,15 @@ def test_the_process_does_not_end_before_the_last_save_committed(tmp_path: Path,
     script.write_text(textwrap.dedent(f"""
         import time, torch, unbroken
         from unbroken import persist
-        real = persist.write_tensors
+        from unbroken.filewriter import FileWriter
+        real, real_process = persist.write_tensors, FileWriter.write
         def slow(*a):
             time.sleep(0.5)
             return real(*a)
-        persist.write_tensors = slow
+        def slow_process(*a, **k):
+            time.sleep(0.5)
+            return real_process(*a, **k)
+        persist.write_tensors, FileWriter.write = slow, slow_process
         w = torch.nn.Parameter(torch.arange(1000.0))
         opt = torch.optim.SGD([w], lr=1.0)
         state = {{"w": w, "optimizer": opt}}
@@ -294,11 +310,15 @@ def test_unbroken_save_in_the_background_is_committed_before_the_process_ends(tm
     script.write_text(textwrap.dedent(f"""
         import time, torch, unbroken
         from unbroken import persist
-        real = persist.write_tensors
+        from unbroken.filewriter import FileWriter
+        real, real_process = persist.write_tensors, FileWriter.write
         def slow(*a):
             time.sleep(0.5)
             return real(*a)
-        persist.write_tensors = slow
+        def slow_process(*a, **k):
+            time.sleep(0.5)
+            return real_process(*a, **k)
+        persist.write_tensors, FileWriter.write = slow, slow_process
         w = torch.arange(1000.0)
         unbroken.save({str(tmp_path / "ckpt")!r}, {{"w": w}}, async_save=True)
         w.zero_()

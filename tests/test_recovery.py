@@ -185,6 +185,7 @@ def test_a_fresh_run_gets_a_rollback_target_before_fn_runs(tmp_path: Path) -> No
 
 def test_a_failed_background_save_is_not_a_rollback_target(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                           reference: dict[str, torch.Tensor]) -> None:
+    monkeypatch.setenv("UNBROKEN_WRITER_PROCESS", "0")  # the failure is injected into this process's writes
     real = persist.write_tensors
     failed: list[int] = []
 

@@ -56,6 +56,11 @@ def point(name: str) -> None:
             os.kill(os.getpid(), _ACTION)
 
 
+def armed(name: str) -> bool:
+    """Whether reaching ``name`` may do something (kill, stop or sleep) in this process."""
+    return bool(_DELAY) or name in _SPEC
+
+
 def _first() -> bool:
     marker = os.environ.get("UNBROKEN_FAULT_ONCE")
     if not marker:

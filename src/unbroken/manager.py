@@ -20,7 +20,7 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
-from . import console, recovery
+from . import console, filewriter, recovery
 from .exithooks import at_exit
 from .api import CheckpointInfo
 from .background import BackgroundSaves
@@ -40,7 +40,6 @@ from .run import Run
 from .saving import Saving
 from .scheduling import Schedule
 from .selftest import protocol as selftest
-from .snapshot import Snapshotter
 from .dist.comm import Comm
 from .restoring import apply_checkpoint, restore_into, sync_data_position
 from .saved_state import StateRules
@@ -153,8 +152,8 @@ class Checkpointer(Saving):
         if async_save not in (False, True, "lazy"):
             raise ValueError(f"async_save must be False, True or 'lazy', not {async_save!r}")
         self.async_save = async_save
-        self._snapshotter = Snapshotter(copy=bool(async_save))  # a background save needs its own copy
-        self._rank_snapshotter = Snapshotter(copy=bool(async_save))
+        # a background save needs its own copy, in shared memory for the writer process (unbroken.filewriter)
+        self._snapshotter, self._rank_snapshotter, self._file_writer = filewriter.snapshotters(async_save)
         self._background: BackgroundSaves[tuple[str, list[str]], tuple[str, Manifest, float]] = BackgroundSaves()
         # several ranks: background saves run their collectives over a group of their own
         self._save_comm = Comm() if async_save and self.comm.world > 1 else self.comm
@@ -224,6 +223,8 @@ class Checkpointer(Saving):
             failed = e
             log.error("the last background save failed: %s: %s", type(e).__name__, e)
         self._background.shutdown()
+        if self._file_writer is not None:
+            self._file_writer.close()
         self._signals.uninstall()
         self.rules.stop_watching()
         self.run.close(keep_ram=not ended or self._signals.received is not None)  # a relaunch here reads RAM

@@ -13,6 +13,7 @@ would look at and every earlier checkpoint untouched.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 import json
@@ -29,6 +30,8 @@ from .store.base import Staging, Store
 if TYPE_CHECKING:
     from .chunks import ChunkSave
 
+
+log = logging.getLogger("unbroken")
 
 WRITERS = int(os.environ.get("UNBROKEN_WRITERS", "2"))
 """Large tensor files of one save written at the same time (measured: 2 files of 384 MB in 2
@@ -72,10 +75,14 @@ def write_part(staging: Staging, snapshot: Snapshot, json_name: str | None, tens
     big = [f for f in tensor_files if sizes[f] >= PARALLEL_MIN]
     with progress.task("saving", total):
         files: dict[str, FileEntry] = {}
+        mine = {f: snapshot.files[f] for f in tensor_files}
         if chunks is not None:
             for f in tensor_files:
                 files.update(chunks.write_file(staging, f, snapshot.files[f],
                                                on_half=lambda: _faults.point("save.mid_file")))
+        elif snapshot.writer is not None and snapshot.writer.can_write(staging, mine):
+            files.update(_in_writer_process(staging, snapshot.writer, mine))
+            progress.advance(total)
         elif len(big) > 1 and WRITERS > 1 and getattr(staging, "parallel_files", False):
             # local files: one file's write or fsync overlaps another's hashing
             with ThreadPoolExecutor(min(WRITERS, len(big)), thread_name_prefix="unbroken-write") as pool:
@@ -86,6 +93,21 @@ def write_part(staging: Staging, snapshot: Snapshot, json_name: str | None, tens
     if json_name is not None:
         files[json_name] = write_blob(staging, json_name, tree_bytes(snapshot))
     return files
+
+
+def _in_writer_process(staging: Any, writer: Any, mine: dict[str, list[TensorEntry]]) -> dict[str, FileEntry]:
+    """A background save staged in shared memory: the writer process writes and hashes the tensor
+    files. If it dies meanwhile, what it left is removed and the files are written here instead."""
+    from .filewriter import WriterDied
+
+    half = (lambda: _faults.point("save.mid_file")) if _faults.armed("save.mid_file") else None
+    try:
+        return writer.write(staging, mine, {"format": "unbroken"}, on_half=half)
+    except WriterDied as e:
+        log.warning("%s: writing the save in this process instead", e)
+        for f in mine:
+            staging.discard(f)
+        return {f: write_tensors(staging, f, entries) for f, entries in mine.items()}
 
 
 def commit(staging: Staging, files: dict[str, FileEntry], **fields: Any) -> tuple[str, Manifest]:

@@ -39,6 +39,7 @@ from .reader import LoadedCheckpoint
 from .scheduling import Schedule
 from .snapshot import Snapshot
 from .store import open_store
+from .store.local import LocalStore
 from .store.retry import is_transient
 from .tags import TAGS_FILE, load_tags, save_tags, tags_by_checkpoint
 from .ram import RamRun, RamTier
@@ -301,6 +302,10 @@ class Run:
         elif self.uploader is not None:
             self.uploader.enqueue(final)
         return final, manifest
+
+    def on_local_disk(self, kind: str) -> bool:
+        """Whether a save of ``kind`` is written into a local folder (a filesystem or the RAM tier)."""
+        return self.saves_to_ram(kind) or isinstance(self.store, LocalStore)
 
     def saves_to_ram(self, kind: str) -> bool:
         """Whether a save of ``kind`` goes to the RAM tier (regular ones; the others to the disk)."""

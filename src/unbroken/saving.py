@@ -72,6 +72,9 @@ class Saving:
             return final, manifest, time.monotonic() - t0
 
         if self._in_background(kind, snap):
+            if self._file_writer is not None and self.run.chunks is None and self.run.on_local_disk(kind):
+                self._file_writer.start()  # from this thread: the writer process lives as long as it does
+                snap.writer = rank_snap.writer = self._file_writer
             self.schedule.saved(prog["step"], fields["metrics"], prog.get("epoch", 0))
             gate = StepGate([snap]) if snap.deferred or snap.lazy_events else None
             self._background.submit(write, (kind, tags), gate)

@@ -33,6 +33,7 @@ import torch
 
 from .errors import UnsupportedStateError
 from .format.tensorfile import DTYPE_TO_ST, TensorEntry
+from .shm import SharedArena
 from .state.codec import Encoder, PathT, render_path
 
 
@@ -53,6 +54,9 @@ class Snapshot:
     """CUDA events after which the deferred device copies are done (the optimizer step waits)."""
     device_deferred: list[tuple[torch.Tensor, str]] = field(default_factory=list)
     """The live GPU tensors copied after ``lazy_events``, by key (for the version check)."""
+    writer: Any = None
+    """A :class:`~unbroken.filewriter.FileWriter` that writes the tensor files from shared memory
+    (a background save whose buffers are in a :class:`~unbroken.shm.SharedArena`), or ``None``."""
 
     def complete(self) -> None:
         """Make the deferred copies and wait for the device copies: afterwards every staging
@@ -82,8 +86,9 @@ def storage_key(t: torch.Tensor) -> tuple[str, int]:
 
 class _Sink:
     def __init__(self, pool: dict[str, torch.Tensor], copy: bool, prefix: str = "",
-                 defer: frozenset[tuple[str, int]] = frozenset()) -> None:
+                 defer: frozenset[tuple[str, int]] = frozenset(), arena: SharedArena | None = None) -> None:
         self.pool = pool
+        self.arena = arena
         self.copy = copy
         self.prefix = prefix
         self.defer = defer
@@ -140,8 +145,10 @@ class _Sink:
             return t
         buf = self.pool.get(slot)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            pin = t.device.type == "cuda"
-            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+            if self.arena is not None:  # registered with CUDA when the arena pins
+                buf = self.arena.empty(t.shape, t.dtype)
+            else:
+                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
             self.pool[slot] = buf
         if t.device.type == "cuda":
             (self.cuda_lazy if deferred else self.cuda_eager).append((buf, t))
@@ -196,11 +203,15 @@ class Snapshotter:
     With ``copy=False`` (synchronous saving) contiguous CPU tensors are not copied:
     the writer reads them in place while training waits. With ``copy=True`` every
     tensor is copied so training may modify the originals while the snapshot is
-    being written.
+    being written; with an ``arena`` too, the copies are in shared memory
+    (:mod:`unbroken.shm`), where a writer process can read them.
     """
 
-    def __init__(self, copy: bool = False) -> None:
+    def __init__(self, copy: bool = False, arena: SharedArena | None = None) -> None:
+        if arena is not None and not copy:
+            raise ValueError("staging in shared memory needs a copying Snapshotter (copy=True)")
         self.copy = copy
+        self.arena = arena
         self._pool: dict[str, torch.Tensor] = {}
 
     def capture(self, state: Mapping[str, Any], prefix: str = "",
@@ -216,7 +227,10 @@ class Snapshotter:
         for k in state:
             if not isinstance(k, str):
                 raise UnsupportedStateError(f"top-level state keys must be strings, got {k!r}")
-        sink = _Sink(self._pool, self.copy, prefix, defer)
+        if self.arena is not None and self.arena.wasteful(sum(b.numel() * b.element_size() for b in self._pool.values())):
+            self._pool.clear()  # the state's shapes changed: start the arena over rather than grow it
+            self.arena.reset()
+        sink = _Sink(self._pool, self.copy, prefix, defer, self.arena)
         encoder = Encoder(sink)
         tree = {TOP: {k: encoder.encode(v, (k,)) for k, v in state.items()}}
         snap = Snapshot(tree=tree, files=sink.files, sharded=sink.sharded, deferred=sink.deferred)

@@ -88,6 +88,19 @@ class LocalStaging:
     def open(self, file: str) -> BinaryIO:
         return _DurableFile(self._fd, check_name(file), self.url)  # type: ignore[return-value]
 
+    @property
+    def folder_fd(self) -> int:
+        """The staging folder's descriptor (files are created inside it; the writer process gets a copy)."""
+        return self._fd
+
+    @guarded("removing an incomplete checkpoint file")
+    def discard(self, file: str) -> None:
+        """Remove ``file`` if it was created (to write it again)."""
+        try:
+            os.unlink(check_name(file), dir_fd=self._fd)
+        except FileNotFoundError:
+            pass
+
     def flush(self) -> None:
         pass  # every file is fsynced when it is closed
 
@@ -150,6 +163,19 @@ class JoinedStaging:
 
     def open(self, file: str) -> BinaryIO:
         return _DurableFile(self._fd, check_name(file), self.url)  # type: ignore[return-value]
+
+    @property
+    def folder_fd(self) -> int:
+        """The staging folder's descriptor (files are created inside it; the writer process gets a copy)."""
+        return self._fd
+
+    @guarded("removing an incomplete checkpoint file")
+    def discard(self, file: str) -> None:
+        """Remove ``file`` if it was created (to write it again)."""
+        try:
+            os.unlink(check_name(file), dir_fd=self._fd)
+        except FileNotFoundError:
+            pass
 
     def flush(self) -> None:
         pass
