@@ -20,6 +20,9 @@ Configurations, each in a fresh subprocess:
   (:mod:`unbroken.filewriter`).
 * ``async_thread`` / ``lazy_thread``: the same, written by the training process's background
   thread instead (``UNBROKEN_WRITER_PROCESS=0``, as before the writer process).
+* ``dcp_async`` / ``dcp_async_process``: PyTorch DCP's ``async_save`` of the model's and the
+  optimizer's state dicts every ``--every`` steps, with its thread or its background process
+  (``benchmarks/overhead_dcp.py``; DCP writes no checksums, data position or RNG states).
 * ``ram`` / ``ram_async`` / ``ram_lazy``: a save every step into a RAM tier, persisted every
   ``--every`` (see the README's RAM tier section).
 
@@ -82,7 +85,10 @@ from torch.utils.data import Dataset
 
 CONFIGS: dict[str, Any] = {"no_ckpt": None, "sync": False, "async": True, "lazy": "lazy",
                            "async_thread": True, "lazy_thread": "lazy",
-                           "ram": False, "ram_async": True, "ram_lazy": "lazy"}
+                           "ram": False, "ram_async": True, "ram_lazy": "lazy",
+                           "dcp_async": "thread", "dcp_async_process": "process"}
+DCP_CONFIGS = ("dcp_async", "dcp_async_process")
+"""PyTorch DCP's ``async_save`` (its thread, and its background process): ``overhead_dcp.DcpAsync``."""
 RAM_CONFIGS = ("ram", "ram_async", "ram_lazy")
 THREAD_CONFIGS = ("async_thread", "lazy_thread")
 """Background saves written by the training process's background thread (``UNBROKEN_WRITER_PROCESS=0``),
@@ -175,7 +181,11 @@ def run_child(cfg: str, a: argparse.Namespace, out: Path) -> dict[str, Any]:
     ckpt = None
     ram = cfg in RAM_CONFIGS
     every = 1 if ram else a.every
-    if CONFIGS[cfg] is not None:
+    if cfg in DCP_CONFIGS:
+        from overhead_dcp import DcpAsync
+
+        ckpt = DcpAsync(out, every, CONFIGS[cfg])
+    elif CONFIGS[cfg] is not None:
         tier = unbroken.RamTier(keep_last=2, persist_every=a.every, root=str(out / "shm")) if ram else None
         ckpt = unbroken.Checkpointer(out / "run", save_every=every, keep_last=2, preemption=None,
                                      async_save=CONFIGS[cfg], ram=tier)

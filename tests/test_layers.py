@@ -18,6 +18,7 @@ LAYERS: dict[str, int] = {
     "state": 0, "data": 0, "format": 0, "store": 0,
     # 1: capture, bytes on disk, reading, ranks
     "snapshot": 1, "adapting": 1, "persist": 1, "chunks": 1, "reader": 1, "manifests": 1, "dist": 1, "background": 1, "lazy": 1,
+    "shm": 1, "filewriter": 1,
     # 2: single checkpoints, discovery, the index, tiers, the schedule
     "api": 2, "targets": 2, "discovery": 2, "index": 2, "indexfile": 2, "continuity": 2, "tiers": 2, "scheduling": 2, "ram": 2, "ramwriter": 2,
     # 3: the run, plug-ins, collectives, restoring into the live state

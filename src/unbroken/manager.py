@@ -181,6 +181,7 @@ class Checkpointer(Saving):
             self._plugins = [self._recorder, slurm.SubmitScript(self.run.store.local_dir())]
         for p in self._plugins:
             self.events.subscribe(p)
+        self._writer_process()  # started before the first background save, off its stall
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for background work: a background save (its error is raised), then uploads to

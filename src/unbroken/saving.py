@@ -72,8 +72,7 @@ class Saving:
             return final, manifest, time.monotonic() - t0
 
         if self._in_background(kind, snap):
-            if self._file_writer is not None and self.run.chunks is None and self.run.on_local_disk(kind):
-                self._file_writer.start()  # from this thread: the writer process lives as long as it does
+            if self._writer_process(kind):
                 snap.writer = rank_snap.writer = self._file_writer
             self.schedule.saved(prog["step"], fields["metrics"], prog.get("epoch", 0))
             gate = StepGate([snap]) if snap.deferred or snap.lazy_events else None
@@ -83,6 +82,16 @@ class Saving:
         final, manifest, took = write(comm=self.comm)
         return self._committed(final, manifest, kind, tags, took)
 
+
+    def _writer_process(self, kind: str = "regular") -> bool:
+        """Whether a background save of ``kind`` is written by the writer process (a full checkpoint
+        into a local folder, see :mod:`unbroken.filewriter`); if so, it is started (from the training
+        thread: it lives as long as the thread that started it) if it is not running."""
+        if self._file_writer is None or self.run.readonly or self.run.chunks is not None \
+                or not self.run.on_local_disk(kind):
+            return False
+        self._file_writer.start()
+        return True
 
     def _in_background(self, kind: str, snap: Any) -> bool:
         """Whether a save of ``kind`` is written by the background thread (``async_save``)."""
