@@ -294,6 +294,7 @@ def test_checkpoints_lists_the_tiers_and_close_removes_the_folder(tmp_path: Path
         assert tiers[5] == ("ram",) and tiers[4] == ("local", "ram")  # RAM keeps 2: steps 4, 5
         assert tiers[2] == ("local",) and 3 not in tiers
     assert ram_folders(tmp_path) == []
+    assert list((tmp_path / "shm").iterdir()) == []  # nor the per-user folder it was in
     assert on_disk(tmp_path / "run") == ["step-000000002", "step-000000004", "step-000000005"]
 
 

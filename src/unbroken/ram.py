@@ -125,7 +125,13 @@ class RamRun:
         """The coordinator opens the folder: mark it as this run's, remove leftovers of saves
         that died (only those of dead writers)."""
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            for attempt in range(3):  # another run may remove the per-user folder as it empties it
+                try:
+                    self.dir.mkdir(parents=True, exist_ok=True)
+                    break
+                except FileNotFoundError:
+                    if attempt == 2:
+                        raise
             os.chmod(self.dir.parent, 0o700)
         except OSError as e:
             raise StorageError(f"cannot create the RAM tier's folder {self.dir}: {e}") from e
@@ -362,3 +368,8 @@ def remove_folder(folder: Path, store: Any) -> None:
     except OSError as e:
         if e.errno != errno.ENOENT:
             log.warning("could not remove the RAM tier's folder %s: %s", folder, e)
+        return
+    try:  # the per-user folder (unbroken-<uid>) too, once no run of this user has one in it
+        folder.parent.rmdir()
+    except OSError:
+        pass
