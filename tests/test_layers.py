@@ -22,7 +22,7 @@ LAYERS: dict[str, int] = {
     # 2: single checkpoints, discovery, the index, tiers, the schedule
     "api": 2, "targets": 2, "discovery": 2, "index": 2, "indexfile": 2, "continuity": 2, "tiers": 2, "scheduling": 2, "ram": 2, "ramwriter": 2,
     # 3: the run, plug-ins, collectives, restoring into the live state
-    "run": 3, "choosing": 3, "damage": 3, "recovery": 3, "saved_state": 3, "recorder": 3, "faults": 3, "collective": 3,
+    "run": 3, "pruning": 3, "choosing": 3, "damage": 3, "recovery": 3, "saved_state": 3, "recorder": 3, "faults": 3, "collective": 3,
     "restoring": 3, "selftest": 3, "epochs": 3,
     # 4: the orchestrator
     "manager": 4, "saving": 4,

@@ -11,13 +11,12 @@ import os
 import threading
 from collections.abc import Mapping, MutableMapping
 from concurrent.futures import Future
-from typing import Any, Literal, Mapping, overload
+from typing import Any, Literal, overload
 
 from .background import in_thread
 from .exithooks import at_exit
 
 from .errors import NoCheckpointError, UnbrokenError
-from .format.manifest import Manifest
 from .manifests import CheckpointInfo, is_run  # noqa: F401 - part of this module's API
 from .persist import write_snapshot
 from .reader import LoadedCheckpoint, read_checkpoint, vanished, verify_all

@@ -297,15 +297,14 @@ def _serve(sock: socket.socket) -> None:
                 segments.pop(i, None)
         elif op == "write":
             dir_fd = fds[0]
+            def pause(name: str) -> None:  # the trainer runs its fault point, then says go
+                with send_lock:
+                    _send(sock, {"half": name})
+                if _recv(sock)[0] is None:
+                    raise SystemExit(0)
+
+            half = pause if msg.get("pause_half") else None
             try:
-                half = None
-                if msg.get("pause_half"):
-                    def half(name: str) -> None:  # the trainer runs its fault point, then says go
-                        with send_lock:
-                            _send(sock, {"half": name})
-                        answer, _ = _recv(sock)
-                        if answer is None:
-                            raise SystemExit(0)
                 jobs = msg["files"]
                 big = [j for j in jobs if sum(n for _, _, n in j["ranges"]) >= 64 << 20] if half is None else []
                 out: dict[str, tuple[int, str]] = {}

@@ -31,7 +31,7 @@ from .chunks import ChunkWriter, LiveChunks, collect
 from .damage import Damage, acknowledge
 from .discovery import discover, manifests
 from .errors import ConfigurationError, ReadOnlyRunError, RunLockedError, StorageError, UnbrokenError
-from .events import Event, Pruned
+from .events import Event
 from .format.manifest import Manifest
 from . import choosing, collective
 from .dist.comm import Comm
@@ -42,6 +42,7 @@ from .store import open_store
 from .store.local import LocalStore
 from .store.retry import is_transient
 from .tags import TAGS_FILE, load_tags, save_tags, tags_by_checkpoint
+from .pruning import Pruning
 from .ram import RamRun, RamTier
 from .tiers import Remote, Uploader, copy_checkpoint
 
@@ -53,7 +54,7 @@ def _identity(store: Any) -> str:
     return str(getattr(store, "identity", None) or store.url)
 
 
-class Run:
+class Run(Pruning):
     """One run location (plus an optional remote tier), opened by URL or path."""
 
     def __init__(self, location: Any, *, storage_options: Mapping[str, Any] | None = None,
@@ -383,59 +384,6 @@ class Run:
     def invalid(self, store: Any, name: str, reason: str, tier: str = "primary") -> None:
         """Report, quarantine and remember an invalid checkpoint (:mod:`unbroken.damage`)."""
         self.damage.invalid(store, name, reason, tier, readonly=bool(self._readonly) and store is self.store)
-
-    # ------------------------------------------------------------------ retention
-    def prune(self, schedule: Schedule, keep: str | None) -> list[str]:
-        """Delete what ``schedule``'s retention does not keep in the primary store (never the
-        newest, never ``keep``, never a checkpoint waiting for its upload; during an outage,
-        never the newest one waiting: see :mod:`unbroken.tiers`)."""
-        self._schedule = schedule
-        self.require_writable("prune")
-        if not self.comm.coordinator:
-            return []
-        if self.ram is None:
-            return self._prune_disk(schedule, keep)
-        persisted = self._uploaded_persisted()
-        in_ram = self.ram.manifests()
-        doomed = self.ram.prune(keep, in_ram)
-        if persisted or keep not in in_ram:  # the run location changed: a persisted copy, or a save to it
-            doomed += self._prune_disk(schedule, keep)
-        return doomed
-
-    def _prune_disk(self, schedule: Schedule, keep: str | None) -> list[str]:
-        with self._prune_lock:  # the uploader thread prunes too, after each upload
-            infos = discover(self.store)
-            protect = [keep] if keep else []
-            if self.uploader is not None:
-                pending = [n for n in self.uploader.pending() if n in {c.name for c in infos}]
-                protect += pending[-1:] if self.uploader.failing else pending
-            doomed = schedule.doomed(infos, {c.name: set(c.tags) for c in infos}, None, protect=protect)
-            if doomed:
-                self.lock.verify()  # a writer whose lock was lost deletes nothing either
-            for name in doomed:
-                self.store.delete(name)
-                self.publish(Pruned(name))
-                log.debug("retention: deleted %s", self.store.describe(name))
-            if doomed and self._has_chunks:  # saves may be in flight (other ranks, the background)
-                collect(self.store, pinned=self.chunks.pinned if self.chunks else None, elsewhere=self.comm.world > 1)
-        return doomed
-
-    def _prune_remote(self) -> list[str]:
-        """After an upload: apply the remote tier's retention, and the local one (what waited
-        for this upload may go now)."""
-        assert self.remote_store is not None and self.remote_schedule is not None
-        if self._schedule is not None:
-            self._prune_disk(self._schedule, None)
-        infos = discover(self.remote_store)
-        doomed = self.remote_schedule.doomed(infos, {c.name: set(c.tags) for c in infos}, None)
-        if doomed and self.remote_lock is not None:
-            self.remote_lock.verify()
-        for name in doomed:
-            self.remote_store.delete(name)
-            log.debug("remote retention: deleted %s", self.remote_store.describe(name))
-        if doomed and self._has_chunks:  # in the uploader thread: no upload is in flight
-            collect(self.remote_store)
-        return doomed
 
     # ----------------------------------------------------------------------- tags
     def tags(self) -> dict[str, str]:
