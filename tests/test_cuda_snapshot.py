@@ -67,3 +67,30 @@ def test_a_gpu_tensor_changed_in_the_lazy_window_fails_the_save(tmp_path: Path) 
             one_step(state)
             ckpt.step(state)
             ckpt.flush()
+
+
+def test_shared_staging_is_page_locked_and_written_by_the_writer_process(tmp_path: Path) -> None:
+    """The writer process's staging (unbroken.shm) is registered with CUDA: device copies into it
+    are asynchronous (``is_pinned``), and the checkpoint holds the step's exact values."""
+    from unbroken.shm import SharedArena
+    from unbroken.snapshot import Snapshotter
+
+    arena = SharedArena(pin=True)
+    t = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+    snap = Snapshotter(copy=True, arena=arena).capture({"t": t})
+    [entry] = snap.files["t00-t.safetensors"]
+    assert entry.tensor.is_pinned() and arena.locate(entry.tensor) is not None
+    snap.complete()
+    assert torch.equal(entry.tensor, t.cpu())
+    state = build()
+    with unbroken.Checkpointer(tmp_path / "run", save_every=2, preemption=None, async_save=True) as ckpt:
+        ckpt.restore(state)
+        for _ in range(4):
+            one_step(state)
+            ckpt.step(state)
+        want = live(state)
+        assert ckpt.flush().step == 4
+    fresh = build()
+    unbroken.load(tmp_path / "run" / "step-000000004", fresh, strict=False)
+    got = live(fresh)
+    assert all(torch.equal(got[k], want[k]) for k in want)

@@ -16,12 +16,14 @@ copies into it are asynchronous like copies into ``pin_memory`` buffers.
 from __future__ import annotations
 
 import itertools
+import logging
 import mmap
 import os
 from dataclasses import dataclass
 
 import torch
 
+log = logging.getLogger("unbroken")
 ALIGN = 64
 MIN_SEGMENT = 64 << 20
 _PAGE = mmap.PAGESIZE
@@ -109,11 +111,13 @@ class SharedArena:
         seg = Segment(next(_IDS), fd, size, base)
         if self.pin and torch.cuda.is_available():
             err = torch.cuda.cudart().cudaHostRegister(seg.address, size, 0)
-            if int(err) != 0:
-                raise RuntimeError(f"cudaHostRegister of {size} bytes of staging memory failed ({err})")
+            if int(err) != 0:  # a locked-memory limit (containers): correct, but device copies wait
+                log.warning("could not page-lock %d MB of staging memory for CUDA (%s): device-to-host copies "
+                            "of background saves will not overlap training", size >> 20, err)
+                self.pin = False
         self.segments.append(seg)
         return seg
 
     def _unpin(self, seg: Segment) -> None:
-        if self.pin and torch.cuda.is_available():
+        if self.pin and torch.cuda.is_available():  # (pin is off if registering ever failed)
             torch.cuda.cudart().cudaHostUnregister(seg.address)
