@@ -62,15 +62,16 @@ def writers(parent: int | None = None) -> list[int]:
 
 def gone(pid: int, within: float = 10.0) -> bool:
     deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
+    while True:
         try:
             state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             return True
         if state == "Z":
             return True
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(0.05)
-    return False
 
 
 def checkpoints(run: Path) -> list[str]:
@@ -208,6 +209,30 @@ def test_the_writer_dies_with_a_killed_trainer_and_the_next_start_cleans_up(tmp_
         info = ckpt.restore(state)
         assert info is not None and info.step >= 2
     assert not list(run.glob(".staging-*"))
+
+
+def test_close_ends_the_writer_though_a_forked_worker_holds_its_socket(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A DataLoader worker forked after the writer started holds the trainer's end of the socket
+    too: close() tells the writer to end instead of waiting for the socket to close."""
+    state = build()
+    ckpt = unbroken.Checkpointer(tmp_path / "run", save_every=1, preemption=None, async_save=True)
+    ckpt.restore(state)
+    one_step(state)
+    ckpt.step(state)
+    [pid] = writers()
+    worker = os.fork()
+    if worker == 0:  # the forked worker: holds every descriptor of the trainer, does nothing
+        time.sleep(60)
+        os._exit(0)
+    try:
+        with caplog.at_level(logging.WARNING, logger="unbroken"):
+            ckpt.close()
+        assert gone(pid, within=0.0) and "did not end" not in caplog.text
+    finally:
+        os.kill(worker, signal.SIGKILL)
+        os.waitpid(worker, 0)
+    unbroken.verify(tmp_path / "run" / "step-000000001")
 
 
 def test_shared_arena_buffers_are_aligned_located_and_started_over_when_mostly_abandoned(

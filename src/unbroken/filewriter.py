@@ -15,7 +15,7 @@ written by the background thread as before. ``UNBROKEN_WRITER_PROCESS=0`` turns 
 
 Protocol, over a Unix socket pair (the descriptors of segments and of the staging folder travel
 with the messages, ``SCM_RIGHTS``): each message is an 8-byte length and a JSON document.
-``{"op": "map", "id", "size"}`` + a segment's descriptor; ``{"op": "drop", "ids"}``;
+``{"op": "map", "id", "size"}`` + a segment's descriptor; ``{"op": "drop", "ids"}``; ``{"op": "exit"}``;
 ``{"op": "write", "files": [{"name", "head", "ranges": [[id, offset, size], ...]}], "pause_half"}``
 + the staging folder's descriptor, answered by ``{"files": {name: [size, digest]}}`` or
 ``{"error", "errno"}``. With ``pause_half`` (fault-injection tests) the writer says
@@ -163,11 +163,16 @@ class FileWriter:
             sock, proc, self._sock, self._proc = self._sock, self._proc, None, None
             self._mapped.clear()
         if sock is not None:
+            try:  # said, not only closed: a process forked meanwhile (a DataLoader worker) holds our end too
+                _send(sock, {"op": "exit"})
+            except OSError:
+                pass
             sock.close()
         if proc is not None:
             try:
                 proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
+                log.warning("the writer process of background saves did not end at close(): killed")
                 proc.kill()
                 proc.wait()
 
@@ -286,7 +291,7 @@ def _serve(sock: socket.socket) -> None:
     send_lock = threading.Lock()
     while True:
         msg, fds = _recv(sock)
-        if msg is None:
+        if msg is None or msg.get("op") == "exit":
             return
         op = msg.get("op")
         if op == "map":
