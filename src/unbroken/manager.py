@@ -321,6 +321,9 @@ class Checkpointer(Saving):
 
         If a watched signal arrived, save now (if not just saved) and exit with
         :data:`~unbroken.faults.EXIT_PREEMPTED` (``SystemExit``, so ``finally`` blocks run).
+        With several ranks, a signal and a time trigger take effect one step later, on every
+        rank at the same step: they are agreed in the background of the next step, without a
+        blocking collective (:mod:`unbroken.agreement`).
         """
         state = adapt(state)
         self._begin()
