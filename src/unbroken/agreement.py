@@ -25,6 +25,9 @@ decision are of three kinds:
   restore the spike), and an improvement's checkpoint must be the improving step. While one is
   configured every step keeps one blocking all-reduce, as before.
 
+``unbroken selftest`` also agrees at once: its planned SIGTERM must save the very step planned
+(an epoch's last step, so that a resume starts at the epoch boundary), as with one process.
+
 :meth:`~unbroken.Checkpointer.end_epoch` (once per epoch) always agrees at once, blocking: its
 triggers may read the epoch's evaluation metrics, and a signal received during the evaluation
 is saved at the epoch's end. At world size 1 nothing is exchanged at all.
@@ -63,21 +66,22 @@ class StepAgreement:
         self._exchange = bool(self.later) or watches_signals  # anything to agree on one step later
         self._pending: PendingMax | None = None
 
-    def blocking(self, spike_check: bool) -> bool:
-        """Whether this step agrees at once (one rank, a ``rollback_if``, a trigger of :attr:`now_only`)."""
-        return self.comm.world == 1 or spike_check or bool(self.now_only)
+    def blocking(self, at_once: bool) -> bool:
+        """Whether this step agrees at once: ``at_once`` (a ``rollback_if``, a selftest), one rank,
+        a trigger of :attr:`now_only`."""
+        return self.comm.world == 1 or at_once or bool(self.now_only)
 
-    def at_step(self, due: Due, signal: bool, spike: bool | None) -> int:
+    def at_step(self, due: Due, signal: bool, spike: bool | None, at_once: bool = False) -> int:
         """The flags every rank acts on at this step. ``spike``: ``rollback_if``'s answer here
-        (``None``: no ``rollback_if``)."""
-        if self.blocking(spike is not None):
+        (``None``: no ``rollback_if``); ``at_once``: agree at once for another reason."""
+        if self.blocking(at_once or spike is not None):
             return self.now((SAVE if due(None) else 0) | (SIGNAL if signal else 0) | (SPIKE if spike else 0))
         return self.previous() | (SAVE if due(self.same) else 0)
 
-    def after_step(self, due: Due, signal: bool, spike_check: bool) -> None:
+    def after_step(self, due: Due, signal: bool, at_once: bool) -> None:
         """Once this step's decision is carried out (saved): start agreeing on this rank's time
         triggers and signal, for the next step. Nothing in blocking mode."""
-        if not self.blocking(spike_check) and self._exchange:
+        if not self.blocking(at_once) and self._exchange:
             self._pending = self.comm.start_max(_bits((SAVE if due(self.later) else 0) | (SIGNAL if signal else 0)))
 
     def now(self, flags: int) -> int:

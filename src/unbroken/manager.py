@@ -348,7 +348,8 @@ class Checkpointer(Saving):
         policy = self._recovery if self._recovery is not None and self._recovery.rollback_if is not None else None
         due = lambda triggers: self._due(epoch_end=False, triggers=triggers)  # noqa: E731
         spike = policy.spiked(clean) if policy is not None else None
-        flags = self._agreement.at_step(due, self._signals.received is not None, spike)
+        at_once = self._selftest is not None  # its planned SIGTERM saves the very step planned
+        flags = self._agreement.at_step(due, self._signals.received is not None, spike, at_once)
         if flags & SPIKE:  # before this step is saved: recover() rolls back to an earlier checkpoint
             raise recovery.LossSpike(self.progress.step, clean, here=bool(spike))
         info = self.save(state) if flags & SAVE else None
@@ -356,7 +357,7 @@ class Checkpointer(Saving):
             sig = self._signals.received or signal.SIGTERM  # a peer's signal: stop at the same step
             self.flush(raise_errors=False)
             preempt_and_exit(self, state, sig, self._signals.received_at or time.monotonic())
-        self._agreement.after_step(due, self._signals.received is not None, policy is not None)
+        self._agreement.after_step(due, self._signals.received is not None, at_once or policy is not None)
         if self._selftest is not None:
             self._selftest.after_step(self)  # a planned interruption or stop (SystemExit(0) after step N)
         return info
