@@ -19,8 +19,8 @@ from __future__ import annotations
 import itertools
 import json
 import os
-from datetime import timedelta
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
