@@ -98,6 +98,8 @@ def main() -> int:
     p.add_argument("--ram-root-per-rank", action="store_true",
                    help="each rank its own RAM root (as ranks on several nodes have)")
     p.add_argument("--requeue", action="store_true", help="requeue the SLURM job after a preemption save")
+    p.add_argument("--every-seconds", type=float, default=None,
+                   help="a time trigger too: rank r saves every S*(r+1) s (EveryMinutes), so the ranks' clocks disagree")
     p.add_argument("--plain-init", action="store_true",
                    help="torch.distributed.init_process_group() instead of unbroken.init_distributed()")
     args = p.parse_args()
@@ -124,7 +126,9 @@ def main() -> int:
     ckpt = unbroken.Checkpointer(args.run_dir, save_every=args.save_every, keep_last=3,
                                  preemption=unbroken.Preemption(requeue=args.requeue),
                                  async_save={None: False, "copy": True, "lazy": "lazy"}[args.async_save],
-                                 incremental=args.incremental, ram=ram_tier(args, rank))
+                                 incremental=args.incremental, ram=ram_tier(args, rank),
+                                 trigger=unbroken.policies.EveryMinutes(args.every_seconds * (rank + 1) / 60)
+                                 if args.every_seconds else None)
     state = {"model": model, "optimizer": opt, "scheduler": sched, "data": loader}
     if args.fail_save_on_rank == rank:
         _make_writes_fail()

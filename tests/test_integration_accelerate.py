@@ -131,8 +131,9 @@ def test_killed_inside_a_save_then_a_rank_sigkilled_then_sigterm_resumes_bitwise
     2. relaunched with ``--max_restarts 1`` (saving every 5 steps): process 1 SIGKILLed after
        step 7, torchrun restarts both, which resume from step 5, the last step of epoch 0 (its
        evaluation still to come); then SIGTERM to the launcher and both processes during step 9:
-       every process finishes it, step 9 is saved once, every process exits with 75;
-    3. relaunched: resumes from step 9 and finishes.
+       the processes agree on it during the next step (no blocking collective per step), so every
+       process finishes step 10, step 10 is saved once, every process exits with 75;
+    3. relaunched: resumes from step 10 and finishes.
 
     Every step's losses and samples, every evaluation and the final state are bitwise the
     uninterrupted run's."""
@@ -161,11 +162,11 @@ def test_killed_inside_a_save_then_a_rank_sigkilled_then_sigterm_resumes_bitwise
     assert events == ["killed", "sigterm"] and code != 0, log
     assert log.count(f"resumed from step {SAVE_EVERY}") == 2 and log.count("resumed from step 5") == 2, log
     assert [(out / f"exit-r{r}").read_text() for r in (0, 1)] == ["75", "75"], log
-    assert log.count("preempted at step 9") == 2, log  # the step both were in, saved once
-    assert "step-000000009" in open_store(tmp_path / "run").list_committed()
+    assert log.count("preempted at step 10") == 2, log  # the step after the one both were in, saved once
+    assert "step-000000010" in open_store(tmp_path / "run").list_committed()
 
     code, log = launch(launch_cmd(2, tmp_path, fsdp=fsdp), tmp_path)
-    assert code == 0 and log.count("resumed from step 9") == 2, log
+    assert code == 0 and log.count("resumed from step 10") == 2, log
     check_bitwise(ref, out)
     assert len(logged_steps(out, 1)) > STEPS  # steps really ran twice, identically
 

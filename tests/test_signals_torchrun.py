@@ -155,3 +155,36 @@ def test_workers_whose_agent_was_sigkilled_save_exit_and_free_the_run(reference:
     assert statuses == {pid: EXIT_PREEMPTED for pid in worker_pids(tmp_path)}, out  # adopted, then reaped here
     assert "the launcher died" in out, out
     check_one_preemption_and_resume(reference, tmp_path, out)
+
+
+# ------------------------------------------------- several ranks, no blocking collective per step
+def test_sigterm_to_one_worker_only_every_rank_saves_the_same_step_exits_75_and_resumes_bitwise(
+        reference: Path, tmp_path: Path) -> None:
+    """Only rank 1 gets the signal (not the agent, not rank 0). The ranks learn of it through the
+    non-blocking reduction each step starts (unbroken.agreement): both act on it at the same later
+    step, save that step together and exit 75."""
+    sent: list[int] = []
+
+    def on_line(line: str, proc: subprocess.Popen) -> None:
+        if not sent and f"rank 1 step {TARGET}" in line:
+            sent.append(worker_pids(tmp_path)[1])
+            os.kill(sent[0], signal.SIGTERM)
+
+    _, out = run(torchrun(tmp_path), tmp_path, on_line)
+    assert sent, out
+    check_one_preemption_and_resume(reference, tmp_path, out)
+
+
+def test_time_triggers_disagreeing_across_ranks_save_the_same_steps_on_every_rank(reference: Path,
+                                                                                    tmp_path: Path) -> None:
+    """Rank r's time trigger is due every 0.03*(r+1) s (each rank reads its own clock), no step-count
+    trigger: the ranks' own answers differ at many steps. Every save is a collective of both ranks,
+    so a step saved by one rank alone would hang or fail the job: it ends, having saved several
+    times, and trained exactly as the reference (the saves changed nothing)."""
+    code, out = run(torchrun(tmp_path, "--save-every", "1000", "--every-seconds", "0.03"), tmp_path)
+    assert code == 0, out
+    saved = [int(s) for s in re.findall(r"saved step (\d+) ", out)]
+    assert len(saved) >= 2, out  # rank 0 logs each committed save
+    assert same_final(reference, tmp_path / "out")
+    for rank in (0, 1):
+        assert losses(tmp_path / "out", rank) == losses(reference, rank)

@@ -44,6 +44,7 @@ from .dist.comm import Comm
 from .restoring import apply_checkpoint, restore_into, sync_data_position
 from .saved_state import StateRules
 from .adapting import adapt
+from .agreement import SAVE, SIGNAL, SPIKE, StepAgreement
 from .state.checks import UnbrokenWarning, clean_metrics  # noqa: F401 (UnbrokenWarning: re-exported)
 from .state.stateful import Progress
 from .tags import check_tag
@@ -158,6 +159,8 @@ class Checkpointer(Saving):
         # several ranks: background saves run their collectives over a group of their own
         self._save_comm = Comm() if async_save and self.comm.world > 1 else self.comm
         self._signals = SignalWatcher(self.preemption.signals)
+        self._agreement = StepAgreement(self.comm, self.schedule.trigger.triggers if self.schedule.trigger else (),
+                                        watches_signals=bool(self.preemption.signals))
         self._guard: StepGuard | None = None
         self._recovery: recovery.Policy | None = None  # inside recover(): its loss-spike predicate
         self._environment: dict[str, Any] | None = None
@@ -320,6 +323,9 @@ class Checkpointer(Saving):
 
         If a watched signal arrived, save now (if not just saved) and exit with
         :data:`~unbroken.faults.EXIT_PREEMPTED` (``SystemExit``, so ``finally`` blocks run).
+        With several ranks, a signal and a time trigger take effect one step later, on every
+        rank at the same step: they are agreed in the background of the next step, without a
+        blocking collective (:mod:`unbroken.agreement`).
         """
         state = adapt(state)
         self._begin()
@@ -339,17 +345,21 @@ class Checkpointer(Saving):
         self.events.publish(StepEnded(self.progress.step, clean))
         if self._selftest is not None:  # the step's fingerprint, before any save (same instant in every run)
             self._selftest.step_ended(self, state, clean)
-        # the ranks agree on saving, preemption and a loss spike: one small collective per step (none at world size 1)
-        spike = self._recovery is not None and self._recovery.spiked(clean)
-        flags = self.comm.max((1 if self._due(epoch_end=False) else 0) | (2 if self._signals.received else 0)
-                              | (4 if spike else 0))
-        if flags & 4:  # before this step is saved: recover() rolls back to an earlier checkpoint
-            raise recovery.LossSpike(self.progress.step, clean, here=spike)
-        info = self.save(state) if flags & 1 else None
-        if flags & 2:
+        # the ranks agree on saving, preemption and a loss spike (unbroken.agreement): time triggers and signals
+        # one step later, without waiting; rollback_if and metric triggers at once; nothing at world size 1
+        policy = self._recovery if self._recovery is not None and self._recovery.rollback_if is not None else None
+        due = lambda triggers: self._due(epoch_end=False, triggers=triggers)  # noqa: E731
+        spike = policy.spiked(clean) if policy is not None else None
+        at_once = self._selftest is not None  # its planned SIGTERM saves the very step planned
+        flags = self._agreement.at_step(due, self._signals.received is not None, spike, at_once)
+        if flags & SPIKE:  # before this step is saved: recover() rolls back to an earlier checkpoint
+            raise recovery.LossSpike(self.progress.step, clean, here=bool(spike))
+        info = self.save(state) if flags & SAVE else None
+        if flags & SIGNAL:
             sig = self._signals.received or signal.SIGTERM  # a peer's signal: stop at the same step
             self.flush(raise_errors=False)
             preempt_and_exit(self, state, sig, self._signals.received_at or time.monotonic())
+        self._agreement.after_step(due, self._signals.received is not None, at_once or policy is not None)
         if self._selftest is not None:
             self._selftest.after_step(self)  # a planned interruption or stop (SystemExit(0) after step N)
         return info
@@ -394,17 +404,19 @@ class Checkpointer(Saving):
         self._epoch_loop.close(state)
         if self._guard is not None:  # the next step starts from here, not from the epoch's last step
             self._guard.mark(self._guard.prepare(self.progress.state_dict()))
-        flags = self.comm.max((1 if self._due(epoch_end=True) else 0) | (2 if self._signals.received else 0))
-        info = self.save(state, kind="regular" if flags & 1 else "preemption") if flags else None
-        if flags & 2:  # saved above; preempt_and_exit finds this step saved and exits with 75
+        # at once (blocking, once per epoch), with what the last step started agreeing on (unbroken.agreement)
+        flags = self._agreement.now((SAVE if self._due(epoch_end=True) else 0)
+                                    | (SIGNAL if self._signals.received else 0))
+        info = self.save(state, kind="regular" if flags & SAVE else "preemption") if flags else None
+        if flags & SIGNAL:  # saved above; preempt_and_exit finds this step saved and exits with 75
             self.flush(raise_errors=False)
             preempt_and_exit(self, state, self._signals.received or signal.SIGTERM,
                              self._signals.received_at or time.monotonic())
         return info
 
-    def _due(self, epoch_end: bool) -> bool:
+    def _due(self, epoch_end: bool, triggers: Sequence[Trigger] | None = None) -> bool:
         sched = self.schedule
-        if not sched.due(self.progress.step, self.progress.epoch, epoch_end, self.metrics):
+        if not sched.due(self.progress.step, self.progress.epoch, epoch_end, self.metrics, triggers):
             return False
         return not sched.already_saved(self.progress.step, clean_metrics(self.metrics), self.progress.epoch)
 

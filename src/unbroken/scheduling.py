@@ -36,12 +36,16 @@ class Schedule:
         self.last_saved: tuple[int, dict[str, Any]] | None = None
         self._last_instant: tuple[int, int, dict[str, Any]] | None = None  # (step, epoch, metrics)
 
-    def due(self, step: int, epoch: int, epoch_end: bool, metrics: Mapping[str, Any]) -> bool:
+    def due(self, step: int, epoch: int, epoch_end: bool, metrics: Mapping[str, Any],
+            triggers: Sequence[Trigger] | None = None) -> bool:
+        """Whether a save is due: every trigger asked, or only ``triggers`` (some of :attr:`trigger`'s)."""
         if self.trigger is None:
             return False
         ctx = TriggerContext(step=step, epoch=epoch, epoch_end=epoch_end, now=time.monotonic(),
                              last_save_step=self.last_saved[0] if self.last_saved else None,
                              last_save_time=self.last_save_time, metrics=metrics)
+        if triggers is not None:
+            return any([t.due(ctx) for t in triggers])  # noqa: C419 -- a list: ask all, no short-circuit
         return self.trigger.due(ctx)
 
     def already_saved(self, step: int, metrics: Mapping[str, Any], epoch: int = 0) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -57,6 +58,7 @@ class Comm:
         self.rank, self.world = world()
         self.timeout_s = timeout_s
         self._group: Any = None
+        self._pending: PendingMax | None = None  # the last start_max: finished before the group closes
         _ = self.group  # created now, while every rank constructs its Checkpointer
 
     @property
@@ -121,18 +123,56 @@ class Comm:
         self._call("all_reduce", torch.distributed.all_reduce, t, op=torch.distributed.ReduceOp.MAX)
         return int(t.item())
 
+    def start_max(self, values: Sequence[int]) -> "PendingMax":
+        """Start the element-wise largest of ``values`` over all ranks without waiting (a
+        non-blocking gloo all-reduce); :meth:`PendingMax.result` waits for it. Every rank must
+        start it at the same point of its sequence of collectives, as for any collective."""
+        t = torch.tensor(list(values), dtype=torch.int64)
+        if self.world == 1:
+            return PendingMax(self, None, t)
+        self._pending = PendingMax(self, self._call("all_reduce", torch.distributed.all_reduce, t,
+                                                    op=torch.distributed.ReduceOp.MAX, async_op=True), t)
+        return self._pending
+
     def barrier(self) -> None:
         if self.world > 1:
             self._call("barrier", torch.distributed.barrier)
 
     def close(self) -> None:
-        """Destroy the private group (idempotent)."""
+        """Destroy the private group (idempotent), once a reduction still in flight has finished
+        (every rank started it: it completes, or fails at once if a peer died)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            try:
+                pending.result()
+            except CoordinationError:  # closing anyway
+                pass
         group, self._group = self._group, None
         if group is not None and torch.distributed.is_initialized():
             try:
                 torch.distributed.destroy_process_group(group)
             except (RuntimeError, ValueError):  # the default group is gone already
                 pass
+
+
+class PendingMax:
+    """A reduction started by :meth:`Comm.start_max`; :meth:`result` waits for it (once)."""
+
+    def __init__(self, comm: Comm, work: Any, tensor: torch.Tensor) -> None:
+        self._comm, self._work, self._tensor = comm, work, tensor
+
+    def result(self) -> list[int]:
+        """The element-wise largest values over all ranks; a :class:`CoordinationError` if a rank
+        did not answer."""
+        work, self._work = self._work, None
+        if work is not None:
+            try:
+                work.wait()
+            except RuntimeError as e:  # gloo: timeouts, a peer that died
+                c = self._comm
+                raise CoordinationError(f"rank {c.rank}/{c.world}: all_reduce failed (a rank did not answer "
+                                        f"within {c.timeout_s:.0f} s, or died): {e}") from None
+        return [int(v) for v in self._tensor.tolist()]
 
 
 def _fresh_group(rank: int, world: int, timeout_s: float) -> Any:

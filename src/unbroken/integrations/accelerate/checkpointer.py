@@ -77,8 +77,9 @@ class Checkpointer:
         Between the micro-batches of an accumulation window (``accelerator.sync_gradients`` is
         false) nothing happens. After the micro-batch that stepped the optimizer, this is the step
         boundary: the step is counted, a save is made when due (every process saves the same
-        step), and a preemption signal (SIGTERM, SIGUSR1, SIGINT) saves this step and exits with
-        status 75 on every process. Returns what was saved, if anything.
+        step), and a preemption signal (SIGTERM, SIGUSR1, SIGINT) saves this step (with several
+        processes: the next one, agreed during it) and exits with status 75 on every process.
+        Returns what was saved, if anything.
         """
         if not self.accelerator.sync_gradients:
             return None
