@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from unbroken.agreement import SAVE, SIGNAL, SPIKE, StepAgreement
+import pytest
+
+import unbroken.agreement as agreement
+from unbroken.agreement import LONG, SAVE, SIGNAL, SPIKE, StepAgreement
 from unbroken.policies import AtEpochEnd, EveryMinutes, EveryNSteps, OnImprovement
 
 
@@ -23,7 +26,7 @@ class TwoRanks:
 
     def start_max(self, values: list[int]) -> Any:
         self.calls.append("start_max")
-        peer = [1 if self.peer & f else 0 for f in (SAVE, SIGNAL, SPIKE)]
+        peer = [1 if self.peer & f else 0 for f in (SAVE, SIGNAL, SPIKE, LONG)]
         agreed = [max(a, b) for a, b in zip(values, peer)]
 
         class Pending:
@@ -84,3 +87,30 @@ def test_nothing_to_agree_on_later_exchanges_nothing() -> None:
     agree = StepAgreement(comm, [EveryNSteps(4)], watches_signals=False)  # type: ignore[arg-type]
     agree.after_step(never, signal=False, at_once=False)
     assert agree.at_step(never, signal=False, spike=None) == 0 and comm.calls == []
+
+
+def test_once_a_rank_reports_a_long_step_every_later_step_agrees_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A signal one step late costs a step's time: with long steps, the blocking agreement."""
+    comm = TwoRanks()
+    agree = StepAgreement(comm, [EveryNSteps(4)], watches_signals=True)  # type: ignore[arg-type]
+    agree.after_step(never, signal=False, at_once=False)
+    assert agree.at_step(never, signal=False, spike=None) == 0 and not agree.long_steps
+    comm.peer = LONG  # the peer's step took longer than LONG_STEP_S
+    agree.after_step(never, signal=False, at_once=False)
+    comm.peer = 0
+    assert agree.at_step(never, signal=False, spike=None) == 0  # LONG is not a flag to act on...
+    assert agree.long_steps and agree.blocking(at_once=False)  # ...but from now on, at once
+    calls = len(comm.calls)
+    agree.after_step(never, signal=False, at_once=False)
+    assert len(comm.calls) == calls  # nothing started for later
+    comm.peer = SIGNAL
+    assert agree.at_step(never, signal=False, spike=None) == SIGNAL  # the peer's signal at this very step
+    # this rank's own long step is reported too
+    monkeypatch.setattr(agreement, "LONG_STEP_S", 0.0)
+    comm2 = TwoRanks()
+    mine = StepAgreement(comm2, [EveryNSteps(4)], watches_signals=True)  # type: ignore[arg-type]
+    mine.after_step(never, signal=False, at_once=False)  # the first: no step timed yet
+    assert not mine.at_step(never, signal=False, spike=None) and not mine.long_steps
+    mine.after_step(never, signal=False, at_once=False)
+    mine.at_step(never, signal=False, spike=None)
+    assert mine.long_steps

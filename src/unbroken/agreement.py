@@ -25,6 +25,13 @@ decision are of three kinds:
   restore the spike), and an improvement's checkpoint must be the improving step. While one is
   configured every step keeps one blocking all-reduce, as before.
 
+**Long steps agree at once too.** One step later costs a step's time before a preemption is
+saved, and grace periods are tens of seconds: once any rank reports a step of over
+:data:`LONG_STEP_S` (the report travels with the reduction, so every rank switches at the same
+step), every later step agrees at once, blocking — a collective of well under a millisecond
+against steps of over a second costs nothing there. Short steps, where the blocking collective
+is what the lag saves, lose less than a second of the grace period.
+
 ``unbroken selftest`` also agrees at once: its planned SIGTERM must save the very step planned
 (an epoch's last step, so that a resume starts at the epoch boundary), as with one process.
 
@@ -38,13 +45,17 @@ the same way: the sequence of collectives depends on them.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 from .dist.comm import Comm, PendingMax
 from .policies import AtEpochEnd, EveryMinutes, EveryNSteps, Trigger
 
-SAVE, SIGNAL, SPIKE = 1, 2, 4
-"""The flags the ranks agree on: a save is due, a signal arrived, ``rollback_if`` was true."""
+SAVE, SIGNAL, SPIKE, LONG = 1, 2, 4, 8
+"""The flags the ranks agree on: a save is due, a signal arrived, ``rollback_if`` was true, a
+step took longer than :data:`LONG_STEP_S`."""
+LONG_STEP_S = 1.0
+"""A step this long or longer makes every later step agree at once (see the module docstring)."""
 
 SAME_ON_EVERY_RANK: tuple[type, ...] = (EveryNSteps, AtEpochEnd)
 """Triggers that see only the step and epoch counters: no agreement needed."""
@@ -65,11 +76,13 @@ class StepAgreement:
         self.now_only = [t for t in triggers if not isinstance(t, SAME_ON_EVERY_RANK + LATER_IS_FINE)]
         self._exchange = bool(self.later) or watches_signals  # anything to agree on one step later
         self._pending: PendingMax | None = None
+        self.long_steps = False  # agreed: steps are long, every step agrees at once from now on
+        self._started: float | None = None  # when the last reduction for later was started
 
     def blocking(self, at_once: bool) -> bool:
         """Whether this step agrees at once: ``at_once`` (a ``rollback_if``, a selftest), one rank,
-        a trigger of :attr:`now_only`."""
-        return self.comm.world == 1 or at_once or bool(self.now_only)
+        a trigger of :attr:`now_only`, steps agreed to be long."""
+        return self.comm.world == 1 or at_once or bool(self.now_only) or self.long_steps
 
     def at_step(self, due: Due, signal: bool, spike: bool | None, at_once: bool = False) -> int:
         """The flags every rank acts on at this step. ``spike``: ``rollback_if``'s answer here
@@ -80,9 +93,14 @@ class StepAgreement:
 
     def after_step(self, due: Due, signal: bool, at_once: bool) -> None:
         """Once this step's decision is carried out (saved): start agreeing on this rank's time
-        triggers and signal, for the next step. Nothing in blocking mode."""
+        triggers and signal (and whether its step was long), for the next step. Nothing in
+        blocking mode."""
         if not self.blocking(at_once) and self._exchange:
-            self._pending = self.comm.start_max(_bits((SAVE if due(self.later) else 0) | (SIGNAL if signal else 0)))
+            now = time.monotonic()
+            long = self._started is not None and now - self._started >= LONG_STEP_S
+            self._started = now
+            self._pending = self.comm.start_max(_bits((SAVE if due(self.later) else 0) | (SIGNAL if signal else 0)
+                                                      | (LONG if long else 0)))
 
     def now(self, flags: int) -> int:
         """``flags`` agreed at once (blocking), with the result of a reduction still in flight."""
@@ -90,12 +108,16 @@ class StepAgreement:
         return flags if self.comm.world == 1 else _flags(self.comm.start_max(_bits(flags)).result())
 
     def previous(self) -> int:
-        """The flags agreed by the reduction the previous boundary started (0 if none)."""
+        """The flags agreed by the reduction the previous boundary started (0 if none); a LONG
+        among them switches every later step to agreeing at once (on every rank at this step)."""
         pending, self._pending = self._pending, None
-        return _flags(pending.result()) if pending is not None else 0
+        flags = _flags(pending.result()) if pending is not None else 0
+        if flags & LONG:
+            self.long_steps = True
+        return flags & ~LONG
 
 
-_ALL = (SAVE, SIGNAL, SPIKE)
+_ALL = (SAVE, SIGNAL, SPIKE, LONG)
 
 
 def _bits(flags: int) -> list[int]:
