@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import weakref
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from typing import Any, Literal, TypeVar
-
-import torch
 
 from . import console, filewriter, recovery
 from .exithooks import at_exit
@@ -27,10 +24,10 @@ from .background import BackgroundSaves
 from .environment import EnvCheck, fingerprint
 from .epochs import EpochLoop, batches as _batches
 from .errors import ConfigurationError, NoCheckpointError
-from .events import EventBus, StepEnded, Tagged
+from .events import EventBus, Tagged
 from .faults import Preemption, slurm
 from .faults.guard import StepGuard
-from .faults.handlers import preempt_and_exit, step_failed
+from .faults.handlers import step_failed
 from .faults.signals import SignalWatcher
 from .format.manifest import Manifest
 from .policies import Retention, Trigger
@@ -38,14 +35,15 @@ from .probe import ProbeFn
 from .recorder import Recorder
 from .run import Run
 from .saving import Saving
+from .stepping import Stepping
 from .scheduling import Schedule
 from .selftest import protocol as selftest
 from .dist.comm import Comm
-from .restoring import apply_checkpoint, restore_into, sync_data_position
+from .restoring import apply_checkpoint, restore_into
 from .saved_state import StateRules
 from .adapting import adapt
-from .agreement import SAVE, SIGNAL, SPIKE, StepAgreement
-from .state.checks import UnbrokenWarning, clean_metrics  # noqa: F401 (UnbrokenWarning: re-exported)
+from .agreement import StepAgreement
+from .state.checks import UnbrokenWarning  # noqa: F401 (re-exported)
 from .state.stateful import Progress
 from .tags import check_tag
 from .ram import RamTier
@@ -66,7 +64,7 @@ def _close_at_exit() -> None:
             log.error("closing %s at exit failed: %s", ckpt.location, e)
 
 
-class Checkpointer(Saving):
+class Checkpointer(Saving, Stepping):
     """Saves and restores the complete training state of one run.
 
     Args:
@@ -318,52 +316,6 @@ class Checkpointer(Saving):
         return apply_checkpoint(self, state, loaded, where)
 
     # ----------------------------------------------------------------------- save
-    def step(self, state: Mapping[str, Any], **metrics: Any) -> CheckpointInfo | None:
-        """Mark one optimizer step done; save if it is due. Metrics go into the manifest.
-
-        If a watched signal arrived, save now (if not just saved) and exit with
-        :data:`~unbroken.faults.EXIT_PREEMPTED` (``SystemExit``, so ``finally`` blocks run).
-        With several ranks, a signal and a time trigger take effect one step later, on every
-        rank at the same step: they are agreed in the background of the next step, without a
-        blocking collective (:mod:`unbroken.agreement`).
-        """
-        state = adapt(state)
-        self._begin()
-        if self.run.readonly:  # fail at the first step, not after a save interval of lost compute
-            self.run.require_writable("train and save into")
-        if self._background.finished() and self.comm.world == 1:
-            self.flush()  # a failed background save is raised here (several ranks: at the next save)
-        # The step boundary is one transition: everything that can fail is computed first.
-        clean = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
-        sync_data_position(self.progress, state)
-        after = {**self.progress.state_dict(), "step": self.progress.step + 1, "micro_step": 0}
-        start = self._guard.prepare(after) if self._guard is not None else None
-        self.progress.step, self.progress.micro_step = after["step"], 0
-        if self._guard is not None:
-            self._guard.mark(start)
-        self.metrics.update(clean)  # tensors stay tensors (no .item(): no GPU sync per step)
-        self.events.publish(StepEnded(self.progress.step, clean))
-        if self._selftest is not None:  # the step's fingerprint, before any save (same instant in every run)
-            self._selftest.step_ended(self, state, clean)
-        # the ranks agree on saving, preemption and a loss spike (unbroken.agreement): time triggers and signals
-        # one step later, without waiting; rollback_if and metric triggers at once; nothing at world size 1
-        policy = self._recovery if self._recovery is not None and self._recovery.rollback_if is not None else None
-        due = lambda triggers: self._due(epoch_end=False, triggers=triggers)  # noqa: E731
-        spike = policy.spiked(clean) if policy is not None else None
-        at_once = self._selftest is not None  # its planned SIGTERM saves the very step planned
-        flags = self._agreement.at_step(due, self._signals.received is not None, spike, at_once)
-        if flags & SPIKE:  # before this step is saved: recover() rolls back to an earlier checkpoint
-            raise recovery.LossSpike(self.progress.step, clean, here=bool(spike))
-        info = self.save(state) if flags & SAVE else None
-        if flags & SIGNAL:
-            sig = self._signals.received or signal.SIGTERM  # a peer's signal: stop at the same step
-            self.flush(raise_errors=False)
-            preempt_and_exit(self, state, sig, self._signals.received_at or time.monotonic())
-        self._agreement.after_step(due, self._signals.received is not None, at_once or policy is not None)
-        if self._selftest is not None:
-            self._selftest.after_step(self)  # a planned interruption or stop (SystemExit(0) after step N)
-        return info
-
     def recover(self, fn: Callable[[], T], state: MutableMapping[str, Any], *, on: Any, retries: int = 3,
                 rollback_if: Callable[[dict[str, Any]], Any] | None = None, skip_batches: int = 0) -> T:
         """Call ``fn()`` (the training loop) and return its result; when it raises an instance of
@@ -390,36 +342,6 @@ class Checkpointer(Saving):
         a :class:`~unbroken.data.ResumableLoader`, resumed where the last checkpoint was (the first
         ``progress.batch`` items are read and dropped: keep the source cheap, e.g. a ``range``)."""
         return _batches(self.progress, iterable)
-
-    def end_epoch(self, state: Mapping[str, Any], **metrics: Any) -> CheckpointInfo | None:
-        """The epoch ends: call it last in the epoch, after its evaluation and ``scheduler.step()``
-        (:meth:`epochs` does), passing the evaluation's metrics. ``progress.epoch`` moves on if the
-        batch loop did not move it (it broke off, or there is none), every ``ResumableLoader`` in
-        the state starts the new epoch, and this instant is saved if a trigger asks
-        (``AtEpochEnd()``, ``OnImprovement("val_loss")``) or a preemption signal arrived during
-        the epoch-end work (then the process exits with 75). Does not advance the step."""
-        state = adapt(state)
-        self._begin()
-        self.metrics.update({k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()})
-        self._epoch_loop.close(state)
-        if self._guard is not None:  # the next step starts from here, not from the epoch's last step
-            self._guard.mark(self._guard.prepare(self.progress.state_dict()))
-        # at once (blocking, once per epoch), with what the last step started agreeing on (unbroken.agreement)
-        flags = self._agreement.now((SAVE if self._due(epoch_end=True) else 0)
-                                    | (SIGNAL if self._signals.received else 0))
-        info = self.save(state, kind="regular" if flags & SAVE else "preemption") if flags else None
-        if flags & SIGNAL:  # saved above; preempt_and_exit finds this step saved and exits with 75
-            self.flush(raise_errors=False)
-            preempt_and_exit(self, state, self._signals.received or signal.SIGTERM,
-                             self._signals.received_at or time.monotonic())
-        return info
-
-    def _due(self, epoch_end: bool, triggers: Sequence[Trigger] | None = None) -> bool:
-        sched = self.schedule
-        if not sched.due(self.progress.step, self.progress.epoch, epoch_end, self.metrics, triggers):
-            return False
-        return not sched.already_saved(self.progress.step, clean_metrics(self.metrics), self.progress.epoch)
-
 
     def saved_part(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """The part of ``state`` that is saved and restored: all but the ``allow_unsaved`` keys."""
