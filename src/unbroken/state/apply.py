@@ -227,10 +227,12 @@ def _into_optimizer_state(live: torch.optim.Optimizer, saved: dict[str, Any]) ->
     parameters: no fresh memory to fault in, no clone of state that was loaded in place (FSDP's
     sharded state is the live tensor itself). Returns ``{id(saved tensor): live tensor}`` for
     :func:`_own`, which clones only the rest. A live tensor is reused at most once, and only
-    when it fills its own storage, so no two saved tensors can land in the same memory."""
+    when it fills its own storage, so no two saved tensors can land in the same memory. An
+    optimizer with its own ``state_dict`` (``ZeroRedundancyOptimizer``, wrappers) is left to it."""
     reuse: dict[int, torch.Tensor] = {}
     saved_state = saved.get("state")
-    if not isinstance(saved_state, dict) or not live.state:
+    if not isinstance(saved_state, dict) or not live.state or \
+            type(live).state_dict is not torch.optim.Optimizer.state_dict:
         return reuse
     current = live.state_dict()["state"]
     taken: set[int] = set()
