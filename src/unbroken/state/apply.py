@@ -1,7 +1,8 @@
 """Putting a decoded checkpoint back into the live training state, in place.
 
 The live state is the dict the user passes to ``restore``/``load``. Its objects keep
-their identity: ``Stateful`` objects get ``load_state_dict``, dicts and lists are
+their identity: ``Stateful`` objects get ``load_state_dict`` (an optimizer's saved state
+copied first into the state tensors it already holds, where they fit), dicts and lists are
 updated in place, tensors are copied into (same shape and dtype) or replaced,
 generators get their state set. Plain values are replaced in their container.
 Before anything is touched, the top-level keys are compared, the saved state of
