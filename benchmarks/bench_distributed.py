@@ -52,11 +52,13 @@ so loads read from the disk; without root the report says WARM CACHE. After ever
 every rank checks, outside the clock, that each local shard (parameters, exp_avg,
 exp_avg_sq, step) is bitwise what was saved (xxh3-64 of the bytes).
 
-Per rank and measurement the worker records the wall time, the process CPU time, and
+Per rank and measurement the worker records the wall time, the process CPU time, its minor
+page faults (``getrusage``: first touches of fresh memory, pages of a mapped file), and
 ``/proc/self/io``: ``write_bytes``/``read_bytes`` (bytes this process sent to / read
 from the block layer: its own file writes, and after a cache drop its disk reads) and
-``wchar``/``rchar`` (bytes through read/write calls, page-cache hits included). Rank 0
-also lists each checkpoint's files and sizes. MB = 10^6 bytes.
+``wchar``/``rchar`` (bytes through read/write calls, page-cache hits included; unbroken
+maps its tensor files, so its loads show none: per-rank load rates are given per byte of
+state the rank holds). Rank 0 also lists each checkpoint's files and sizes. MB = 10^6 bytes.
 
     .venv/bin/python benchmarks/bench_distributed.py [--cases fsdp,ddp] [--worlds 2,4] \
         [--reps 3] [--layers 18 --dim 2048] [--dir DIR] [--json FILE] [--markdown FILE]
@@ -94,6 +96,13 @@ def io_counters() -> dict[str, int]:
             k, v = line.split(":")
             out[k.strip()] = int(v)
     return out
+
+
+def minor_faults() -> int:
+    """Minor page faults of this process so far (first touches of fresh memory, mapped pages)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def drop_caches() -> bool:
@@ -224,10 +233,10 @@ def worker(args: argparse.Namespace) -> None:
 
     def measure(fn) -> dict:
         dist.barrier()
-        io0, c0, t0 = io_counters(), time.process_time(), time.perf_counter()
+        io0, c0, f0, t0 = io_counters(), time.process_time(), minor_faults(), time.perf_counter()
         fn()
-        t1, c1, io1 = time.perf_counter(), time.process_time(), io_counters()
-        return {"s": t1 - t0, "cpu_s": c1 - c0,
+        t1, c1, f1, io1 = time.perf_counter(), time.process_time(), minor_faults(), io_counters()
+        return {"s": t1 - t0, "cpu_s": c1 - c0, "minflt": f1 - f0,
                 **{k: io1[k] - io0[k] for k in ("write_bytes", "read_bytes", "wchar", "rchar")}}
 
     def one(method: str, where: Path, drop: bool) -> dict:
@@ -331,7 +340,7 @@ def summarise(case: str, world: int, ranks: list[dict]) -> dict:
                  "fingerprint_s": max(r["fingerprint_s"] for r in ranks),
                  "init_optim_s": max(r["init_optim_s"] for r in ranks),
                  "local_state_bytes": [r["local_state_bytes"] for r in ranks], "methods": {}}
-    keys = ("s", "cpu_s", "write_bytes", "read_bytes", "wchar", "rchar")
+    keys = ("s", "cpu_s", "minflt", "write_bytes", "read_bytes", "wchar", "rchar")
     for m in METHODS:
         per_rep: dict[str, list[float]] = {ph: [] for ph in PHASES}
         rank_rows = {ph: {k: [[] for _ in ranks] for k in keys} for ph in PHASES}
@@ -343,7 +352,7 @@ def summarise(case: str, world: int, ranks: list[dict]) -> dict:
                 per_rep[ph].append(max(x[ph]["s"] for x in recs))
                 for i, x in enumerate(recs):
                     for k in keys:
-                        rank_rows[ph][k][i].append(x[ph][k])
+                        rank_rows[ph][k][i].append(x[ph].get(k, 0))  # minflt: absent in older JSON
         assert files is not None
         total = sum(files.values())
         e: dict = {"files": files, "n_files": len(files), "bytes": total,
@@ -355,10 +364,14 @@ def summarise(case: str, world: int, ranks: list[dict]) -> dict:
         # what one rank moved over the collective time (the rate to extrapolate from), and the
         # CPU seconds it spent per GB it moved
         e["save_MBps_per_rank"] = [b / 1e6 / e["save_s"] for b in e["per_rank"]["save"]["write_bytes"]]
-        e["load_MBps_per_rank"] = [b / 1e6 / e["load_s"] for b in e["per_rank"]["load"]["rchar"]]
+        # a load is measured by the state bytes the rank ends up holding: unbroken maps its files,
+        # so its reads never pass through read() (rchar) and only the first reader of a page
+        # counts it in read_bytes
+        held = out["local_state_bytes"]
+        e["load_MBps_per_rank"] = [b / 1e6 / e["load_s"] for b in held]
         # (None for a rank that moved under 5 % of the busiest rank's bytes: its own JSON files)
-        for ph, key in (("save", "write_bytes"), ("load", "rchar")):
-            moved, cpu = e["per_rank"][ph][key], e["per_rank"][ph]["cpu_s"]
+        for ph, moved in (("save", e["per_rank"]["save"]["write_bytes"]), ("load", held)):
+            cpu = e["per_rank"][ph]["cpu_s"]
             e[f"{ph}_cpu_s_per_GB"] = [c / (b / 1e9) if b > 0 and b >= 0.05 * max(moved) else None
                                        for c, b in zip(cpu, moved)]
         out["methods"][m] = e
@@ -397,8 +410,8 @@ def tables(results: list[dict], md: bool) -> str:
                          *[f"{res[f'ratio_{ph}']:.2f}" if m == "unbroken" else "" for ph in PHASES]])
     text = render(head, rows)
     head2 = ["case", "ranks", "method", "save: MB written per rank", "save: MB/s per rank",
-             "save: CPU s per GB", "load: MB read per rank", "load: MB from disk per rank",
-             "load: MB/s per rank", "load: CPU s per GB"]
+             "save: CPU s per GB", "load: MB held per rank", "load: MB through read() per rank",
+             "load: MB from disk per rank", "load: MB/s per rank", "load: CPU s per GB", "load: page faults per rank"]
     rows2 = []
     for res in results:
         for m in METHODS:
@@ -406,9 +419,11 @@ def tables(results: list[dict], md: bool) -> str:
             pr = e["per_rank"]
             rows2.append([res["case"], str(res["world"]), m, span(pr["save"]["write_bytes"], 1e6),
                           span(e["save_MBps_per_rank"]), span([c for c in e["save_cpu_s_per_GB"] if c is not None], 1, 2),
-                          span(pr["load"]["rchar"], 1e6), span(pr["load"]["read_bytes"], 1e6),
+                          span(res["local_state_bytes"], 1e6), span(pr["load"]["rchar"], 1e6),
+                          span(pr["load"]["read_bytes"], 1e6),
                           span(e["load_MBps_per_rank"]),
-                          span([c for c in e["load_cpu_s_per_GB"] if c is not None], 1, 2)])
+                          span([c for c in e["load_cpu_s_per_GB"] if c is not None], 1, 2),
+                          span(pr["load"]["minflt"])])
     text += "\n\n" + ("Per rank (min-max over the ranks of the medians over repetitions):\n\n" if not md else "") \
         + render(head2, rows2)
     return text

@@ -149,3 +149,54 @@ def test_a_mismatched_restore_fails_before_changing_anything(tmp_path: Path, cha
             ckpt.restore(live)
         assert ckpt.progress.step == 0
     assert all(torch.equal(v, before[k]) for k, v in live["model"].state_dict().items())  # untouched
+
+
+@pytest.mark.parametrize("live_state", ["matching", "aliased", "view", "other shape", "own state_dict"])
+def test_an_optimizer_with_state_is_restored_into_its_own_tensors_where_they_fit(
+        tmp_path: Path, live_state: str) -> None:
+    """Restoring into an optimizer that already has state copies the saved state into the
+    tensors it holds (no fresh memory), like a module's parameters; a live tensor that cannot
+    take it without harm (two entries sharing one tensor, a view into a larger buffer, another
+    shape) is left alone and the saved value gets memory of its own, and so is every tensor of
+    an optimizer with its own ``state_dict`` (a wrapper). Either way the result is the saved
+    state, and it never follows the file."""
+    state = build()
+    with unbroken.Checkpointer(tmp_path / "run", preemption=None) as ckpt:
+        info = ckpt.save(state)
+    assert info is not None
+    fresh = build()  # stepped: it has state (other values, same shapes)
+    opt = fresh["optimizer"]
+    with torch.no_grad():
+        for t in moments(opt):
+            t.fill_(7.0)
+    p = opt.param_groups[0]["params"][0]
+    buffer = torch.full((2 * p.numel(),), 3.0)
+    if live_state == "aliased":  # two entries, one tensor: copying both into it would lose one
+        opt.state[p]["exp_avg_sq"] = opt.state[p]["exp_avg"]
+    elif live_state == "view":  # a view into a buffer that holds something else too
+        opt.state[p]["exp_avg"] = buffer[:p.numel()].view_as(p)
+    elif live_state == "other shape":
+        opt.state[p]["exp_avg"] = torch.zeros(3)
+    elif live_state == "own state_dict":
+        opt.__class__ = type("Wrapped", (torch.optim.AdamW,), {"state_dict": lambda o: torch.optim.AdamW.state_dict(o)})
+    held = {(i, k): t for i, s in enumerate(opt.state.values()) for k, t in s.items()}
+    with unbroken.Checkpointer(tmp_path / "run", preemption=None) as ckpt:
+        assert ckpt.restore(fresh) is not None
+    want = state["optimizer"].state_dict()["state"]
+    got = opt.state_dict()["state"]
+    assert set(got) == set(want)
+    for i in want:
+        for k in want[i]:
+            assert torch.equal(got[i][k], want[i][k]), (i, k)
+    kept = {(i, k) for i, s in enumerate(opt.state.values()) for k, t in s.items() if t is held[(i, k)]}
+    unfit = {"matching": set(), "aliased": {(0, "exp_avg_sq")}, "own state_dict": set(held)}.get(
+        live_state, {(0, "exp_avg")})
+    assert kept == set(held) - unfit  # the first entry takes the shared tensor, the second its own memory
+    assert torch.equal(buffer, torch.full_like(buffer, 3.0))  # the buffer a live view was in is untouched
+    for f in (tmp_path / "run" / info.name).glob("*.safetensors"):  # rewritten: the live state does not follow
+        with open(f, "r+b") as fh:
+            fh.seek(64)
+            fh.write(b"\xff" * (f.stat().st_size - 64))
+    for i in want:
+        for k in want[i]:
+            assert torch.equal(got[i][k], want[i][k]), (i, k)

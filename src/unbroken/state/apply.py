@@ -1,7 +1,8 @@
 """Putting a decoded checkpoint back into the live training state, in place.
 
 The live state is the dict the user passes to ``restore``/``load``. Its objects keep
-their identity: ``Stateful`` objects get ``load_state_dict``, dicts and lists are
+their identity: ``Stateful`` objects get ``load_state_dict`` (an optimizer's saved state
+copied first into the state tensors it already holds, where they fit), dicts and lists are
 updated in place, tensors are copied into (same shape and dtype) or replaced,
 generators get their state set. Plain values are replaced in their container.
 Before anything is touched, the top-level keys are compared, the saved state of
@@ -215,10 +216,55 @@ def _own(x: Any, memo: dict[int, torch.Tensor]) -> Any:
     return x
 
 
+def _owns_storage(t: torch.Tensor) -> bool:
+    """``t`` is a plain dense tensor that alone fills its storage (no view of a larger buffer)."""
+    return type(t) is torch.Tensor and t.layout == torch.strided and t.is_contiguous() and \
+        t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+def _into_optimizer_state(live: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[int, torch.Tensor]:
+    """Copy the saved optimizer state into the tensors the live optimizer already holds for it
+    (same parameter index and key, shape, dtype and device), the way a module copies into its
+    parameters: no fresh memory to fault in, no clone of state that was loaded in place (FSDP's
+    sharded state is the live tensor itself). Returns ``{id(saved tensor): live tensor}`` for
+    :func:`_own`, which clones only the rest. A live tensor is reused at most once, and only
+    when it fills its own storage, so no two saved tensors can land in the same memory. An
+    optimizer with its own ``state_dict`` (``ZeroRedundancyOptimizer``, wrappers) is left to it."""
+    reuse: dict[int, torch.Tensor] = {}
+    saved_state = saved.get("state")
+    if not isinstance(saved_state, dict) or not live.state or \
+            type(live).state_dict is not torch.optim.Optimizer.state_dict:
+        return reuse
+    current = live.state_dict()["state"]
+    taken: set[int] = set()
+    for idx, entries in saved_state.items():
+        have = current.get(idx)
+        if not isinstance(entries, dict) or not isinstance(have, dict):
+            continue
+        for key, src in entries.items():
+            dst = have.get(key)
+            if not isinstance(src, torch.Tensor) or not isinstance(dst, torch.Tensor) or id(src) in reuse:
+                continue
+            if dst is src:  # loaded in place already (sharded state through DCP)
+                reuse[id(src)] = dst
+                continue
+            if type(src) is not torch.Tensor or not _owns_storage(dst) or dst.shape != src.shape or \
+                    dst.dtype != src.dtype or dst.device != src.device or dst.is_inference() or \
+                    dst.untyped_storage().data_ptr() in taken:
+                continue
+            with torch.no_grad():
+                dst.copy_(src)
+            reuse[id(src)] = dst
+            taken.add(dst.untyped_storage().data_ptr())
+    return reuse
+
+
 def _apply(live: Any, saved: Any, path: PathT) -> Any:
     if is_stateful(live):
         value = saved.value if isinstance(saved, StatefulValue) else saved
-        if not isinstance(live, torch.nn.Module):  # a module copies into its parameters; others may keep
+        if isinstance(live, torch.optim.Optimizer) and isinstance(value, dict):
+            value = _own(value, _into_optimizer_state(live, value))  # no fresh copy of state it already has
+        elif not isinstance(live, torch.nn.Module):  # a module copies into its parameters; others may keep
             value = _own(value, {})
         try:
             live.load_state_dict(value)
