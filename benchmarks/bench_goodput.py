@@ -289,8 +289,8 @@ def main() -> None:
     ap.add_argument("--monitor-interval", type=float, default=0.1,
                     help="torchrun --monitor-interval for every configuration (default 0.1, torchrun's own)")
     ap.add_argument("--base-src", metavar="DIR",
-                    help="also run every configuration on the unbroken package in DIR (e.g. an older "
-                         "checkout's src/), reported as '<config>-base', job after job with the current one")
+                    help="also run every unbroken configuration on the unbroken package in DIR (e.g. an "
+                         "older checkout's src/), reported as '<config>-base', job after job with the current one")
     ap.add_argument("--max-failures", type=int, default=None, help="at most this many failures a job")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds a job may take before it is killed")
     ap.add_argument("--dir", help="where the jobs run (default: the temporary folder)")
@@ -307,7 +307,7 @@ def main() -> None:
         if not (Path(a.base_src) / "unbroken" / "__init__.py").is_file():
             ap.error(f"--base-src {a.base_src}: no unbroken package there (pass the folder that holds unbroken/)")
         a.base_src = str(Path(a.base_src).resolve())
-        configs = [c for config in configs for c in (config + BASE, config)]
+        configs = [c for config in configs for c in ((config,) if config.startswith("dcp") else (config + BASE, config))]
     if a.ranks < 2 or a.ranks % 2:
         ap.error("--ranks must be even and at least 2 (a rank is killed; 'node' splits them over 2 nodes)")
     if "none" not in kinds:

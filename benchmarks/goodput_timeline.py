@@ -26,8 +26,7 @@ from typing import Any
 
 AGENT = (("noticed", "closing signal"), ("failed", "Worker group FAILED"),
          ("rendezvous", "Rendezvous'ing worker group"), ("starting", "Starting worker group"))
-SEGMENTS = (("agent notices the dead rank, sends SIGTERM", "noticed"), ("the survivor exits", "survivor_gone"),
-            ("agent: rendezvous, start", "starting"), ("process spawn (fork/exec)", "spawned"),
+SEGMENTS = (("agent: notices, stops the survivor", "failed"), ("agent: rendezvous, start", "starting"), ("process spawn (fork/exec)", "spawned"),
             ("interpreter start", "launch"), ("import torch", "import torch"),
             ("import unbroken + model module", "import unbroken"), ("process group", "process group"),
             ("model + DDP", "model"), ("Checkpointer / loop setup", "ready"), ("restore", "restored"))
@@ -71,8 +70,13 @@ def marks(kill: float, until: float, events: list[dict[str, Any]], lines: list[t
     return m
 
 
+INFO = (("(kill to the agent's SIGTERM to the survivor)", "noticed"), ("(kill to the survivor's exit)", "survivor_gone"))
+
+
 def segments(m: dict[str, float]) -> dict[str, float]:
-    """Seconds per segment of one failure's marks (a missing mark's time goes to the next one)."""
+    """Seconds per segment of one failure's marks (a missing mark's time goes to the next one); they
+    add up to the kill-to-``restored`` time. Also, not segments (they overlap the first): when the
+    agent signalled the survivor and when the survivor ended, from the kill."""
     out: dict[str, float] = {}
     prev = m["kill"]
     for label, key in SEGMENTS:
@@ -82,6 +86,10 @@ def segments(m: dict[str, float]) -> dict[str, float]:
     return out
 
 
+def info(m: dict[str, float]) -> dict[str, float]:
+    return {label: m[key] - m["kill"] for label, key in INFO if key in m}
+
+
 def breakdown(kills: list[float], survivors: list[float | None], events: list[dict[str, Any]],
               log: Path) -> list[dict[str, float]]:
     """One ``{segment: seconds}`` per kill (rank 0's events; the job's time-stamped log)."""
@@ -89,7 +97,8 @@ def breakdown(kills: list[float], survivors: list[float | None], events: list[di
     out = []
     for i, k in enumerate(kills):
         until = kills[i + 1] if i + 1 < len(kills) else float("inf")
-        out.append(segments(marks(k, until, events, lines, survivors[i])))
+        m = marks(k, until, events, lines, survivors[i])
+        out.append({"segments": segments(m), "info": info(m)})
     return out
 
 
@@ -100,10 +109,11 @@ def median_table(rows: list[dict[str, Any]], md: bool = True) -> str:
         return ""
     head = ["segment"] + [f"{r['config']} (n={len(r['timeline'])})" for r in cols]
     body = []
-    for label in [s for s, _ in SEGMENTS] + ["total (kill to restored)"]:
+    for label in [s for s, _ in SEGMENTS] + ["total (kill to restored)"] + [s for s, _ in INFO]:
         cells = []
         for r in cols:
-            vals = [t.get(label, sum(t.values()) if label.startswith("total") else None) for t in r["timeline"]]
+            vals = [t["segments"].get(label, sum(t["segments"].values()) if label.startswith("total") else None)
+                    if not label.startswith("(") else t["info"].get(label) for t in r["timeline"]]
             vals = [v for v in vals if v is not None]
             cells.append(f"{statistics.median(vals):.2f}" if vals else "-")
         body.append([label, *cells])
