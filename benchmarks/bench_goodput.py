@@ -25,13 +25,20 @@ requeues it: needs root and iproute2, else skipped with the reason). A failure i
 has made a new step since the previous one, and not in the last 3 steps. Every run trains
 ``--steps`` steps; a run's numbers come from the ranks' event records (goodput_report.py says how).
 
+After each kill, where the restart went (``goodput_timeline.py``): torchrun's agent lines (its
+output is time-stamped as it is read), the survivor's exit, and the new rank 0's phases, as
+segments that add up to restart + restore. ``--base-src DIR`` also runs every unbroken
+configuration on the ``unbroken`` package in DIR (``<config>-base``), job after job with the
+current one: old against new in one run, under the same load.
+
 Exactness: each interrupted run's final parameters and AdamW state (SHA-256 of the bytes) must
 equal the same configuration's uninterrupted run; reported for every configuration, required
 (exit status 1 otherwise) for unbroken's.
 
     python benchmarks/bench_goodput.py [--steps 600] [--interval 60] [--save-every 50] [--ranks 2]
         [--configs dcp,disk,ram,inproc] [--kinds none,kill,exception,node]
-        [--layers 2 --dim 256 --seq 64 --batch 4 --vocab 8192] [--dir D] [--json F] [--plot F.png]
+        [--layers 2 --dim 256 --seq 64 --batch 4 --vocab 8192] [--monitor-interval 0.1]
+        [--base-src OLD/src] [--dir D] [--json F] [--plot F.png] [--markdown F]
 """
 
 from __future__ import annotations

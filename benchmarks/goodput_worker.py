@@ -5,7 +5,9 @@
 
 The model, its AdamW and the synthetic token dataset are bench_train_overhead.py's (``build``),
 wrapped in DistributedDataParallel over gloo. Every rank appends one JSON line per event to
-``OUT/events-r<rank>.jsonl``: ``launch`` (this script's first line), ``ready`` (imports, process
+``OUT/events-r<rank>.jsonl``: ``launch`` (this script's first line; ``spawned``: when the kernel
+started the process), ``phase`` (``what``: ``import torch``, ``import unbroken``, ``process
+group``, ``model``: each done; for the restart timeline), ``ready`` (imports, process
 group, model, optimizer and data built), ``restored`` (the checkpoint is in place: the step it
 holds), ``step`` (``step``, ``t0`` before the batch is fetched, ``t1`` after ``optimizer.step()``,
 ``redone``: this rank had finished that step before), ``fault`` (an injected exception is
