@@ -25,13 +25,20 @@ requeues it: needs root and iproute2, else skipped with the reason). A failure i
 has made a new step since the previous one, and not in the last 3 steps. Every run trains
 ``--steps`` steps; a run's numbers come from the ranks' event records (goodput_report.py says how).
 
+After each kill, where the restart went (``goodput_timeline.py``): torchrun's agent lines (its
+output is time-stamped as it is read), the survivor's exit, and the new rank 0's phases, as
+segments that add up to restart + restore. ``--base-src DIR`` also runs every unbroken
+configuration on the ``unbroken`` package in DIR (``<config>-base``), job after job with the
+current one: old against new in one run, under the same load.
+
 Exactness: each interrupted run's final parameters and AdamW state (SHA-256 of the bytes) must
 equal the same configuration's uninterrupted run; reported for every configuration, required
 (exit status 1 otherwise) for unbroken's.
 
     python benchmarks/bench_goodput.py [--steps 600] [--interval 60] [--save-every 50] [--ranks 2]
         [--configs dcp,disk,ram,inproc] [--kinds none,kill,exception,node]
-        [--layers 2 --dim 256 --seq 64 --batch 4 --vocab 8192] [--dir D] [--json F] [--plot F.png]
+        [--layers 2 --dim 256 --seq 64 --batch 4 --vocab 8192] [--monitor-interval 0.1]
+        [--base-src OLD/src] [--dir D] [--json F] [--plot F.png] [--markdown F]
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -52,12 +60,14 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from goodput_report import metrics, plot, read_events, table  # noqa: E402
+from goodput_timeline import breakdown, median_table  # noqa: E402
 
 WORKER = str(HERE / "goodput_worker.py")
 CONFIGS = ("dcp", "dcp-async", "disk", "ram", "inproc")
 KINDS = ("none", "kill", "exception", "node")
 MODEL = (("layers", 2), ("dim", 256), ("seq", 64), ("batch", 4), ("vocab", 8192))
 RDZV_PORT = 29400
+BASE = "-base"  # a configuration run on the unbroken of --base-src (the comparison's old side)
 
 
 def unavailable(config: str, kind: str) -> str | None:
@@ -100,25 +110,64 @@ class Tail:
         return self.events
 
 
+def ended(pid: int) -> bool:
+    """True once process ``pid`` has exited (gone, or a zombie its parent has not reaped yet)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat[stat.rfind(")") + 2:stat.rfind(")") + 3] in ("Z", "X")
+
+
+class ExitWatch:
+    """When each rank's process of the moment ends (polled every 5 ms from a thread): the timeline's
+    'survivor gone'."""
+
+    def __init__(self, out: Path, ranks: int) -> None:
+        self.pids = {r: int((out / f"pid-r{r}").read_text()) for r in range(ranks)}
+        self.ended: dict[int, float] = {}
+        self.thread = threading.Thread(target=self.poll, daemon=True)
+
+    def start(self) -> ExitWatch:
+        self.thread.start()
+        return self
+
+    def poll(self, limit_s: float = 120.0) -> None:
+        until = time.time() + limit_s
+        while len(self.ended) < len(self.pids) and time.time() < until:
+            for r, pid in self.pids.items():
+                if r not in self.ended and ended(pid):
+                    self.ended[r] = time.time()
+            time.sleep(0.005)
+
+
 class Job:
     """The training job: one ``torchrun --standalone``, or one agent per network-namespace node."""
 
     def __init__(self, a: argparse.Namespace, config: str, base: Path, cluster: Any, log: Any) -> None:
         self.a, self.base, self.cluster, self.log = a, base, cluster, log
         model = [f"--{k}={getattr(a, k)}" for k, _ in MODEL]
-        self.argv = [WORKER, "--config", config, "--run-dir", str(base / "run"), "--out", str(base / "out"),
+        self.argv = [WORKER, "--config", config.removesuffix(BASE), "--run-dir", str(base / "run"), "--out", str(base / "out"),
                      "--steps", str(a.steps), "--save-every", str(a.save_every), *model]
         self.env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        if config.endswith(BASE):  # the same configuration on the unbroken of --base-src
+            self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [a.base_src, os.environ.get("PYTHONPATH")]))
+        self.env["LOGLEVEL"] = "INFO"  # torchrun's agent says when it stops, rendezvouses and starts workers
         self.procs: list[Any] = []
+        self.copier: threading.Thread | None = None
         self.launches = 0
 
     def launch(self) -> None:
         self.launches += 1
         run = [sys.executable, "-m", "torch.distributed.run"]
         if self.cluster is None:
-            cmd = [*run, "--standalone", f"--nproc-per-node={self.a.ranks}", "--max-restarts=1000", *self.argv]
-            self.procs = [subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
-                                           start_new_session=True)]
+            cmd = [*run, "--standalone", f"--nproc-per-node={self.a.ranks}", "--max-restarts=1000",
+                   f"--monitor-interval={self.a.monitor_interval}", *self.argv]
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env,
+                                    start_new_session=True)
+            self.procs = [proc]
+            self.copier = threading.Thread(target=self.copy, args=(proc.stdout,), daemon=True)
+            self.copier.start()
             return
         from netns import IFNAME
 
@@ -133,6 +182,12 @@ class Job:
                    f"--local-addr={node.addr}", "--max-restarts=0", *self.argv]
             self.procs.append(node.start(cmd, env, on_line=lambda line: self.log.write(line)))
 
+    def copy(self, stream: Any) -> None:
+        """torchrun's output into the log, each line stamped with the time it was read (the timeline)."""
+        for raw in stream:
+            self.log.write(f"{time.time():.3f} {raw.decode(errors='replace')}")
+            self.log.flush()
+
     def codes(self) -> list[int | None]:
         return [getattr(p, "popen", p).poll() for p in self.procs]
 
@@ -144,6 +199,8 @@ class Job:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait()
+        if self.copier is not None:
+            self.copier.join(10)
         for pid in (self.base / "out").glob("pid-r*"):  # torchrun's workers have their own sessions
             with contextlib.suppress(ProcessLookupError, ValueError):
                 os.kill(int(pid.read_text()), signal.SIGKILL)
@@ -155,6 +212,7 @@ def run_one(a: argparse.Namespace, config: str, kind: str, tmp: Path, cluster: A
     out = base / "out"
     out.mkdir(parents=True)
     failures: list[float] = []
+    exits: list[ExitWatch] = []
     with open(base / "log.txt", "w") as log:
         job = Job(a, config, base, cluster, log)
         tail = Tail(out, a.ranks)
@@ -195,8 +253,10 @@ def run_one(a: argparse.Namespace, config: str, kind: str, tmp: Path, cluster: A
                         pending = latest + 2
                         (out / "fault-at").write_text(str(pending))
                     elif kind == "kill":
+                        watch = ExitWatch(out, a.ranks)
                         failures.append(time.time())
                         os.kill(int((out / "pid-r1").read_text()), signal.SIGKILL)
+                        exits.append(watch.start())
                         next_at = failures[-1] + a.interval
                     else:
                         failures.append(time.time())
@@ -210,9 +270,15 @@ def run_one(a: argparse.Namespace, config: str, kind: str, tmp: Path, cluster: A
     if not final.exists():
         raise RuntimeError(f"{config}/{kind}: the job ended (exit {codes}) without finishing; see {base / 'log.txt'}")
     m = metrics(read_events(out), failures, launched, a.steps)
+    if kind == "kill":
+        for w in exits:
+            w.thread.join(5)
+        m["timeline"] = breakdown(failures, [w.ended.get(0) for w in exits], read_events(out), base / "log.txt")
     m.update(config=config, kind=kind, launches=job.launches, final_sha256=json.loads(final.read_text())["sha256"],
              loadavg=[load0, loadavg()])
     shutil.copy(base / "log.txt", tmp / f"log-{config}-{kind}.txt")
+    for ev in out.glob("events-r*.jsonl"):
+        shutil.copy(ev, tmp / f"{ev.stem}-{config}-{kind}.jsonl")
     shutil.rmtree(base)
     return m
 
@@ -227,10 +293,15 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=2, help="processes (default 2; split over 2 nodes for 'node')")
     ap.add_argument("--configs", default="dcp,disk,ram,inproc", help=f"of {','.join(CONFIGS)}")
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"of {','.join(KINDS)}")
+    ap.add_argument("--monitor-interval", type=float, default=0.1,
+                    help="torchrun --monitor-interval for every configuration (default 0.1, torchrun's own)")
+    ap.add_argument("--base-src", metavar="DIR",
+                    help="also run every unbroken configuration on the unbroken package in DIR (e.g. an "
+                         "older checkout's src/), reported as '<config>-base', job after job with the current one")
     ap.add_argument("--max-failures", type=int, default=None, help="at most this many failures a job")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds a job may take before it is killed")
     ap.add_argument("--dir", help="where the jobs run (default: the temporary folder)")
-    ap.add_argument("--keep-logs", action="store_true", help="keep each job's log in --dir")
+    ap.add_argument("--keep-logs", action="store_true", help="keep each job's log and event records in --dir")
     ap.add_argument("--json", metavar="FILE", help="also write the results as one JSON object")
     ap.add_argument("--plot", metavar="FILE", help="also draw goodput and recovery time (PNG)")
     ap.add_argument("--markdown", metavar="FILE", help="also write the table as markdown")
@@ -239,6 +310,11 @@ def main() -> None:
     configs, kinds = a.configs.split(","), a.kinds.split(",")
     if bad := [c for c in configs if c not in CONFIGS] + [k for k in kinds if k not in KINDS]:
         ap.error(f"unknown: {bad}")
+    if a.base_src:
+        if not (Path(a.base_src) / "unbroken" / "__init__.py").is_file():
+            ap.error(f"--base-src {a.base_src}: no unbroken package there (pass the folder that holds unbroken/)")
+        a.base_src = str(Path(a.base_src).resolve())
+        configs = [c for config in configs for c in ((config,) if config.startswith("dcp") else (config + BASE, config))]
     if a.ranks < 2 or a.ranks % 2:
         ap.error("--ranks must be even and at least 2 (a rank is killed; 'node' splits them over 2 nodes)")
     if "none" not in kinds:
@@ -261,9 +337,9 @@ def main() -> None:
                 cluster = Cluster(2)
             try:
                 for config in configs:
-                    if config == "inproc" and kind not in ("none", "exception"):
+                    if config.removesuffix(BASE) == "inproc" and kind not in ("none", "exception"):
                         continue
-                    if (why := unavailable(config, kind)) is not None:
+                    if not config.endswith(BASE) and (why := unavailable(config, kind)) is not None:
                         rows.append({"config": config, "kind": kind, "unavailable": why})
                         continue
                     print(f"[{config} / {kind}]", file=sys.stderr, flush=True)
@@ -291,6 +367,8 @@ def main() -> None:
              f"a failure every {a.interval:g} s; took {time.time() - started:.0f} s; 1-min load average "
              f"{min(loads, default=0):.1f}-{max(loads, default=0):.1f} (at the start and end of each job)")
     print(f"\n{title}\nMachine: {info}\n\n{table(rows, md=False)}")
+    if timeline := median_table(rows, md=False):
+        print(f"\nWhere a restart after a rank SIGKILL goes (median seconds per segment):\n{timeline}")
     for k, why in skipped.items():
         print(f"\n{k}: skipped: {why}")
     wrong = [f"{r['config']}/{r['kind']}" for r in rows if r.get("exact") is False]
@@ -300,10 +378,11 @@ def main() -> None:
         doc = {"title": title, "machine": info, "args": vars(a), "skipped": skipped, "rows": rows}
         Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
     if a.markdown:
-        Path(a.markdown).write_text(f"{title}\n\nMachine: {info}\n\n{table(rows, md=True)}\n")
+        Path(a.markdown).write_text(f"{title}\n\nMachine: {info}\n\n{table(rows, md=True)}\n\n"
+                                    f"{median_table(rows, md=True)}\n")
     if a.plot:
         plot(rows, a.plot, title)
-    if any(not w.startswith("dcp") for w in wrong):
+    if any(not w.startswith("dcp") and BASE + "/" not in w for w in wrong):
         sys.exit(1)
 
 

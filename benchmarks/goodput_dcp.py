@@ -16,16 +16,23 @@ What a good engineer writes without a checkpointing library:
 * ``init_process_group("gloo")`` under ``torchrun --max-restarts``: with
   ``TORCH_GLOO_LAZY_INIT=1`` while it runs, as a restart needs (the agent's store keeps the
   previous round's keys; connecting at the first collective is what lets the group come back).
+  ``dcp-async`` saves on a second gloo group (``new_group``, so the save's collectives in its
+  thread do not interleave with DDP's on the default group), made lazily for the same reason:
+  made eagerly, its constructor connected to the addresses the previous round's ranks had left
+  in the agent's store, and after a restart both ranks waited in ``ProcessGroupGloo``'s
+  ``connectFullMesh`` (``Pair::waitUntilConnected``, seen with gdb) for the group's 30-minute
+  timeout: the hang this configuration had, not DCP's background save.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -39,10 +46,19 @@ from goodput_unbroken import train_step
 KEEP = 2
 
 
-def init() -> None:
+@contextlib.contextmanager
+def lazy_gloo() -> Iterator[None]:
+    """Gloo groups made inside connect at their first collective, not in their constructor."""
     os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
-    dist.init_process_group("gloo")
-    del os.environ["TORCH_GLOO_LAZY_INIT"]
+    try:
+        yield
+    finally:
+        del os.environ["TORCH_GLOO_LAZY_INIT"]
+
+
+def init() -> None:
+    with lazy_gloo():
+        dist.init_process_group("gloo")
 
 
 def complete(run: Path) -> list[Path]:
@@ -59,7 +75,10 @@ class Loop:
         self.run_dir = Path(a.run_dir)
         self.step = 0
         self.pending: tuple[Any, Path] | None = None
-        self.group = dist.new_group(backend="gloo") if async_save else None
+        self.group = None
+        if async_save:  # lazily too: see the module docstring (an eager one hung after a restart)
+            with lazy_gloo():
+                self.group = dist.new_group(backend="gloo")
 
     def step_no(self) -> int:
         return self.step

@@ -116,7 +116,7 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
     done = [r for r in rows if not r.get("unavailable")]
     kinds = list(dict.fromkeys(r["kind"] for r in done))
     configs = list(dict.fromkeys(r["config"] for r in done))
-    colours = dict(zip(configs, ("C0", "C1", "C2", "C4", "C5", "C6")))
+    colours = {c: f"C{i % 10}" for i, c in enumerate(configs)}
     fig = Figure(figsize=(11, 4.5), dpi=100, layout="constrained")
     axes = fig.subplots(1, 2)
     width = 0.8 / max(1, len(configs))

@@ -5,7 +5,9 @@
 
 The model, its AdamW and the synthetic token dataset are bench_train_overhead.py's (``build``),
 wrapped in DistributedDataParallel over gloo. Every rank appends one JSON line per event to
-``OUT/events-r<rank>.jsonl``: ``launch`` (this script's first line), ``ready`` (imports, process
+``OUT/events-r<rank>.jsonl``: ``launch`` (this script's first line; ``spawned``: when the kernel
+started the process), ``phase`` (``what``: ``import torch``, ``import unbroken``, ``process
+group``, ``model``: each done; for the restart timeline), ``ready`` (imports, process
 group, model, optimizer and data built), ``restored`` (the checkpoint is in place: the step it
 holds), ``step`` (``step``, ``t0`` before the batch is fetched, ``t1`` after ``optimizer.step()``,
 ``redone``: this rank had finished that step before), ``fault`` (an injected exception is
@@ -79,6 +81,18 @@ class FaultPlan:
             raise InjectedFault(f"injected at step {step} on rank {self.rank}")
 
 
+def started_at() -> float | None:
+    """When the kernel started this process (``time.time()`` scale, 10 ms resolution), or None."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        ticks = int(stat[stat.rfind(")") + 2:].split()[19])
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, StopIteration, IndexError):
+        return None
+
+
 def digest(model, opt) -> str:
     import torch
 
@@ -107,13 +121,16 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     rank = int(os.environ.get("RANK", "0"))
     events = Events(out, rank)
-    events("launch", t=T_LAUNCH)
+    events("launch", t=T_LAUNCH, spawned=started_at())
     (out / f"pid-r{rank}").write_text(str(os.getpid()))
 
     import torch
+
+    events("phase", what="import torch")
     import unbroken
     from bench_train_overhead import build
 
+    events("phase", what="import unbroken")
     torch.set_num_threads(1)
     if a.config.startswith("dcp"):
         import goodput_dcp
@@ -121,8 +138,10 @@ def main() -> int:
         goodput_dcp.init()
     else:
         unbroken.init_distributed("gloo")
+    events("phase", what="process group")
     model, opt, ds = build(a.layers, a.dim, a.seq, a.vocab)
     model = torch.nn.parallel.DistributedDataParallel(model)
+    events("phase", what="model")
     faults = FaultPlan(out, rank)
     if a.config.startswith("dcp"):
         import goodput_dcp

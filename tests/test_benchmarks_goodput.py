@@ -5,7 +5,9 @@ No timed assertions: what is checked is that the failures were injected as asked
 from, that unbroken redid at most a save interval of steps per failure and ended bitwise equal to
 its uninterrupted run, that goodput is a share of the wall time, that every configuration ran
 (the RAM tier and in-process recovery included: "not available" would be a regression), and
-that the RAM tier left no shared memory behind (its root is this test's folder, not /dev/shm). The node-loss kind (network namespaces, root) is left to the full
+that the RAM tier left no shared memory behind (its root is this test's folder, not /dev/shm),
+and that each kill's restart timeline has every mark (torchrun's agent lines, the survivor's exit,
+the new process's phases) and adds up to the measured restart + restore. The node-loss kind (network namespaces, root) is left to the full
 benchmark: it adds two relaunches per configuration. It takes 90-110 s on the 2 shared cores
 (11 jobs of a few seconds each, most of it process start-up).
 """
@@ -19,6 +21,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from goodput_timeline import INFO, SEGMENTS  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parent.parent
@@ -60,6 +65,12 @@ def test_tiny_run_injects_recovers_and_reports_every_configuration(tmp_path: Pat
         if config in UNBROKEN:
             assert r["exact"] is True, r  # bitwise the uninterrupted run
             assert r["steps_redone"] <= SAVE_EVERY, r
+        if kind == "kill":  # where the restart went: every segment seen, adding up to restart + restore
+            (t,) = r["timeline"]
+            assert set(t["segments"]) == {label for label, _ in SEGMENTS}, t
+            assert abs(sum(t["segments"].values()) - f["restart_s"] - f["restore_s"]) < 1e-6, (t, f)
+            assert set(t["info"]) == {label for label, _ in INFO}, t
+            assert 0 < t["info"]["(kill to the survivor's exit)"] < f["restart_s"], t
     assert rows[("disk", "kill")]["launches"] == 1  # torchrun restarted the group itself
     assert (tmp_path / "goodput.png").stat().st_size > 0
     assert list(work.iterdir()) == [], "the benchmark left its jobs behind"

@@ -66,3 +66,25 @@ def test_an_absent_rank_0_is_an_error_that_says_so_not_a_hang() -> None:
         fresh_prefix(client(master), 1, 2, "group0", 2, CoordinationError)
     with pytest.raises(CoordinationError, match="rank 1 did not join within 2 s"):
         fresh_prefix(client(master), 0, 2, "group0", 2, CoordinationError)
+
+
+@pytest.mark.parametrize("earlier_round", [False, True], ids=["first-round", "after-a-round"])
+def test_a_rank_that_came_before_rank_0_is_woken_by_it_not_by_its_poll(monkeypatch, earlier_round: bool) -> None:
+    """A rank that arrives before rank 0 (no leader yet, or only an earlier round's) is woken as
+    soon as rank 0 comes, through its hello: with the poll made an hour long, the old protocol
+    (answer the leader found, then wait a poll) left it waiting for the whole hour."""
+    import unbroken.dist.rendezvous as rendezvous
+
+    master = server()
+    if earlier_round:
+        agree(master, [0, 1], {})
+    monkeypatch.setattr(rendezvous, "POLL_S", 3600.0)
+    now: dict = {}
+    first = threading.Thread(target=agree, args=(master, [1], now))
+    first.start()
+    hello = "default_pg/unbroken/agree/group0/hello/1"
+    master.wait([hello], timedelta(seconds=30))  # rank 1 is there and waiting (with a stale leader if any)
+    agree(master, [0], now)
+    first.join(timeout=60)
+    assert not first.is_alive(), "rank 1 was not woken by rank 0's arrival"
+    assert now.get(0) == now.get(1) and now[0].startswith("unbroken/"), now

@@ -38,13 +38,28 @@ seconds later, and is still a copy.
 
 Under torchrun the dispatcher also asks the kernel to signal the worker when its
 launcher dies (:mod:`.launcher`): that signal takes the same path as a scheduler's.
+
+**A process that ends with an uncaught exception stops watching.** No step boundary comes any
+more, so a request can no longer be served, and a flag only keeps the process alive: when a
+rank of a torchrun job dies, its peers fail in their next collective and the agent SIGTERMs
+them; flagged, a survivor went on through the interpreter's finalization (a full garbage
+collection of torch's modules, 1-4 s on a loaded machine, measured in
+``benchmarks/bench_goodput.py``) before torchrun could restart the group, where without
+unbroken the SIGTERM ends it at once. So at exit after an uncaught exception (``atexit``,
+after unbroken's exit hooks have closed the Checkpointers and waited for their saves) every
+signal goes back to the handling found before unbroken, and a watched signal that arrived
+unserved is delivered to it again: the process ends as it would have without unbroken, only
+after closing. A normal exit and ``sys.exit`` (the preemption's exit 75) keep swallowing
+straggling copies as above.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import weakref
@@ -156,6 +171,7 @@ class _Dispatcher:
         self._pid = os.getpid()  # a forked child (a DataLoader worker) inherits the handler: it stays quiet
         self.arrivals = Arrivals()  # when signals arrived (their handler may run seconds later)
         self.handled: dict[signal.Signals, float] = {}  # when the handler last ran, per signal
+        self.requested: set[signal.Signals] = set()  # arrived while watched, since the newest watcher came
 
     @property
     def watchers(self) -> list[SignalWatcher]:
@@ -166,6 +182,7 @@ class _Dispatcher:
 
     def add(self, w: SignalWatcher) -> None:
         self._watchers = [weakref.ref(x) for x in self.watchers] + [weakref.ref(w)]
+        self.requested.clear()  # a new run: what arrived before was served (or the run abandoned)
         for s in w.signals:
             self.lingering.pop(s, None)  # a new run watches it: its next arrival is a new request
             if s not in self.found or signal.getsignal(s) != self._handle:
@@ -247,6 +264,8 @@ class _Dispatcher:
             return
         mine = os.getpid() == self._pid
         if first is None:
+            if mine:
+                self.requested.add(sig)
             for w in watching:
                 w._mark(sig, arrived[0])
             self._quiet_children()
@@ -269,6 +288,33 @@ class _Dispatcher:
             log.warning("%s again %.1f s after the first: aborting now, without a checkpoint (the run resumes "
                         "from its last committed one)", sig.name, after)
         self._deliver(sig, signal.SIG_DFL if prev is signal.default_int_handler else prev, frame)
+
+    def step_aside(self) -> None:
+        """The process is ending after an uncaught exception: every signal back to the handling found
+        before unbroken, and a watched signal that arrived unserved delivered to it again (see the
+        module docstring). Main thread only; never in a forked child."""
+        if os.getpid() != self._pid or threading.current_thread() is not threading.main_thread():
+            return
+        pending = sorted(self.requested)
+        self.requested.clear()
+        self._watchers = []
+        self.lingering.clear()
+        for s in list(self.found):
+            self._give_back(s)
+        self.arrivals.stop()
+        launcher.watch(None)
+        for s in pending:
+            prev = signal.getsignal(s)  # the handling found before unbroken, given back
+            if prev is signal.default_int_handler:  # a KeyboardInterrupt now would only be printed
+                signal.signal(s, signal.SIG_DFL)
+                prev = signal.SIG_DFL
+            if prev == signal.SIG_IGN or prev is None:
+                continue
+            log.info("%s arrived while the process was failing: ending as it would have without unbroken", s.name)
+            if callable(prev):
+                prev(int(s), None)
+            else:
+                os.kill(os.getpid(), s)
 
     def _owned(self) -> set[signal.Signals]:
         return {s for s in self.found if s != _SIGCHLD}
@@ -297,6 +343,16 @@ class _Dispatcher:
 
 
 _dispatcher = _Dispatcher()
+
+
+def _step_aside_at_exit() -> None:
+    """``atexit``: after an uncaught exception (Python has set ``sys.last_value``; not for
+    ``sys.exit``), stop watching and deliver an unserved request (see the module docstring)."""
+    if getattr(sys, "last_value", None) is not None:
+        _dispatcher.step_aside()
+
+
+atexit.register(_step_aside_at_exit)  # plain atexit: after the exit hooks that close the Checkpointers
 
 
 def describe(sig: signal.Signals | None) -> str:
