@@ -74,4 +74,4 @@ def test_tiny_run_injects_recovers_and_reports_every_configuration(tmp_path: Pat
     assert rows[("disk", "kill")]["launches"] == 1  # torchrun restarted the group itself
     assert (tmp_path / "goodput.png").stat().st_size > 0
     assert list(work.iterdir()) == [], "the benchmark left its jobs behind"
-    assert shm.is_dir() and list((shm / f"unbroken-{os.getuid()}").iterdir()) == []  # used, then removed
+    assert shm.is_dir() and list(shm.iterdir()) == []  # used (the tier made it), then emptied at close

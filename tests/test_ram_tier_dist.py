@@ -41,7 +41,7 @@ def test_ddp_rank_killed_resumes_from_ram_on_every_rank_bitwise(reference: Path,
     for rank in (0, 1):
         assert losses(tmp_path / "out", rank) == losses(reference, rank)
         assert len(all_rows(tmp_path / "out", rank)) > STEPS
-    assert list((tmp_path / "shm" / f"unbroken-{os.getuid()}").iterdir()) == []  # removed at close
+    assert list((tmp_path / "shm").iterdir()) == []  # removed at close, with the per-user folder
     assert (tmp_path / "run" / f"step-{STEPS:09d}").is_dir()  # the last state persisted
 
 
