@@ -67,23 +67,12 @@ class _DurableFile:
             self._f.close()
 
 
-class LocalStaging:
-    """A checkpoint being written into a hidden sibling folder."""
+class _FolderStaging:
+    """Files written inside a staging folder's descriptor (``_fd``, closed with the object)."""
 
     parallel_files = True  # files may be written from several threads at once
-
-    def __init__(self, store: "LocalStore", name: str) -> None:
-        self.store, self.name, self.url = store, name, store.url
-        self.token = f".staging-{writer_tag()}_{name}"
-        self.path = store.root / self.token
-        self._fd = self._make()
-
-    @guarded("creating the staging folder")
-    def _make(self) -> int:
-        with self.store.folder.open(create=True) as rfd:
-            assert rfd is not None
-            os.mkdir(self.token, 0o777, dir_fd=rfd)  # the umask decides
-            return open_dir(self.token, rfd, where=self.store.root)
+    url: str
+    _fd: int
 
     def open(self, file: str) -> BinaryIO:
         return _DurableFile(self._fd, check_name(file), self.url)  # type: ignore[return-value]
@@ -100,6 +89,29 @@ class LocalStaging:
             os.unlink(check_name(file), dir_fd=self._fd)
         except FileNotFoundError:
             pass
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_fd", -1)
+        if fd >= 0:
+            os.close(fd)
+
+
+class LocalStaging(_FolderStaging):
+    """A checkpoint being written into a hidden sibling folder."""
+
+    def __init__(self, store: "LocalStore", name: str) -> None:
+        self.store, self.name, self.url = store, name, store.url
+        self.token = f".staging-{writer_tag()}_{name}"
+        self.path = store.root / self.token
+        self._fd = self._make()
+
+    @guarded("creating the staging folder")
+    def _make(self) -> int:
+        with self.store.folder.open(create=True) as rfd:
+            assert rfd is not None
+            os.mkdir(self.token, 0o777, dir_fd=rfd)  # the umask decides
+            return open_dir(self.token, rfd, where=self.store.root)
+
 
     def flush(self) -> None:
         pass  # every file is fsynced when it is closed
@@ -138,16 +150,10 @@ class LocalStaging:
         except (OSError, StorageError):
             pass  # never raises: the hidden leftover is removed by the next writer
 
-    def __del__(self) -> None:
-        fd = getattr(self, "_fd", -1)
-        if fd >= 0:
-            os.close(fd)
 
 
-class JoinedStaging:
+class JoinedStaging(_FolderStaging):
     """A rank writing its files into the coordinator's staging folder."""
-
-    parallel_files = True
 
     def __init__(self, store: "LocalStore", token: str, name: str) -> None:
         self.name, self.token, self.url = name, token, store.url
@@ -161,21 +167,6 @@ class JoinedStaging:
                 raise StorageError(f"no staging folder {token!r} in {store.root}: is the run location a "
                                    "filesystem shared by every rank?") from None
 
-    def open(self, file: str) -> BinaryIO:
-        return _DurableFile(self._fd, check_name(file), self.url)  # type: ignore[return-value]
-
-    @property
-    def folder_fd(self) -> int:
-        """The staging folder's descriptor (files are created inside it; the writer process gets a copy)."""
-        return self._fd
-
-    @guarded("removing an incomplete checkpoint file")
-    def discard(self, file: str) -> None:
-        """Remove ``file`` if it was created (to write it again)."""
-        try:
-            os.unlink(check_name(file), dir_fd=self._fd)
-        except FileNotFoundError:
-            pass
 
     def flush(self) -> None:
         pass
@@ -186,7 +177,3 @@ class JoinedStaging:
     def abort(self) -> None:
         pass  # the coordinator removes the folder
 
-    def __del__(self) -> None:
-        fd = getattr(self, "_fd", -1)
-        if fd >= 0:
-            os.close(fd)
