@@ -102,13 +102,6 @@ class FileWriter:
         self._mapped: set[int] = set()
         self._lock = threading.Lock()
 
-    def can_write(self, staging: Any, files: dict[str, list["TensorEntry"]]) -> bool:
-        """Whether every tensor of ``files`` is in the arena and ``staging`` is a local folder."""
-        if getattr(staging, "folder_fd", None) is None:
-            return False
-        return all(e.tensor.numel() == 0 or self._locate(e.tensor) is not None
-                   for entries in files.values() for e in entries)
-
     def _locate(self, t: Any) -> tuple[int, int] | None:
         for arena in self.arenas:
             where = arena.locate(t)
@@ -117,8 +110,10 @@ class FileWriter:
         return None
 
     def write(self, staging: Any, files: dict[str, list["TensorEntry"]], metadata: dict[str, str],
-              on_half: Any = None) -> dict[str, "FileEntry"]:
-        """Write ``files`` into ``staging`` from the writer process; each file's size and digest.
+              on_half: Any = None) -> dict[str, "FileEntry"] | None:
+        """Write ``files`` into ``staging`` from the writer process; each file's size and digest,
+        or ``None`` (nothing done) when it cannot: ``staging`` is not a local folder, or a tensor
+        of ``files`` is not in the arenas.
 
         ``on_half()`` runs in this process half-way through each file (fault injection). An error
         of the writer (a full disk, a link in the way) is raised here as an ``OSError`` with its
@@ -126,6 +121,8 @@ class FileWriter:
         from .format.manifest import FileEntry
         from .format.tensorfile import layout
 
+        if getattr(staging, "folder_fd", None) is None:
+            return None
         jobs = []
         for name, entries in files.items():
             head, ordered = layout(entries, metadata)
@@ -133,8 +130,10 @@ class FileWriter:
             for e in ordered:
                 n = e.tensor.numel() * e.tensor.element_size()
                 if n:
-                    seg, off = self._locate(e.tensor)  # type: ignore[misc]
-                    ranges.append([seg, off, n])
+                    where = self._locate(e.tensor)
+                    if where is None:
+                        return None
+                    ranges.append([*where, n])
             jobs.append({"name": name, "head": head.decode("latin-1"), "ranges": ranges})
         with self._lock:
             sock = self._mapped_all()

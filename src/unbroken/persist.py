@@ -80,8 +80,8 @@ def write_part(staging: Staging, snapshot: Snapshot, json_name: str | None, tens
             for f in tensor_files:
                 files.update(chunks.write_file(staging, f, snapshot.files[f],
                                                on_half=lambda: _faults.point("save.mid_file")))
-        elif snapshot.writer is not None and snapshot.writer.can_write(staging, mine):
-            files.update(_in_writer_process(staging, snapshot.writer, mine))
+        elif snapshot.writer is not None and (done := _in_writer_process(staging, snapshot.writer, mine)) is not None:
+            files.update(done)
             progress.advance(total)
         elif len(big) > 1 and WRITERS > 1 and getattr(staging, "parallel_files", False):
             # local files: one file's write or fsync overlaps another's hashing
@@ -95,9 +95,10 @@ def write_part(staging: Staging, snapshot: Snapshot, json_name: str | None, tens
     return files
 
 
-def _in_writer_process(staging: Any, writer: Any, mine: dict[str, list[TensorEntry]]) -> dict[str, FileEntry]:
+def _in_writer_process(staging: Any, writer: Any, mine: dict[str, list[TensorEntry]]) -> dict[str, FileEntry] | None:
     """A background save staged in shared memory: the writer process writes and hashes the tensor
-    files. If it dies meanwhile, what it left is removed and the files are written here instead."""
+    files (``None``: it cannot, see :meth:`~unbroken.filewriter.FileWriter.write`). If it dies
+    meanwhile, what it left is removed and the files are written here instead."""
     from .filewriter import WriterDied
 
     half = (lambda: _faults.point("save.mid_file")) if _faults.armed("save.mid_file") else None

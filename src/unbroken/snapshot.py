@@ -212,6 +212,7 @@ class Snapshotter:
             raise ValueError("staging in shared memory needs a copying Snapshotter (copy=True)")
         self.copy = copy
         self.arena = arena
+        self._checked = 0  # the arena's size when its waste was last checked
         self._pool: dict[str, torch.Tensor] = {}
 
     def capture(self, state: Mapping[str, Any], prefix: str = "",
@@ -227,9 +228,12 @@ class Snapshotter:
         for k in state:
             if not isinstance(k, str):
                 raise UnsupportedStateError(f"top-level state keys must be strings, got {k!r}")
-        if self.arena is not None and self.arena.wasteful(sum(b.numel() * b.element_size() for b in self._pool.values())):
-            self._pool.clear()  # the state's shapes changed: start the arena over rather than grow it
-            self.arena.reset()
+        if self.arena is not None and self.arena.size > self._checked:  # it grew: were buffers abandoned?
+            self._checked = self.arena.size
+            if self.arena.wasteful(sum(b.numel() * b.element_size() for b in self._pool.values())):
+                self._pool.clear()  # the state's shapes changed: start the arena over rather than grow it
+                self.arena.reset()
+                self._checked = 0
         sink = _Sink(self._pool, self.copy, prefix, defer, self.arena)
         encoder = Encoder(sink)
         tree = {TOP: {k: encoder.encode(v, (k,)) for k, v in state.items()}}
