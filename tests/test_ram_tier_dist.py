@@ -1,6 +1,7 @@
 """The RAM tier with two ranks under torchrun (gloo, CPU): one node's ranks write one RAM
 checkpoint together and a killed rank's restarted group resumes from memory, bitwise; ranks that
-do not share the RAM folder (as on several nodes) are refused on every rank.
+with a RAM folder each (two nodes) keep a copy of every RAM checkpoint on each, so the loss of
+either node's memory resumes from the other's.
 
 The RAM root is each test's temporary folder (``UNBROKEN_RAM_ROOT``), never the machine's /dev/shm.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 from pathlib import Path
 
@@ -45,10 +47,40 @@ def test_ddp_rank_killed_resumes_from_ram_on_every_rank_bitwise(reference: Path,
     assert (tmp_path / "run" / f"step-{STEPS:09d}").is_dir()  # the last state persisted
 
 
-def test_ranks_that_do_not_share_the_ram_folder_are_refused_on_every_rank(tmp_path: Path) -> None:
+def test_on_two_nodes_each_keeps_every_ram_checkpoint_and_a_lost_nodes_memory_comes_from_the_other(
+        reference: Path, tmp_path: Path) -> None:
+    """Each rank with a RAM root of its own (``--ram-root-per-rank``): two nodes as far as the RAM
+    tier can tell. Rank 1 is SIGKILLed after step 9 and its node's memory wiped (a lost node
+    replaced by a fresh one): the job resumes from step 9 in node 0's memory, copied to the new
+    node 1 first. Then rank 0, the coordinator, after step 13, with node 0's memory: the job
+    resumes from step 13, which only node 1 holds. Bitwise, every step's loss, as never stopped."""
     env = dict(ENV, UNBROKEN_RAM_ROOT=str(tmp_path / "shm"))
-    code, out = run(torchrun(2, *job(tmp_path, "--save-every", "1", "--ram", "4", "--ram-root-per-rank")), env=env)
-    assert code != 0
-    assert len(re.findall(r"ConfigurationError: the RAM tier needs every rank on one node", out)) == 2, out
-    assert "rank(s) 1 cannot see" in out
-    assert not list((tmp_path / "run").glob("step-*"))  # nothing was saved anywhere
+    plan, done = [(1, 9), (0, 13)], []
+
+    def on_line(line: str, proc) -> None:
+        if len(done) < len(plan):
+            rank, step = plan[len(done)]
+            if re.search(rf"rank {rank} step {step + 1}\b", line):  # step's save returned on that rank
+                pid = int((tmp_path / "out" / f"pid-r{rank}").read_text())
+                os.kill(pid, signal.SIGKILL)
+                shutil.rmtree(tmp_path / "shm" / f"node{rank}")
+                done.append(step)
+
+    code, out = run(torchrun(2, *job(tmp_path, "--save-every", "1", "--ram", "50", "--ram-root-per-rank"),
+                             restarts=3), env=env, on_line=on_line)
+    assert code == 0 and len(done) == 2, out
+    resumed = [(int(r), int(s)) for r, s in re.findall(r"rank (\d): resumed from step (\d+)", out)]
+    assert sorted(resumed) == [(0, 9), (0, 13), (1, 9), (1, 13)], out  # not a step lost, twice
+    said = [line for line in out.splitlines() if "unbroken: resumed from" in line]
+    assert len(said) == 2 and all(f"{tmp_path / 'shm'}" in line for line in said), said  # from memory
+    assert len(re.findall(r"copied RAM checkpoint step-0+9 from node 0's memory to node\(s\) 1$", out, re.M)) == 1, out
+    assert len(re.findall(r"copied RAM checkpoint step-0+13 from node 1's memory to node\(s\) 0$", out, re.M)) == 1, out
+    assert not [c for c in committed(tmp_path) if c in (9, 13)]  # persisted every 50: never on disk
+    assert same_final(reference, tmp_path / "out")
+    for rank in (0, 1):
+        assert losses(tmp_path / "out", rank) == losses(reference, rank)
+    assert list((tmp_path / "shm").rglob("step-*")) == []  # every node's copies removed at close
+
+
+def committed(base: Path) -> list[int]:
+    return [int(p.name.split("-")[1]) for p in (base / "run").glob("step-*")]

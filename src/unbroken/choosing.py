@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Iterator
 
-from . import collective
+from . import collective, rampeers
 from .chunks import LiveChunks
 from .discovery import manifests
 from .errors import CorruptCheckpointError
@@ -38,9 +38,13 @@ def newest_valid(run: Run, repair: LiveChunks | None = None) -> tuple[LoadedChec
     rewritten by ``repair`` first. A collective: every rank gets its part."""
     seen = [0]
     rank, world = run.comm.rank, run.comm.world
+    nodes = run.ram.nodes if run.ram is not None else None
+    held = rampeers.holdings(nodes, run.comm, run.ram.manifests()) if nodes is not None and run.ram else None
 
     def attempt(token: str) -> LoadedCheckpoint:
         store, name = _where(run, token)
+        if held is not None and token.startswith(RAM):  # a node without it receives it first
+            rampeers.fill(nodes, run.comm, store, name, held)  # type: ignore[arg-type]
         files = verify_share(store, name, rank, world, repair=repair)
         return read_checkpoint(store, name, rank, files, all_shards=world == 1)
 
@@ -50,8 +54,8 @@ def newest_valid(run: Run, repair: LiveChunks | None = None) -> tuple[LoadedChec
 
     for _ in range(RELISTS):  # a checkpoint pruned while read (a read-only run's writer): look again
         run.damage.vanished = False
-        chosen = collective.choose(run.comm, _candidates(run, seen) if run.comm.coordinator else None, attempt,
-                                   invalid)
+        chosen = collective.choose(run.comm, _candidates(run, seen, held) if run.comm.coordinator else None,
+                                   attempt, invalid)
         if not run.comm.broadcast(run.damage.vanished and run.comm.coordinator and _newer_than(run, chosen)):
             break
     seen_all = run.comm.broadcast(seen[0])
@@ -72,16 +76,20 @@ def _newer_than(run: Run, chosen: tuple[str, LoadedCheckpoint] | None) -> bool:
     seq = chosen[1].manifest.seq if chosen is not None else -1
     return any(m.seq > seq for m in manifests(run.store).values())
 
-def _candidates(run: Run, seen: list[int]) -> Iterator[str]:
+def _candidates(run: Run, seen: list[int], held: list[dict[str, list[int]]] | None) -> Iterator[str]:
     """Names to try, newest first, in the primary store: a checkpoint only the remote tier
-    has (or whose local copy failed) is downloaded first."""
+    has (or whose local copy failed) is downloaded first. ``held``: the RAM checkpoints of
+    every node (several nodes: any node's is a candidate)."""
     local = _manifests(run, run.store)
     remote = _manifests(run, run.remote_store) if run.remote_store is not None and run._remote_ok else {}
     ram = _manifests(run, run.ram.store) if run.ram is not None else {}
-    keys = sorted({(m.seq, m.step) for m in [*local.values(), *remote.values(), *ram.values()]}, reverse=True)
-    seen[0] = len(keys)
     by_key = lambda found: {(m.seq, m.step): n for n, m in found.items()}  # noqa: E731
     local_by, remote_by, ram_by = by_key(local), by_key(remote), by_key(ram)
+    for node in held or []:  # this node's first: read in place
+        for name, (seq, step) in node.items():
+            ram_by.setdefault((seq, step), name)
+    keys = sorted({*local_by, *remote_by, *ram_by}, reverse=True)
+    seen[0] = len(keys)
     for key in keys:
         if key in ram_by and run.ram is not None:
             yield RAM + ram_by[key]  # memory first; if it fails, the same checkpoint from disk or remote

@@ -30,12 +30,13 @@ import logging
 import time
 from typing import Any, Callable, Iterator, TypeVar
 
-from . import _faults
+from . import _faults, rampeers
 from .chunks import ChunkSave, ChunkWriter
 from .dist.comm import Comm
 from .errors import CorruptCheckpointError, NewerFormatError, StorageError, UnbrokenError
 from .format.manifest import STATE_FILE, FileEntry, Manifest
 from .persist import as_storage_error, check_space, commit, tree_bytes, write_blob, write_part, write_tensors
+from .rampeers import Nodes
 from .reader import rank_file
 from .snapshot import Snapshot
 
@@ -49,7 +50,7 @@ def _describe(e: BaseException) -> str:
 
 def write(comm: Comm, store: Any, lock: Any, name: str, shared: Snapshot, mine: Snapshot,
           next_seq: Callable[[], int], broken: BaseException | None = None, chunks: ChunkWriter | None = None,
-          **fields: Any) -> tuple[str, Manifest]:
+          peers: Nodes | None = None, **fields: Any) -> tuple[str, Manifest]:
     """Save as checkpoint ``name`` with every rank (see the module docstring); a collective.
 
     ``broken``: this rank's snapshot is unusable (a lazy copy found changed): the rank still
@@ -59,7 +60,7 @@ def write(comm: Comm, store: Any, lock: Any, name: str, shared: Snapshot, mine: 
     save = chunks.begin() if chunks is not None else None
     result: tuple[str, Manifest] | None = None
     try:
-        result = _write(comm, store, lock, name, shared, mine, next_seq, broken, save, **fields)
+        result = _write(comm, store, lock, name, shared, mine, next_seq, broken, save, peers, **fields)
         return result
     finally:
         if save is not None:
@@ -68,7 +69,7 @@ def write(comm: Comm, store: Any, lock: Any, name: str, shared: Snapshot, mine: 
 
 def _write(comm: Comm, store: Any, lock: Any, name: str, shared: Snapshot, mine: Snapshot,
            next_seq: Callable[[], int], broken: BaseException | None, save: ChunkSave | None,
-           **fields: Any) -> tuple[str, Manifest]:
+           peers: Nodes | None, **fields: Any) -> tuple[str, Manifest]:
     from .dist.sharded import SHARDED_FILE, save_sharded
 
     started = time.time()
@@ -99,7 +100,12 @@ def _write(comm: Comm, store: Any, lock: Any, name: str, shared: Snapshot, mine:
             f"checkpoint {name} was not saved: the coordinator (rank 0) failed: {opened['error']}")
     mine_error: BaseException | None = None
     files: dict[str, FileEntry] = {}
+    node_error = ""
+    if peers is not None:  # a collective: each node's ranks write into their node's memory
+        staging, node_error = rampeers.node_staging(peers, comm, store, name, opened["token"], staging)
     try:
+        if node_error:
+            raise StorageError(node_error)
         if staging is None:
             staging = store.join(opened["token"])
         if any(s["sharded"] for s in sizes):  # a collective inside: every rank takes part
@@ -116,6 +122,10 @@ def _write(comm: Comm, store: Any, lock: Any, name: str, shared: Snapshot, mine:
         mine_error = e
     results = comm.gather({"ok": mine_error is None, "error": _describe(mine_error) if mine_error else "",
                            "files": {f: [e.size, e.xxh3_128] for f, e in files.items()}})
+    if peers is not None and all(res["ok"] for res in results):  # every node gets every file, checked
+        copied = comm.gather(rampeers.replicate(peers, staging, results))
+        results = [dict(res, ok=False, error=f"copying to another node: {err}") if err else res
+                   for res, err in zip(results, copied)]
     manifest = None
     if comm.coordinator:
         assert staging is not None
@@ -134,6 +144,8 @@ def _write(comm: Comm, store: Any, lock: Any, name: str, shared: Snapshot, mine:
                 mine_error = mine_error or e
                 decision = {"ok": False, "errors": [(0, _describe(e))]}
     decision = comm.broadcast(decision if comm.coordinator else None)
+    if peers is not None:
+        rampeers.commit_copy(peers, store, staging, decision)
     if mine_error is not None:
         if isinstance(mine_error, Exception):
             raise as_storage_error(mine_error, name, store) from mine_error

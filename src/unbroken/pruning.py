@@ -29,6 +29,8 @@ class Pruning:
         self._schedule = schedule
         self.require_writable("prune")
         if not self.comm.coordinator:
+            if self.ram is not None and self.ram.nodes is not None and self.ram.nodes.leader:
+                return self.ram.prune(keep, self.ram.manifests())  # its node's copies (unbroken.rampeers)
             return []
         if self.ram is None:
             return self._prune_disk(schedule, keep)

@@ -58,6 +58,7 @@ from typing import Any, Callable, Mapping
 from .errors import ConfigurationError, StorageError, UnbrokenError
 from .events import Event, Persisted, Pruned
 from .format.manifest import Manifest
+from .rampeers import Nodes
 from .ramwriter import Persister
 from .store import open_ram_store, open_store
 
@@ -119,11 +120,11 @@ class RamRun:
         self._owner: int | None = None
         self._manifests: dict[str, Manifest] = {}  # committed RAM checkpoints (a name never changes)
         self._lock = threading.RLock()  # saves commit in a background thread (async_save), prunes in the loop's
+        self.nodes: Nodes | None = None  # several nodes (unbroken.rampeers); None on one
 
     # ---------------------------------------------------------------- lifecycle
-    def begin(self) -> None:
-        """The coordinator opens the folder: mark it as this run's, remove leftovers of saves
-        that died (only those of dead writers)."""
+    def ensure_folder(self) -> None:
+        """Create the RAM folder (and the per-user folder above it, private to the user)."""
         try:
             for attempt in range(3):  # another run may remove the per-user folder as it empties it
                 try:
@@ -135,6 +136,11 @@ class RamRun:
             os.chmod(self.dir.parent, 0o700)
         except OSError as e:
             raise StorageError(f"cannot create the RAM tier's folder {self.dir}: {e}") from e
+
+    def begin(self) -> None:
+        """The coordinator (on several nodes: each node's leader) opens the folder: mark it as
+        this run's, remove leftovers of saves that died (only those of dead writers)."""
+        self.ensure_folder()
         marker = self.dir / MARKER
         mine = {"run": self.disk.url, "identity": str(getattr(self.disk, "identity", self.disk.url))}
         if marker.exists():
@@ -169,24 +175,6 @@ class RamRun:
             for gone in set(self._manifests) - names:
                 del self._manifests[gone]
             return {n: m for n, m in self._manifests.items() if n in names}
-
-    def shared_token(self) -> str:
-        """A file only this node's ranks can see (the multi-node check of :meth:`check_shared`)."""
-        token = f".node-{os.getpid()}-{time.time_ns()}"
-        (self.dir / token).write_text(token)
-        return token
-
-    def sees(self, token: str) -> bool:
-        try:
-            return (self.dir / token).read_text() == token
-        except OSError:
-            return False
-
-    def forget(self, token: str) -> None:
-        try:
-            (self.dir / token).unlink()
-        except OSError:
-            pass
 
     # ------------------------------------------------------------------- saving
     def committed(self, name: str) -> None:
@@ -294,6 +282,14 @@ class RamRun:
             self._release_owner()
             return
         self.remove()
+
+    def close_copy(self, keep: bool) -> None:
+        """Close on a node other than the coordinator's (several nodes): its copies go with a normal
+        close (node 0's writer persisted the newest), stay for a relaunch on a signal or a crash."""
+        if keep:
+            self._release_owner()
+        else:
+            self.remove()
 
     def _release_owner(self) -> None:
         if self._owner is not None:

@@ -44,6 +44,7 @@ from .store.retry import is_transient
 from .tags import TAGS_FILE, load_tags, save_tags, tags_by_checkpoint
 from .pruning import Pruning
 from .ram import RamRun, RamTier
+from .rampeers import Nodes
 from .tiers import Remote, Uploader, copy_checkpoint
 
 log = logging.getLogger("unbroken")
@@ -145,25 +146,41 @@ class Run(Pruning):
             raise RunLockedError(f"the coordinator (rank 0) could not open {self.url}: {outcome}")
         self._readonly, self._readonly_errno = readonly, code
         if self.ram is not None and self.comm.world > 1 and not readonly:
-            self._check_ram_shared()
+            self._find_nodes()
         if readonly and self.comm.coordinator:
             log.warning("%s: the run is read-only: restoring works (nothing is locked, cleaned or quarantined), "
                         "saving, pruning or tagging raises ReadOnlyRunError; to continue training, copy the run "
                         "to a writable folder", readonly)
         self._writing = True
 
-    def _check_ram_shared(self) -> None:
-        """Every rank must see the coordinator's RAM folder (one node): else refuse, on every rank."""
+    def _find_nodes(self) -> None:
+        """Which ranks share a RAM folder (a node: :mod:`unbroken.rampeers`); on several nodes each
+        node's leader opens its node's folder, and every RAM checkpoint gets a copy on every node."""
         assert self.ram is not None
-        token = self.comm.broadcast(self.ram.shared_token() if self.comm.coordinator else None)
-        blind = [r for r, ok in enumerate(self.comm.gather(self.ram.sees(token))) if not ok]
-        blind = self.comm.broadcast(blind if self.comm.coordinator else None)
+        failure = ""
+        try:
+            self.ram.ensure_folder()
+        except StorageError as e:
+            failure = str(e)
+        failed = [f"rank {r}: {f}" for r, f in enumerate(self.comm.gather(failure)) if f]
+        if failed:
+            raise StorageError("the RAM tier's folder could not be created: " + "; ".join(failed))
+        nodes = Nodes(self.comm, self.ram.dir)
+        if not nodes.several:
+            return
+        self.ram.nodes = nodes
+        failure = ""
+        if nodes.leader and not self.comm.coordinator:
+            try:
+                self.ram.begin()
+            except Exception as e:  # noqa: BLE001 - told to every rank
+                failure = f"{type(e).__name__}: {e}"
+        failed = [f"rank {r}: {f}" for r, f in enumerate(self.comm.gather(failure)) if f]
+        if failed:
+            raise StorageError("the RAM tier could not start on every node: " + "; ".join(failed))
         if self.comm.coordinator:
-            self.ram.forget(token)
-        if blind:
-            raise ConfigurationError(f"the RAM tier needs every rank on one node (one /dev/shm); rank(s) "
-                                     f"{', '.join(map(str, blind))} cannot see {self.ram.dir}: ranks on several "
-                                     "nodes are not supported by the RAM tier yet, train without it there")
+            log.info("the RAM tier spans %d nodes (%s): every node holds a copy of every RAM checkpoint",
+                     len(nodes.nodes), nodes.describe())
 
     def require_writable(self, what: str) -> None:
         """Raise :class:`ReadOnlyRunError` (naming the run and why) if this run was opened read-only."""
@@ -230,6 +247,8 @@ class Run(Pruning):
             disk = max((m.seq for m in manifests(self.store).values()), default=-1)
             self.ram.close(disk, self.ram.manifests(), keep=keep_ram)
             self._persisted()
+        elif self.ram is not None and self.ram.nodes is not None and self.ram.nodes.leader and self._writing:
+            self.ram.close_copy(keep=keep_ram)  # another node's copies (node 0's persists the newest)
         if self.uploader is not None:
             assert self.remote is not None
             if not self.uploader.wait(self.remote.close_timeout_s):
@@ -295,8 +314,9 @@ class Run(Pruning):
         self.require_writable("save a checkpoint to")
         in_ram = self.saves_to_ram(fields.get("kind", "regular"))
         store = self.ram.store if self.ram is not None and in_ram else self.store
+        peers = self.ram.nodes if self.ram is not None and in_ram else None
         final, manifest = collective.write(comm or self.comm, store, self.lock, name, shared, mine,
-                                           self.next_seq, broken, chunks=self.chunks, **fields)
+                                           self.next_seq, broken, chunks=self.chunks, peers=peers, **fields)
         self._next_seq = manifest.seq + 1
         if self.ram is not None and in_ram and self.comm.coordinator:
             self.ram.committed(final)

@@ -65,7 +65,7 @@ class Comm:
     def group(self) -> Any:
         """The private gloo group (None at world size 1), created again after :meth:`close`."""
         if self.world > 1 and self._group is None:
-            self._group = _fresh_group(self.rank, self.world, self.timeout_s)
+            self._group = fresh_group(self.rank, self.world, self.timeout_s)
         return self._group
 
     @property
@@ -175,8 +175,9 @@ class PendingMax:
         return [int(v) for v in self._tensor.tolist()]
 
 
-def _fresh_group(rank: int, world: int, timeout_s: float) -> Any:
-    """``new_group(backend="gloo")`` whose keys lie under a prefix no earlier round used.
+def fresh_group(rank: int, world: int, timeout_s: float, ranks: list[int] | None = None) -> Any:
+    """``new_group(ranks, backend="gloo")`` whose keys lie under a prefix no earlier round used
+    (every rank calls it, also those not in ``ranks``; None: every rank).
 
     ``new_group`` takes no store: it names groups by a counter that starts again at 1 in
     every process and keys them in the default group's store, which torchrun keeps across
@@ -191,7 +192,7 @@ def _fresh_group(rank: int, world: int, timeout_s: float) -> Any:
         default = c10d._get_default_group()
         backend, store = c10d._world.pg_map[default]
     except (AttributeError, KeyError, TypeError):  # another torch's internals: its own naming
-        return dist.new_group(backend="gloo", timeout=timeout)
+        return dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
 
     def failed(why: str) -> CoordinationError:
         return CoordinationError(f"rank {rank}/{world}: the ranks could not set up unbroken's gloo group: {why}. "
@@ -200,7 +201,7 @@ def _fresh_group(rank: int, world: int, timeout_s: float) -> Any:
     prefix = fresh_prefix(store, rank, world, key, timeout_s, failed)
     c10d._world.pg_map[default] = (backend, dist.PrefixStore(prefix, store))
     try:
-        return dist.new_group(backend="gloo", timeout=timeout)
+        return dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
     finally:
         c10d._world.pg_map[default] = (backend, store)
 
