@@ -95,8 +95,8 @@ def main() -> int:
                    help="rank 1 changes a parameter in place (by 1.0) right after this step's ckpt.step")
     p.add_argument("--ram", type=int, default=0, metavar="N", help="a RAM tier persisting every N saves "
                    "(root: UNBROKEN_RAM_ROOT)")
-    p.add_argument("--ram-root-per-rank", action="store_true",
-                   help="each rank its own RAM root (as ranks on several nodes have)")
+    p.add_argument("--ranks-per-node", type=int, default=0, metavar="K",
+                   help="every K ranks a RAM root of their own (a node's memory, as on several nodes)")
     p.add_argument("--requeue", action="store_true", help="requeue the SLURM job after a preemption save")
     p.add_argument("--every-seconds", type=float, default=None,
                    help="a time trigger too: rank r saves every S*(r+1) s (EveryMinutes), so the ranks' clocks disagree")
@@ -185,7 +185,7 @@ def main() -> int:
 def ram_tier(args: argparse.Namespace, rank: int) -> "unbroken.RamTier | None":
     if not args.ram:
         return None
-    root = os.environ["UNBROKEN_RAM_ROOT"] + (f"/node{rank}" if args.ram_root_per_rank else "")
+    root = os.environ["UNBROKEN_RAM_ROOT"] + (f"/node{rank // args.ranks_per_node}" if args.ranks_per_node else "")
     return unbroken.RamTier(keep_last=2, persist_every=args.ram, root=root)
 
 

@@ -294,6 +294,46 @@ def test_nodes_lost_inside_saves_and_at_a_step_each_relaunch_resumes_and_the_job
     check_bitwise(reference, tmp_path)
 
 
+def test_ram_tier_a_lost_node_resumes_from_the_other_nodes_memory_and_the_job_ends_bitwise(
+        nodes: Cluster, reference: Path, tmp_path: Path) -> None:
+    """The RAM tier on two nodes, each with its own memory (a RAM root per node, as each machine has
+    its own /dev/shm): a save every step, in memory only (persisted every 50: never before the end).
+    Node 1 is lost after step 10 (every process SIGKILLed, its memory wiped: a replacement node),
+    then, in the relaunch, node 0 after step 13. Each relaunch resumes from the lost step on both
+    ranks, read from the surviving node's memory and copied to the new node first; the job ends
+    bitwise equal to the uninterrupted one."""
+    ram = ("--save-every", "1", "--ram", "50")
+
+    def env(node: int) -> dict[str, str]:
+        return dict(ENV, UNBROKEN_RAM_ROOT=str(tmp_path / f"shm{node}"))
+
+    resumed = 0
+    for lost, step in ((1, 10), (0, 13)):
+        job = Job(nodes, tmp_path)
+        job.start(1, *ram, *(("--stop-after", str(step)) if lost == 1 else ()), env=env(1))
+        job.start(0, *ram, *(("--stop-after", str(step)) if lost == 0 else ()), env=env(0))
+        job.until(f"node {lost}'s worker stopped after step {step}", nodes.nodes[lost].stopped)
+        nodes.nodes[lost].kill_all()
+        shutil.rmtree(tmp_path / f"shm{lost}")
+        by_node = dict(zip((1, 0), job.wait()))
+        assert by_node[lost] == -signal.SIGKILL and by_node[1 - lost] != 0, job.out
+        if resumed:
+            assert all(f"rank {r}: resumed from step {resumed}" in job.out for r in (0, 1)), job.out
+            assert f"copied RAM checkpoint step-{resumed:09d} from node 0's memory to node(s) 1" in job.out
+        resumed = step
+    job = Job(nodes, tmp_path)
+    job.start(1, *ram, env=env(1))
+    job.start(0, *ram, env=env(0))
+    assert job.wait() == [0, 0], job.out
+    assert all(f"rank {r}: resumed from step 13" in job.out for r in (0, 1)), job.out
+    assert "copied RAM checkpoint step-000000013 from node 1's memory to node(s) 0" in job.out
+    # on disk: step 10, persisted by node 0's worker as it ended (a crash persists the newest), and the
+    # last; never step 13 (its node was lost), which the relaunch read from node 1's memory
+    assert committed(tmp_path) == [10, STEPS]
+    assert [p for node in (0, 1) for p in (tmp_path / f"shm{node}").rglob("*")] == []
+    check_bitwise(reference, tmp_path)
+
+
 # ------------------------------------------------------------------------------- SIGTERM
 def test_sigterm_to_every_process_on_every_node_is_one_preemption_and_no_step_is_lost(
         nodes: Cluster, reference: Path, tmp_path: Path) -> None:

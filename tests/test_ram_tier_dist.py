@@ -49,7 +49,7 @@ def test_ddp_rank_killed_resumes_from_ram_on_every_rank_bitwise(reference: Path,
 
 def test_on_two_nodes_each_keeps_every_ram_checkpoint_and_a_lost_nodes_memory_comes_from_the_other(
         reference: Path, tmp_path: Path) -> None:
-    """Each rank with a RAM root of its own (``--ram-root-per-rank``): two nodes as far as the RAM
+    """Each rank with a RAM root of its own (``--ranks-per-node 1``): two nodes as far as the RAM
     tier can tell. Rank 1 is SIGKILLed after step 9 and its node's memory wiped (a lost node
     replaced by a fresh one): the job resumes from step 9 in node 0's memory, copied to the new
     node 1 first. Then rank 0, the coordinator, after step 13, with node 0's memory: the job
@@ -60,13 +60,13 @@ def test_on_two_nodes_each_keeps_every_ram_checkpoint_and_a_lost_nodes_memory_co
     def on_line(line: str, proc) -> None:
         if len(done) < len(plan):
             rank, step = plan[len(done)]
-            if re.search(rf"rank {rank} step {step + 1}\b", line):  # step's save returned on that rank
+            if re.search(rf"rank {rank} step {step + 1}(?!\d)", line):  # step's save returned on that rank
                 pid = int((tmp_path / "out" / f"pid-r{rank}").read_text())
                 os.kill(pid, signal.SIGKILL)
                 shutil.rmtree(tmp_path / "shm" / f"node{rank}")
                 done.append(step)
 
-    code, out = run(torchrun(2, *job(tmp_path, "--save-every", "1", "--ram", "50", "--ram-root-per-rank"),
+    code, out = run(torchrun(2, *job(tmp_path, "--save-every", "1", "--ram", "50", "--ranks-per-node", "1"),
                              restarts=3), env=env, on_line=on_line)
     assert code == 0 and len(done) == 2, out
     resumed = [(int(r), int(s)) for r, s in re.findall(r"rank (\d): resumed from step (\d+)", out)]
@@ -84,3 +84,38 @@ def test_on_two_nodes_each_keeps_every_ram_checkpoint_and_a_lost_nodes_memory_co
 
 def committed(base: Path) -> list[int]:
     return [int(p.name.split("-")[1]) for p in (base / "run").glob("step-*")]
+
+
+def test_two_nodes_of_two_ranks_background_lazy_saves_a_lost_node_resumes_from_the_other_bitwise(
+        tmp_path: Path) -> None:
+    """Four ranks, two per node (``--ranks-per-node 2``): each node's ranks write into their node's
+    memory, the node leaders exchange the files, from the background save thread (``lazy``). Both
+    ranks of node 1 are SIGKILLed after step 6 and its memory wiped: the job resumes on every rank
+    from the newest step committed, from node 0's memory, copied to node 1, and ends bitwise equal
+    to the same job never stopped."""
+    env = dict(ENV, UNBROKEN_RAM_ROOT=str(tmp_path / "shm"))
+    args = ("--save-every", "1", "--ram", "50", "--ranks-per-node", "2", "--async-save", "lazy", "--steps", "10",
+            "--mode", "fsdp")
+    code, out = run(torchrun(4, *job(tmp_path / "ref", *args)), env=env)
+    assert code == 0, out
+    killed: list[int] = []
+
+    def on_line(line: str, proc) -> None:
+        if not killed and re.search(r"rank 3 step 7(?!\d)", line):
+            for rank in (2, 3):
+                pid = int((tmp_path / "out" / f"pid-r{rank}").read_text())
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            shutil.rmtree(tmp_path / "shm" / "node1")
+
+    code, out = run(torchrun(4, *job(tmp_path, *args), restarts=1), env=env, on_line=on_line)
+    assert code == 0 and killed, out
+    resumed = {int(r): int(s) for r, s in re.findall(r"rank (\d): resumed from step (\d+)", out)}
+    assert set(resumed) == {0, 1, 2, 3} and len(set(resumed.values())) == 1, out
+    step = resumed[0]
+    assert step in (5, 6), out  # the background save of step 6 may not have committed yet
+    assert f"copied RAM checkpoint step-{step:09d} from node 0's memory to node(s) 1" in out
+    assert same_final(tmp_path / "ref" / "out", tmp_path / "out")
+    for rank in range(4):
+        assert losses(tmp_path / "out", rank) == losses(tmp_path / "ref" / "out", rank)
+    assert list((tmp_path / "shm").rglob("step-*")) == []

@@ -80,7 +80,10 @@ def _file_for(index: int, top: Any, prefix: str = "") -> str:
 
 
 def storage_key(t: torch.Tensor) -> tuple[str, int]:
-    """Identifies a tensor's memory (its storage), shared by every view and ``detach()``."""
+    """Identifies a tensor's memory (its storage), shared by every view and ``detach()``; a
+    DTensor's, its local shard's (a DTensor has no storage of its own)."""
+    if type(t) is not torch.Tensor and hasattr(t, "to_local"):
+        t = t.to_local()
     return str(t.device), t.untyped_storage().data_ptr()
 
 
