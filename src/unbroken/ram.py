@@ -11,8 +11,9 @@ with the trainer.
 **What survives what.** A killed training process (SIGKILL, the OOM killer, a segfault, an
 exception) leaves its RAM checkpoints behind: the relaunched process restores the newest valid
 checkpoint across RAM and disk (and the remote tier), so it reads memory, not the disk. A node
-that reboots or is lost takes the RAM tier with it: the relaunch restores the newest checkpoint
-persisted to disk, up to ``persist_every`` saves older. A checkpoint the writer was persisting
+that reboots or is lost takes its RAM with it: on one node, the relaunch restores the newest
+checkpoint persisted to disk, up to ``persist_every`` saves older; on several, from another
+node's memory (see *Ranks*). A checkpoint the writer was persisting
 when the node died is simply not committed on disk. Preemption and emergency checkpoints, and
 :meth:`~unbroken.Checkpointer.save` calls other than the regular schedule, go to the disk
 directly (the node may be about to go away).
@@ -35,9 +36,9 @@ checkpoints are all older than their run's newest on disk; one holding a newer s
 run never relaunched) is named in the log and kept (``/dev/shm/unbroken-<uid>/``).
 
 **Ranks.** With several ranks on one node every rank writes its part into the same RAM folder
-and the coordinator commits and persists, as on disk. Ranks on several nodes (each with its own
-``/dev/shm``) are refused at the start with a clear error: copying each node's part to a peer
-node's memory is not built yet.
+and the coordinator commits and persists, as on disk. On several nodes (each with its own
+``/dev/shm``) every node keeps a copy of every RAM checkpoint, so the loss of a node is survived
+from another node's memory (:mod:`unbroken.rampeers`).
 """
 
 from __future__ import annotations
