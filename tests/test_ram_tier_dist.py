@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -119,3 +120,52 @@ def test_two_nodes_of_two_ranks_background_lazy_saves_a_lost_node_resumes_from_t
     for rank in range(4):
         assert losses(tmp_path / "out", rank) == losses(tmp_path / "ref" / "out", rank)
     assert list((tmp_path / "shm").rglob("step-*")) == []
+
+
+def test_a_node_killed_while_it_receives_the_other_nodes_files_commits_nothing_and_the_job_resumes_bitwise(
+        reference: Path, tmp_path: Path) -> None:
+    """Two nodes (a RAM root per rank). Rank 1 is SIGKILLed in the middle of a RAM save's copy
+    between the nodes (after the 7th file it received): that save is committed on no node, the
+    restarted job resumes on both ranks from the step before it, node 1's half-received copy is
+    removed by its next start, and the job ends bitwise."""
+    env = dict(ENV, UNBROKEN_RAM_ROOT=str(tmp_path / "shm"), UNBROKEN_FAULTS="peers.after_file@1=7",
+               UNBROKEN_FAULT_ONCE=str(tmp_path / "fired"))
+    code, out = run(torchrun(2, *job(tmp_path, "--save-every", "1", "--ram", "50", "--ranks-per-node", "1"),
+                             restarts=1), env=env)
+    assert code == 0 and (tmp_path / "fired").exists(), out
+    resumed = {int(r): int(s) for r, s in re.findall(r"rank (\d): resumed from step (\d+)", out)}
+    assert set(resumed) == {0, 1} and resumed[0] == resumed[1], out
+    lost = resumed[0] + 1  # the save the kill was in: its step is trained again
+    assert len([line for line in losses_rows(tmp_path / "out", 0) if line == lost]) == 2, out
+    assert same_final(reference, tmp_path / "out")
+    for rank in (0, 1):
+        assert losses(tmp_path / "out", rank) == losses(reference, rank)
+    assert list((tmp_path / "shm").rglob("*staging*")) == [] and list((tmp_path / "shm").rglob("step-*")) == []
+
+
+def losses_rows(out: Path, rank: int) -> list[int]:
+    return [step for step, _ in all_rows(out, rank)]
+
+
+def test_a_node_whose_memory_cannot_hold_the_tier_is_refused_at_the_first_save_on_every_rank(tmp_path: Path) -> None:
+    """Node 1's RAM root is a 1 MB tmpfs (node 0's is large): its leader checks its own memory as
+    the coordinator checks node 0's, so the first RAM save fails on every rank naming node 1 and
+    the numbers, and nothing is committed on either node."""
+    node1 = tmp_path / "shm" / "node1"
+    node1.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(node1)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.fail(f"cannot mount a tmpfs: {mounted.stderr.decode()}") if os.geteuid() == 0 else pytest.skip("root")
+    try:
+        env = dict(ENV, UNBROKEN_RAM_ROOT=str(tmp_path / "shm"))
+        code, out = run(torchrun(2, *job(tmp_path, "--save-every", "1", "--ram", "50", "--ranks-per-node", "1")),
+                        env=env)
+        assert code != 0
+        assert re.search(r"\[rank1\]: unbroken.errors.InsufficientSpaceError: node 1: the RAM tier in \S+node1 "
+                         r"cannot hold .* MB in all; the shared memory filesystem has 1.0 MB free", out), out
+        assert re.search(r"\[rank0\]: unbroken.errors.StorageError: checkpoint step-0+1 was not committed: rank 1: "
+                         r"InsufficientSpaceError: node 1: ", out), out  # both ranks say it
+        assert list((tmp_path / "shm").rglob("step-*")) == [] and list((tmp_path / "shm").rglob("*staging*")) == []
+        assert not list((tmp_path / "run").glob("step-*"))
+    finally:
+        subprocess.run(["umount", "-l", str(node1)], check=False)

@@ -23,11 +23,12 @@ import time
 from collections import Counter
 
 POINTS = ("save.mid_file", "save.before_manifest", "save.before_commit", "save.after_commit",
-          "gc.after_mark", "gc.mid_sweep", "copy.after_file", "copy.before_manifest")
+          "gc.after_mark", "gc.mid_sweep", "copy.after_file", "copy.before_manifest", "peers.after_file")
 """``gc.*`` are in the collection of unused chunks (:mod:`unbroken.chunks`): after the manifests
 are read, and after the first chunk is deleted. ``copy.*`` are in the copy of a checkpoint to
 another tier (:func:`unbroken.tiers.copy_checkpoint`: an upload, a download, the RAM tier's
-writer process): after each data file, and before the manifest."""
+writer process): after each data file, and before the manifest. ``peers.after_file`` is in the copy
+of a RAM save to the other nodes (:mod:`unbroken.rampeers`): after each file a node received."""
 
 
 def _parse(spec: str, rank: str) -> dict[str, int]:

@@ -100,12 +100,13 @@ def _write(comm: Comm, store: Any, lock: Any, name: str, shared: Snapshot, mine:
             f"checkpoint {name} was not saved: the coordinator (rank 0) failed: {opened['error']}")
     mine_error: BaseException | None = None
     files: dict[str, FileEntry] = {}
-    node_error = ""
+    node_error: BaseException | None = None
     if peers is not None:  # a collective: each node's ranks write into their node's memory
-        staging, node_error = rampeers.node_staging(peers, comm, store, name, opened["token"], staging)
+        need = sum(s["bytes"] for s in sizes) + len(tree_bytes(shared))
+        staging, node_error = rampeers.node_staging(peers, comm, store, name, opened["token"], need, staging)
     try:
-        if node_error:
-            raise StorageError(node_error)
+        if node_error is not None:
+            raise node_error
         if staging is None:
             staging = store.join(opened["token"])
         if any(s["sharded"] for s in sizes):  # a collective inside: every rank takes part

@@ -37,9 +37,11 @@ from typing import Any, Mapping
 
 import torch
 
+from . import _faults
 from .dist.comm import Comm, fresh_group
-from .errors import ConfigurationError, CorruptCheckpointError, StorageError
+from .errors import ConfigurationError, CorruptCheckpointError, StorageError, UnbrokenError
 from .format.manifest import MANIFEST, Manifest, new_hasher
+from .persist import check_space
 
 log = logging.getLogger("unbroken")
 PIECE = 64 << 20
@@ -177,26 +179,32 @@ def _reader(fd_of: Any) -> Any:
 
 
 # ---------------------------------------------------------------------- saving
-def node_staging(nodes: Nodes, comm: Comm, store: Any, name: str, token: str, staging: Any = None) -> tuple[Any, str]:
+def node_staging(nodes: Nodes, comm: Comm, store: Any, name: str, token: str, need: int,
+                 staging: Any = None) -> tuple[Any, BaseException | None]:
     """Every rank's staging folder for a RAM save: the coordinator's (``token``; ``staging`` on
-    the coordinator) on node 0, the node leader's own elsewhere (a collective). Returns
-    ``(staging or None, error)``."""
-    error, opened = "", None
+    the coordinator) on node 0, the node leader's own elsewhere, once its memory was found to
+    hold ``need`` more bytes, as node 0's was (a collective). Returns ``(staging or None, error)``."""
+    error: BaseException | None = None
+    opened = None
     if staging is None and nodes.leader and nodes.index > 0:
         try:
+            check_space(store, need)
             staging = opened = store.stage(name)
+        except UnbrokenError as e:  # the same error, saying which node
+            error = type(e)(f"node {nodes.index}: {e}")
         except Exception as e:  # noqa: BLE001 - reported with the save's errors
-            error = f"{type(e).__name__}: {e}"
+            error = StorageError(f"node {nodes.index}: {type(e).__name__}: {e}")
     tokens = comm.gather(opened.token if opened is not None else None)
-    if staging is None and not error:
+    if staging is None and error is None:
         mine = token if nodes.index == 0 else tokens[nodes.leaders[nodes.index]]
         if mine is None:
-            error = f"the leader of node {nodes.index} (rank {nodes.leaders[nodes.index]}) could not open its staging"
+            error = StorageError(f"the leader of node {nodes.index} (rank {nodes.leaders[nodes.index]}) could not "
+                                 "open its staging folder")
         else:
             try:
                 staging = store.join(mine)
             except Exception as e:  # noqa: BLE001
-                error = f"{type(e).__name__}: {e}"
+                error = e
     return staging, error
 
 
@@ -224,6 +232,7 @@ def replicate(nodes: Nodes, staging: Any, results: list[Mapping[str, Any]]) -> s
                     if sink is None:  # an empty file
                         sink = _Checked(staging, fname)
                     sink.close(digest, fname)
+                    _faults.point("peers.after_file")
             except Exception as e:  # noqa: BLE001 - reported to the coordinator
                 error = str(e) if isinstance(e, CorruptCheckpointError) else f"{type(e).__name__}: {e}"
             finally:
