@@ -19,8 +19,9 @@ gloo on ``--ranks`` (2) processes of one torch thread each. Configurations, in o
 outside; ``torchrun --max-restarts`` restarts the group), ``exception`` (every rank raises inside
 the same step; the process exits and torchrun restarts it, or ``recover`` restores in place) and
 ``node`` (two torchrun agents in two network namespaces, one rank each; every process of node 1
-SIGKILLed at once, the survivor fails, and the job is launched again on both nodes, as a scheduler
-requeues it: needs root and iproute2, else skipped with the reason). A failure is injected every
+SIGKILLed at once and its shared memory wiped (each node's RAM tier has its own folder in
+/dev/shm: a lost machine's memory is gone), the survivor fails, and the job is launched again on
+both nodes, as a scheduler requeues it: needs root and iproute2, else skipped with the reason). A failure is injected every
 ``--interval`` seconds of wall time (the first one ``--interval`` after the launch), once the job
 has made a new step since the previous one, and not in the last 3 steps. Every run trains
 ``--steps`` steps; a run's numbers come from the ranks' event records (goodput_report.py says how).
@@ -172,15 +173,23 @@ class Job:
         from netns import IFNAME
 
         host = self.cluster.nodes[0]
-        env = dict(self.env, GLOO_SOCKET_IFNAME=IFNAME)
         self.procs = []
         for i in (1, 0):
             node = self.cluster.nodes[i]
+            env = dict(self.env, GLOO_SOCKET_IFNAME=IFNAME, UNBROKEN_RAM_ROOT=str(self.ram_root(i)))
             cmd = [*run, "--nnodes=2", f"--nproc-per-node={self.a.ranks // 2}", "--rdzv-backend=c10d",
                    f"--rdzv-endpoint={host.addr}:{RDZV_PORT}", f"--rdzv-id=goodput{self.launches}",
                    f"--rdzv-conf=is_host={int(i == 0)},last_call_timeout=1,keep_alive_interval=1,join_timeout=120",
                    f"--local-addr={node.addr}", "--max-restarts=0", *self.argv]
             self.procs.append(node.start(cmd, env, on_line=lambda line: self.log.write(line)))
+
+    def ram_root(self, node: int) -> Path:
+        """Node ``node``'s shared memory (the namespaces share /dev/shm: each node gets a folder of
+        its own in it, which a node loss wipes, as a lost machine's memory is gone)."""
+        return Path(self.a.ram_root or "/dev/shm") / f"unbroken-bench-{os.getpid()}-{self.base.name}-node{node}"
+
+    def lose_memory(self, node: int) -> None:
+        shutil.rmtree(self.ram_root(node), ignore_errors=True)
 
     def copy(self, stream: Any) -> None:
         """torchrun's output into the log, each line stamped with the time it was read (the timeline)."""
@@ -194,6 +203,8 @@ class Job:
     def stop(self) -> None:
         if self.cluster is not None:
             self.cluster.kill_all()
+            for i in (0, 1):
+                self.lose_memory(i)
             return
         for p in self.procs:
             with contextlib.suppress(ProcessLookupError):
@@ -261,6 +272,7 @@ def run_one(a: argparse.Namespace, config: str, kind: str, tmp: Path, cluster: A
                     else:
                         failures.append(time.time())
                         cluster.nodes[1].kill_all()
+                        job.lose_memory(1)  # a replacement machine: nothing of node 1 is left
                         next_at = failures[-1] + a.interval
                 time.sleep(0.05)
         finally:
@@ -290,6 +302,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=600, help="steps per job (default 600: ~90 s without failures)")
     ap.add_argument("--interval", type=float, default=60.0, help="seconds between failures (default 60)")
     ap.add_argument("--save-every", type=int, default=50, help="steps between disk checkpoints (default 50)")
+    ap.add_argument("--ram-root", default=None, help="where the nodes' RAM tiers live for 'node' (default /dev/shm)")
     ap.add_argument("--ranks", type=int, default=2, help="processes (default 2; split over 2 nodes for 'node')")
     ap.add_argument("--configs", default="dcp,disk,ram,inproc", help=f"of {','.join(CONFIGS)}")
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"of {','.join(KINDS)}")
