@@ -39,7 +39,7 @@ def newest_valid(run: Run, repair: LiveChunks | None = None) -> tuple[LoadedChec
     seen = [0]
     rank, world = run.comm.rank, run.comm.world
     nodes = run.ram.nodes if run.ram is not None else None
-    held = rampeers.holdings(nodes, run.comm, run.ram.manifests()) if nodes is not None and run.ram else None
+    held = rampeers.holdings(nodes, run.comm, run.ram.manifests) if nodes is not None and run.ram else None
 
     def attempt(token: str) -> LoadedCheckpoint:
         store, name = _where(run, token)

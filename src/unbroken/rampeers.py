@@ -33,7 +33,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -131,6 +131,36 @@ class Nodes:
                 except Exception as e:  # noqa: BLE001 - reported after the last piece
                     error = f"{type(e).__name__}: {e}"
         return error
+
+
+def start_nodes(comm: Comm, ram: Any) -> Nodes | None:
+    """At the start of a run with several ranks (a collective): find the nodes of the RAM tier
+    ``ram`` (a :class:`~unbroken.ram.RamRun`); on several, each node's leader opens its node's
+    folder as the coordinator opened node 0's. None on one node."""
+    failure = ""
+    try:
+        ram.ensure_folder()
+    except StorageError as e:
+        failure = str(e)
+    failed = [f"rank {r}: {f}" for r, f in enumerate(comm.gather(failure)) if f]
+    if failed:
+        raise StorageError("the RAM tier's folder could not be created: " + "; ".join(failed))
+    nodes = Nodes(comm, ram.dir)
+    if not nodes.several:
+        return None
+    failure = ""
+    if nodes.leader and not comm.coordinator:
+        try:
+            ram.begin()
+        except Exception as e:  # noqa: BLE001 - told to every rank
+            failure = f"{type(e).__name__}: {e}"
+    failed = [f"rank {r}: {f}" for r, f in enumerate(comm.gather(failure)) if f]
+    if failed:
+        raise StorageError("the RAM tier could not start on every node: " + "; ".join(failed))
+    if comm.coordinator:
+        log.info("the RAM tier spans %d nodes (%s): every node holds a copy of every RAM checkpoint",
+                 len(nodes.nodes), nodes.describe())
+    return nodes
 
 
 def _sees(folder: Path, token: str) -> bool:
@@ -267,9 +297,10 @@ def commit_copy(nodes: Nodes, store: Any, staging: Any, decision: Mapping[str, A
 
 
 # ---------------------------------------------------------------------- restore
-def holdings(nodes: Nodes, comm: Comm, manifests: Mapping[str, Manifest]) -> list[dict[str, list[int]]]:
-    """Which RAM checkpoints each node holds, ``{name: [seq, step]}`` per node (a collective)."""
-    mine = {n: [m.seq, m.step] for n, m in manifests.items()} if nodes.leader else None
+def holdings(nodes: Nodes, comm: Comm, manifests: Callable[[], Mapping[str, Manifest]]) -> list[dict[str, list[int]]]:
+    """Which RAM checkpoints each node holds (its leader lists ``manifests()``), ``{name: [seq,
+    step]}`` per node (a collective)."""
+    mine = {n: [m.seq, m.step] for n, m in manifests().items()} if nodes.leader else None
     every = comm.gather(mine)
     return [every[leader] for leader in nodes.leaders]
 

@@ -44,7 +44,7 @@ from .store.retry import is_transient
 from .tags import TAGS_FILE, load_tags, save_tags, tags_by_checkpoint
 from .pruning import Pruning
 from .ram import RamRun, RamTier
-from .rampeers import Nodes
+from .rampeers import start_nodes
 from .tiers import Remote, Uploader, copy_checkpoint
 
 log = logging.getLogger("unbroken")
@@ -146,41 +146,12 @@ class Run(Pruning):
             raise RunLockedError(f"the coordinator (rank 0) could not open {self.url}: {outcome}")
         self._readonly, self._readonly_errno = readonly, code
         if self.ram is not None and self.comm.world > 1 and not readonly:
-            self._find_nodes()
+            self.ram.nodes = start_nodes(self.comm, self.ram)  # several nodes: a copy on each
         if readonly and self.comm.coordinator:
             log.warning("%s: the run is read-only: restoring works (nothing is locked, cleaned or quarantined), "
                         "saving, pruning or tagging raises ReadOnlyRunError; to continue training, copy the run "
                         "to a writable folder", readonly)
         self._writing = True
-
-    def _find_nodes(self) -> None:
-        """Which ranks share a RAM folder (a node: :mod:`unbroken.rampeers`); on several nodes each
-        node's leader opens its node's folder, and every RAM checkpoint gets a copy on every node."""
-        assert self.ram is not None
-        failure = ""
-        try:
-            self.ram.ensure_folder()
-        except StorageError as e:
-            failure = str(e)
-        failed = [f"rank {r}: {f}" for r, f in enumerate(self.comm.gather(failure)) if f]
-        if failed:
-            raise StorageError("the RAM tier's folder could not be created: " + "; ".join(failed))
-        nodes = Nodes(self.comm, self.ram.dir)
-        if not nodes.several:
-            return
-        self.ram.nodes = nodes
-        failure = ""
-        if nodes.leader and not self.comm.coordinator:
-            try:
-                self.ram.begin()
-            except Exception as e:  # noqa: BLE001 - told to every rank
-                failure = f"{type(e).__name__}: {e}"
-        failed = [f"rank {r}: {f}" for r, f in enumerate(self.comm.gather(failure)) if f]
-        if failed:
-            raise StorageError("the RAM tier could not start on every node: " + "; ".join(failed))
-        if self.comm.coordinator:
-            log.info("the RAM tier spans %d nodes (%s): every node holds a copy of every RAM checkpoint",
-                     len(nodes.nodes), nodes.describe())
 
     def require_writable(self, what: str) -> None:
         """Raise :class:`ReadOnlyRunError` (naming the run and why) if this run was opened read-only."""
