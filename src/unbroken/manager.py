@@ -46,6 +46,7 @@ from .agreement import StepAgreement
 from .state.checks import UnbrokenWarning  # noqa: F401 (re-exported)
 from .state.stateful import Progress
 from .tags import check_tag
+from .dist.ddpalign import align_after_restore
 from .ram import RamTier
 from .tiers import Remote
 
@@ -309,7 +310,10 @@ class Checkpointer(Saving, Stepping):
         if self._selftest is not None:
             self._selftest.watch(state)  # fingerprints the state once restored (on Restored / Started)
         self.flush()  # a save in flight commits (and stops reading the live state) first
-        return restore_into(self, state, path, tag, if_unrestorable)
+        info = restore_into(self, state, path, tag, if_unrestorable)
+        if info is not None and self.comm.world > 2:
+            align_after_restore(state)  # DDP's first step summed as without the restart (unbroken.dist.ddpalign)
+        return info
 
     def _apply(self, state: MutableMapping[str, Any], loaded: Any, where: str) -> CheckpointInfo:
         """Load ``loaded`` into ``state`` (see :func:`unbroken.restoring.apply_checkpoint`)."""
