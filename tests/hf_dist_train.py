@@ -184,6 +184,8 @@ def main() -> None:
     p.add_argument("--hf-kill-in-save", type=int, default=0)
     p.add_argument("--kill-rank", type=int, default=0)
     p.add_argument("--force-fsdp-on-cpu", action="store_true")
+    p.add_argument("--ddp-find-unused-false", action="store_true",
+                   help="ddp_find_unused_parameters=False (HF's default is True without gradient checkpointing)")
     a = p.parse_args()
     if "WORLD_SIZE" in os.environ:  # torchrun (1 rank included: accelerate then builds a group of 1)
         unbroken.init_distributed("gloo")
@@ -201,7 +203,8 @@ def main() -> None:
         weight_decay=0.01, lr_scheduler_type="cosine", warmup_steps=3, max_grad_norm=1.0, optim="adamw_torch",
         logging_steps=2, eval_strategy="steps", eval_steps=5, per_device_eval_batch_size=4, report_to=[],
         use_cpu=True, ddp_backend="gloo", disable_tqdm=True, seed=7, save_strategy="steps" if a.mode == "hf" else "no",
-        save_steps=a.save_every, **stack_args(a.stack))
+        save_steps=a.save_every, **stack_args(a.stack),
+        **({"ddp_find_unused_parameters": False} if a.ddp_find_unused_false else {}))
     data = Tokens()
     if a.stack.startswith("fsdp") and a.force_fsdp_on_cpu:
         from accelerate.state import PartialState

@@ -15,6 +15,7 @@ from transformers import Trainer, TrainerCallback
 
 import unbroken
 from unbroken.data import ResumableLoader
+from unbroken.dist.ddpalign import align_after_restore
 
 from .counters import RankCounters, TrainerCounters
 from .stacks import check_stack, training_state
@@ -120,6 +121,8 @@ class UnbrokenCallback(TrainerCallback):
             self.restored = ckpt.restore(st)
         else:
             self.restored = ckpt.restore(st, path=self._resume)
+        if self.restored is not None:  # DDP (the wrapper, not in the state) reduces its first step as without
+            align_after_restore({"model": t.model_wrapped})  # the restart (unbroken.dist.ddpalign)
         if state.global_step != ckpt.progress.step:
             raise RuntimeError(f"unbroken: the checkpoint's Trainer global_step ({state.global_step}) differs "
                                f"from its step ({ckpt.progress.step})")

@@ -63,6 +63,7 @@ import torch
 
 from ... import Checkpointer
 from ...data import ResumableLoader
+from ...dist.ddpalign import align_after_restore
 from ._compat import callback_bases
 from .strategies import between_micro_batches, model_state
 
@@ -238,6 +239,8 @@ class UnbrokenCallback(*callback_bases()):  # type: ignore[misc]  # a Callback o
         elif self.resume:
             self.restored = ckpt.restore(self.state, path=None if mine == "run" else mine)
             if self.restored is not None:
+                # DDP (the strategy's wrapper, not in the state) reduces its first step as without the restart
+                align_after_restore({"model": trainer.strategy.model})  # (unbroken.dist.ddpalign)
                 self._rng = _rng_now()  # set again once the dataloader iterator exists (on_train_start)
         self._guard = ckpt.guard(self.state)  # opens the run and installs unbroken's signal handlers
         self._global_step = trainer.global_step
