@@ -237,8 +237,12 @@ def test_torchrun_ddp_rank_killed_torchrun_restarts_and_both_ranks_resume_bitwis
     assert at % save_every == 0 and 10 <= at < steps, starts
     sha = {x.split()[1]: x.split()[-1] for x in got.lines if ": done, sha256 " in x}
     assert sha == ref_sha, (sha, ref_sha)
-    # every step of every rank (the last time it was printed: steps after the checkpoint ran twice)
-    assert got.steps() == ref.steps()
+    # every step of every rank printed (the last time: steps after the checkpoint ran twice) is the
+    # reference's, and every step after the resume was printed; a step saved just before the kill landed
+    # may never be printed (the kill fell between its save and its line, and the resume starts after it)
+    printed = got.steps()
+    assert printed == {k: ref.steps()[k] for k in printed}
+    assert {(r, s) for r in (0, 1) for s in range(at + 1, steps + 1)} <= set(printed)
     # and the steps re-run after the restart printed what they printed the first time
     first_pass = Result(0, got.lines[:got.lines.index(starts[2])]).steps()
     assert first_pass == {k: ref.steps()[k] for k in first_pass}
