@@ -6,14 +6,12 @@ uninterrupted run sums that step (:mod:`unbroken.dist.ddpalign`). Without that a
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 from pathlib import Path
 
 import pytest
 
-from test_distributed import ENV, job, losses, run, same_final, torchrun
+from test_distributed import ENV, job, kill_at, losses, run, same_final, torchrun
 
 pytestmark = pytest.mark.e2e
 ARGS = ("--steps", "10", "--save-every", "1")
@@ -29,14 +27,7 @@ def reference4(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def resumed_after_kill(base: Path, env: dict[str, str]) -> str:
     """The job, rank 2 SIGKILLed right after step 6's save returned, restarted once."""
-    killed: list[int] = []
-
-    def on_line(line: str, proc) -> None:
-        if not killed and re.search(r"rank 2 step 7(?!\d)", line):
-            pid = int((base / "out" / "pid-r2").read_text())
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
-
+    on_line, killed = kill_at(base, 2, 7)
     code, out = run(torchrun(4, *job(base, *ARGS), restarts=1), env=env, on_line=on_line)
     assert code == 0 and killed, out
     resumed = {int(r): int(s) for r, s in re.findall(r"rank (\d): resumed from step (\d+)", out)}

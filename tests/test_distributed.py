@@ -81,6 +81,20 @@ def all_rows(out: Path, rank: int) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in map(json.loads, (out / f"losses-r{rank}.jsonl").read_text().splitlines())]
 
 
+def kill_at(base: Path, rank: int, line: int):
+    """An ``on_line`` that SIGKILLs rank ``rank`` (its pid in ``base/out/pid-r<rank>``) once it prints
+    ``rank <rank> step <line>`` (the ranks' lines may run together); and the list of pids killed."""
+    killed: list[int] = []
+
+    def on_line(text: str, proc) -> None:
+        if not killed and re.search(rf"rank {rank} step {line}(?!\d)", text):
+            pid = int((base / "out" / f"pid-r{rank}").read_text())
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    return on_line, killed
+
+
 def same_final(a: Path, b: Path) -> bool:
     x, y = load_file(str(a / "final.safetensors")), load_file(str(b / "final.safetensors"))
     return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)

@@ -15,12 +15,11 @@ micro-batch of 4 samples per rank per step (the global batch of 16 kept).
 from __future__ import annotations
 
 import os
-import re
-import signal
 from pathlib import Path
 
 import pytest
 
+from test_distributed import kill_at
 from test_integration_hf_dist import differing, launch, rows, torchrun
 
 pytestmark = pytest.mark.e2e
@@ -37,14 +36,7 @@ def reference4(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def killed_and_resumed(base: Path, env: dict[str, str]) -> None:
-    killed: list[int] = []
-
-    def on_line(line: str, proc) -> None:
-        if not killed and re.search(r"rank 1 step 7(?!\d)", line):
-            pid = int((base / "out" / "pid-r1").read_text())
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
-
+    on_line, killed = kill_at(base, 1, 7)
     code, out = launch(torchrun(4, base, "ddp", "unbroken", *FLAGS, restarts=1), env, base, on_line)
     assert code == 0 and killed, out[-5000:]
     assert "rank 0: resumed from step 6" in out, out[-5000:]

@@ -11,14 +11,13 @@ four ranks 2 samples per rank per micro-batch, 2 micro-batches a step (the globa
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import sys
 from pathlib import Path
 
 import pytest
 
+from test_distributed import kill_at
 from test_integration_lightning_dist import ENV, final, job, launch, merged, same
 
 pytestmark = pytest.mark.e2e
@@ -39,14 +38,7 @@ def reference4(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def killed_and_resumed(base: Path, env: dict[str, str]) -> None:
-    killed: list[int] = []
-
-    def on_line(line: str, proc) -> None:
-        if not killed and re.search(r"rank 1 step 7(?!\d)", line):
-            pid = int((base / "out" / "pid-r1").read_text())
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
-
+    on_line, killed = kill_at(base, 1, 7)
     code, out = launch(base, torchrun4(base, restarts=1), env=env, on_line=on_line)
     assert code == 0 and killed, out[-5000:]
     assert re.search(r"unbroken: resumed from \S+step-0+6 \(step 6\)", out), out[-5000:]

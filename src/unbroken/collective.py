@@ -83,11 +83,12 @@ def _write(comm: Comm, store: Any, lock: Any, name: str, shared: Snapshot, mine:
             bad = [f"rank {r}: {s['broken']}" for r, s in enumerate(sizes) if s["broken"]]
             if bad:
                 raise UnbrokenError(f"checkpoint {name} was not saved: " + "; ".join(bad))
-            check_space(store, sum(s["bytes"] for s in sizes) + len(tree_bytes(shared)))
+            need = sum(s["bytes"] for s in sizes) + len(tree_bytes(shared))
+            check_space(store, need)
             seq = next_seq()
             lock.verify()
             staging = store.stage(name)
-            opened = {"ok": True, "token": staging.token, "seq": seq}
+            opened = {"ok": True, "token": staging.token, "seq": seq, "need": need}
         except BaseException as e:  # noqa: BLE001 - told to every rank, then raised here
             failure, opened = e, {"ok": False, "error": _describe(e)}
     opened = comm.broadcast(opened if comm.coordinator else None)
@@ -102,8 +103,8 @@ def _write(comm: Comm, store: Any, lock: Any, name: str, shared: Snapshot, mine:
     files: dict[str, FileEntry] = {}
     node_error: BaseException | None = None
     if peers is not None:  # a collective: each node's ranks write into their node's memory
-        need = sum(s["bytes"] for s in sizes) + len(tree_bytes(shared))
-        staging, node_error = rampeers.node_staging(peers, comm, store, name, opened["token"], need, staging)
+        staging, node_error = rampeers.node_staging(peers, comm, store, name, opened["token"], opened["need"],
+                                                     staging)
     try:
         if node_error is not None:
             raise node_error

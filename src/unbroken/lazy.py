@@ -27,7 +27,7 @@ parameters that no optimizer in the state updates.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -35,28 +35,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .errors import UnbrokenError
 from .snapshot import Snapshot, storage_key
-
-
-def _optimizers(x: Any, depth: int = 0) -> Iterator[torch.optim.Optimizer]:
-    if isinstance(x, torch.optim.Optimizer):
-        yield x
-    elif depth < 4 and isinstance(x, Mapping):
-        for v in x.values():
-            yield from _optimizers(v, depth + 1)
-    elif depth < 4 and isinstance(x, (list, tuple)):
-        for v in x:
-            yield from _optimizers(v, depth + 1)
-
-
-def _tensors(x: Any) -> Iterator[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, Mapping):
-        for v in x.values():
-            yield from _tensors(v)
-    elif isinstance(x, (list, tuple)):
-        for v in x:
-            yield from _tensors(v)
+from .state.walk import instances
 
 
 def step_only_storages(state: Mapping[str, Any]) -> frozenset[tuple[str, int]]:
@@ -64,11 +43,11 @@ def step_only_storages(state: Mapping[str, Any]) -> frozenset[tuple[str, int]]:
     the per-parameter state of every ``torch.optim.Optimizer`` found in ``state`` (values,
     dicts and lists of them)."""
     keys: set[tuple[str, int]] = set()
-    for opt in _optimizers(state):
+    for opt in instances(state, torch.optim.Optimizer):
         for group in opt.param_groups:
             keys.update(storage_key(p) for p in group["params"] if p.numel())
         for s in opt.state.values():
-            keys.update(storage_key(t) for t in _tensors(s) if t.numel())
+            keys.update(storage_key(t) for t in instances(s, torch.Tensor) if t.numel())
     return frozenset(keys)
 
 

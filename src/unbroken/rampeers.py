@@ -190,22 +190,39 @@ class _Checked:
             raise CorruptCheckpointError(f"{what}: checksum mismatch after the transfer between nodes")
 
 
-def _reader(fd_of: Any) -> Any:
-    """``read(offset, n)`` over a file opened by ``fd_of()`` at the first call."""
-    state: dict[str, int] = {}
+class _Reader:
+    """``read(offset, n)`` over a file opened by ``open_fd()`` at the first call; ``close()``."""
 
-    def read(offset: int, n: int) -> bytes:
-        if "fd" not in state:
-            state["fd"] = fd_of()
-        if not n:
-            return b""
-        data = os.pread(state["fd"], n, offset)
+    def __init__(self, open_fd: Callable[[], int]) -> None:
+        self.open_fd, self.fd = open_fd, -1
+
+    def __call__(self, offset: int, n: int) -> bytes:
+        if self.fd < 0:
+            self.fd = self.open_fd()
+        data = os.pread(self.fd, n, offset) if n else b""
         if len(data) != n:
             raise OSError(f"short read ({len(data)} of {n} bytes at {offset})")
         return data
 
-    read.close = lambda: state.get("fd") is not None and os.close(state["fd"])  # type: ignore[attr-defined]
-    return read
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _commit_as(store: Any, staging: Any, raw: bytes, name: str) -> None:
+    """Write the manifest ``raw`` and commit ``staging`` under ``name`` exactly (the name the
+    checkpoint has on the other nodes); raises, with nothing left, otherwise."""
+    try:
+        with staging.open(MANIFEST) as f:
+            f.write(raw)
+        final = staging.commit()
+    except BaseException:
+        staging.abort()
+        raise
+    if final != name:
+        store.delete(final)
+        raise StorageError(f"{name} exists on this node under another state")
 
 
 # ---------------------------------------------------------------------- saving
@@ -247,7 +264,7 @@ def replicate(nodes: Nodes, staging: Any, results: list[Mapping[str, Any]]) -> s
     for rank, res in enumerate(results):
         node = nodes.node_of(rank)
         for fname, (size, digest) in sorted(res["files"].items()):
-            read = _reader(lambda f=fname: os.open(f, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=staging.folder_fd))
+            read = _Reader(lambda f=fname: os.open(f, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=staging.folder_fd))
             sink: _Checked | None = None
 
             def write(piece: memoryview, f: str = fname) -> None:
@@ -284,14 +301,8 @@ def commit_copy(nodes: Nodes, store: Any, staging: Any, decision: Mapping[str, A
         staging.abort()
         return
     try:
-        with staging.open(MANIFEST) as f:
-            f.write(decision["manifest"].encode())
-        final = staging.commit()
-        if final != decision["name"]:
-            store.delete(final)
-            raise StorageError(f"{decision['name']} exists there already")
+        _commit_as(store, staging, decision["manifest"].encode(), decision["name"])
     except Exception as e:  # noqa: BLE001
-        staging.abort()
         log.warning("node %d (rank %d) could not commit its copy of RAM checkpoint %s: %s", nodes.index,
                     nodes.comm.rank, decision["name"], e)
 
@@ -372,13 +383,7 @@ def _transfer(nodes: Nodes, store: Any, name: str, src: int, receive: bool) -> s
         staging.abort()
         return "; ".join(errors)
     try:
-        with staging.open(MANIFEST) as f:
-            f.write(raw)
-        final = staging.commit()
-        if final != name:
-            store.delete(final)
-            return f"{name} exists on node {nodes.index} under another state"
+        _commit_as(store, staging, raw, name)
     except Exception as e:  # noqa: BLE001
-        staging.abort()
-        return f"{type(e).__name__}: {e}"
+        return f"node {nodes.index}: {type(e).__name__}: {e}"
     return ""

@@ -29,24 +29,14 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from ..state.walk import instances
+
 log = logging.getLogger("unbroken")
-
-
-def _ddp_modules(x: Any, depth: int = 0) -> Iterator[Any]:
-    ddp = torch.nn.parallel.DistributedDataParallel
-    if isinstance(x, ddp):
-        yield x
-    elif depth < 3 and isinstance(x, Mapping):
-        for v in x.values():
-            yield from _ddp_modules(v, depth + 1)
-    elif depth < 3 and isinstance(x, (list, tuple)):
-        for v in x:
-            yield from _ddp_modules(v, depth + 1)
 
 
 def align_after_restore(state: Mapping[str, Any]) -> int:
@@ -55,7 +45,7 @@ def align_after_restore(state: Mapping[str, Any]) -> int:
     aligned = 0
     if os.environ.get("UNBROKEN_DDP_ALIGN") == "0":
         return 0
-    for ddp in _ddp_modules(dict(state.items()) if isinstance(state, Mapping) else state):
+    for ddp in instances(dict(state.items()), torch.nn.parallel.DistributedDataParallel, depth=3):
         why = _why_not(ddp)
         if why:
             log.debug("DDP's first step after the resume is left as it is: %s", why)
