@@ -10,7 +10,12 @@ PYTEST_ARGS ?=
 # its time is spent waiting on the subprocesses it starts, so more workers than cores pay off.
 TEST_JOBS ?= 3
 
-.PHONY: demo test install bench clean system-deps test-slurm
+# What is expensive to build for the tests (the LLaMA-Factory environment, DeepSpeed's compiled op) is
+# kept here between runs, under folders keyed by exact pins (tests/buildcache.py): a clean clone on a
+# machine that ran the suite before reuses them, a changed pin rebuilds.
+export UNBROKEN_TEST_CACHE ?= $(HOME)/.cache/unbroken-test
+
+.PHONY: demo test test-fast install bench bench-peers clean system-deps test-slurm
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -29,8 +34,18 @@ system-deps:
 test: $(STAMP) system-deps
 	$(PY) -m pytest -q -ra -n $(TEST_JOBS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
+# The inner loop: every module, unit tests and single-process end-to-end runs (no several ranks, no
+# SLURM, no namespaces, no other framework's jobs): under 5 minutes (docs/testing.md).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -ra -n $(TEST_JOBS) -m "not slow" --durations=10 $(PYTEST_ARGS)
+
 test-slurm: $(STAMP) system-deps
 	$(PY) -m pytest -q -ra -m slurm $(PYTEST_ARGS)
+
+# The peers measured alone under the faults the tests put unbroken through (HF, Lightning, Accelerate,
+# DeepSpeed, LLaMA-Factory, plain PyTorch): benchmarks, not tests of unbroken; prints their table.
+bench-peers: $(STAMP) system-deps
+	$(PY) -m pytest -q -rA -n $(TEST_JOBS) --dist loadfile -p no:cacheprovider benchmarks/peers $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_save_load.py

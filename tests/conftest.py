@@ -3,16 +3,22 @@ that fails the session if any test wrote into the repository (:mod:`repo_guard`)
 
 from __future__ import annotations
 
+import gc
+import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
+from typing import Any
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+import buildcache  # noqa: E402
 from repo_guard import changes, snapshot, tracked  # noqa: E402
 from s3_server import S3Server  # noqa: E402
 
@@ -30,9 +36,9 @@ LONGEST_FIRST = (
     "test_distributed.py", "test_selftest.py", "test_upstream_loops.py", "test_data_e2e.py", "test_integration_hf.py",
     "test_incremental_e2e.py",
     "test_integration_lightning.py", "test_examples.py", "test_deepspeed.py", "test_async_save.py",
-    "test_deepspeed_alone.py", "test_preemption.py", "test_e2e_kill.py", "test_recovery.py", "test_ram_tier.py",
+    "test_preemption.py", "test_e2e_kill.py", "test_recovery.py", "test_ram_tier.py",
     "test_integration_accelerate.py", "test_benchmarks_goodput.py",
-    "test_readonly.py", "test_lock.py", "test_accelerate_alone.py", "test_multinode.py", "test_e2e_s3.py",
+    "test_readonly.py", "test_lock.py", "test_multinode.py", "test_e2e_s3.py",
     "test_deepspeed_convert.py", "test_never_fresh.py", "test_s3.py", "test_boundary.py", "test_emergency_exact.py",
     "test_selftest_trust.py", "test_epochs.py",
 )
@@ -43,6 +49,9 @@ starting last and running alone."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("slurm"):  # a SLURM cluster is never part of the fast tier
+            item.add_marker(pytest.mark.slow)
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 
@@ -98,6 +107,58 @@ def _signal_dispositions_restored() -> Iterator[None]:
             signal.signal(s, handler)
 
 
+MULTI_PROCESS = re.compile(r"torch\.distributed\.run|torchrun|\bsrun\b|\bsbatch\b|\bnetns\b|llamafactory|deepspeed"
+                           r"|(hf|hf_dist|lightning|lightning_dist|accel|ds)_train\.py|lf_builtelsewhere\.py")
+"""Commands that make a test ``slow``: several ranks, a SLURM job, a network namespace, the jobs of another
+framework (HF, Lightning, Accelerate, DeepSpeed, LLaMA-Factory: each pays for its imports in every process)."""
+
+
+@pytest.fixture(autouse=True)
+def _tier_checked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast tier stays fast: a test that starts several ranks (torchrun), SLURM, a network namespace
+    or another framework's environment must be marked ``slow`` (``make test`` runs it, ``make test-fast``
+    does not); unmarked, it fails at the start of that process, naming the marker. Processes started by
+    fixtures of a wider scope (a module's reference run) belong to the tests of that scope and are not
+    counted here."""
+    if request.node.get_closest_marker("slow"):
+        return
+    original = subprocess.Popen._execute_child  # type: ignore[attr-defined]
+
+    def checked(self: subprocess.Popen, args: Any, *rest: Any, **kw: Any) -> Any:
+        text = " ".join(map(str, args)) if isinstance(args, (list, tuple)) else str(args)
+        if MULTI_PROCESS.search(text):
+            pytest.fail(f"this test starts {text[:200]!r}: mark it slow (pytest.mark.slow; docs/testing.md)",
+                        pytrace=False)
+        return original(self, args, *rest, **kw)
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", checked)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_left_running() -> Iterator[None]:
+    """A test ends every process it starts (DataLoader workers, writer processes): a child still alive
+    after the test fails it, naming the child, and is stopped. An abandoned DataLoader iterator shuts its
+    workers down only when it is collected, possibly inside a later test (whose time bound or warning
+    filter it then breaks, far from its cause): a test that leaves children is collected here first, so
+    what its iterators raise while shutting down is reported against it."""
+    before = {p.pid for p in multiprocessing.active_children()}
+    yield
+    left = [p for p in multiprocessing.active_children() if p.pid not in before]
+    if not left:
+        return
+    gc.collect()
+    deadline = time.monotonic() + 10  # a worker told to stop may take a moment to exit: it is not left running
+    for p in left:
+        p.join(max(0.0, deadline - time.monotonic()))
+    left = [p for p in left if p.is_alive()]
+    for p in left:
+        p.terminate()
+        p.join(10)
+    if left:
+        pytest.fail("the test left processes running (close the loader iterators, Checkpointers and writers it "
+                    "starts): " + ", ".join(f"{p.name} (pid {p.pid})" for p in left), pytrace=False)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Derived data of remote runs (their index) goes to a temp folder, not ~/.cache."""
@@ -107,14 +168,19 @@ def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
 @pytest.fixture(scope="session")
 def deepspeed_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """The environment of the DeepSpeed jobs: its CPU accelerator, and one folder for the C++ op it
-    compiles at its first start (about a minute), shared by every DeepSpeed test of the session —
-    and by every pytest-xdist worker of it (the folder is in the run's common temp root; torch's
-    extension builder locks the build folder, so concurrent first starts build once)."""
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # .../pytest-N/popen-gwK -> .../pytest-N, common to the workers
-    extensions = root / "torch-extensions"
+    compiles at its first start (about a minute), shared by every DeepSpeed test of the session and by
+    every pytest-xdist worker (torch's extension builder locks the build folder, so concurrent first
+    starts build once). The folder is keyed by the versions of DeepSpeed, torch and the interpreter
+    (:mod:`buildcache`; ``make test`` keeps it between runs): another version builds anew."""
+    import importlib.metadata
+
+    digest = buildcache.key(*(f"{d}=={importlib.metadata.version(d)}" for d in ("deepspeed", "torch")))
+    extensions = buildcache.folder(buildcache.root(tmp_path_factory), "torch-extensions", digest)
     extensions.mkdir(exist_ok=True)
+    (extensions / ".key").write_text(digest)
+    for lock in extensions.glob("*/lock"):  # torch's build lock, left by a build that was killed: later
+        if time.time() - lock.stat().st_mtime > 1800:  # builds would wait on it forever (a build takes ~1 min)
+            lock.unlink(missing_ok=True)
     return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
                 TORCH_EXTENSIONS_DIR=str(extensions))
 

@@ -13,7 +13,7 @@ import pytest
 
 from test_distributed import ENV, job, kill_at, losses, run, same_final, torchrun
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ARGS = ("--steps", "10", "--save-every", "1")
 
 

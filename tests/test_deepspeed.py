@@ -28,7 +28,7 @@ from test_distributed import run
 from unbroken.store import open_store
 
 assert importlib.util.find_spec("deepspeed"), "DeepSpeed is missing: `make test` installs it (the test extra)"
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 SCRIPT = str(Path(__file__).parent / "ds_train.py")
 STEPS, SAVE_EVERY, CUT = 12, 3, 6
 

@@ -27,7 +27,7 @@ from unbroken.convert import UntrustedPickleError, import_checkpoint, read_sourc
 assert importlib.util.find_spec("deepspeed"), "DeepSpeed is missing: `make test` installs it (the test extra)"
 from test_deepspeed import launch, same_tensors  # noqa: E402
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 SCRIPT = str(Path(__file__).parent / "ds_train.py")
 K = 6
 CLI = str(Path(sys.executable).parent / "unbroken")

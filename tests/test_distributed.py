@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from unbroken.faults import EXIT_PREEMPTED
 from unbroken.store import open_store
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 SCRIPT = str(Path(__file__).parent / "dist_train.py")
 STEPS, SAVE_EVERY = 16, 4
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")

@@ -4,7 +4,7 @@ version; ``StateMismatchError`` where a restore does not fit the live objects) -
 ``KeyError``, ``TypeError``, ``struct.error``, ``MemoryError``, ``RecursionError``,
 ``OverflowError``, a crash or a hang.
 
-Targets, each fed small inputs, each case under a time bound (:func:`bounded`):
+Targets, each fed small inputs, each case under a hang guard (:func:`bounded`):
 
 * ``manifest.json``: random byte flips, inserts and deletes of a valid manifest, with and
   without a re-sealed self-checksum trailer; random JSON values in every field (and in the
@@ -37,7 +37,6 @@ import re
 import signal
 import string
 import struct
-import time
 from collections import OrderedDict
 from contextlib import contextmanager
 from pathlib import Path
@@ -61,7 +60,9 @@ from unbroken.state.rng import GlobalRNG
 from unbroken.state.stateful import Progress
 
 EXAMPLES = int(os.environ.get("UNBROKEN_FUZZ_EXAMPLES", "400"))
-CASE_LIMIT_S = 5.0  # one small case takes milliseconds; this only catches hangs
+CASE_LIMIT_S = 120.0
+"""A hang guard, not a time limit: one small case takes milliseconds, but a loaded machine may stop this
+worker for seconds, and a slow case is not a failure. Only a case that never ends is."""
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 
 
@@ -72,25 +73,24 @@ def category(e: Exception) -> str:
 
 
 class Hang(Exception):
-    """A fuzz case ran past ``CASE_LIMIT_S``."""
+    """A fuzz case ran past ``CASE_LIMIT_S``: it hangs."""
 
 
 @contextmanager
 def bounded(limit: float = CASE_LIMIT_S) -> Iterator[None]:
-    """Fail (instead of hanging the run) if the body runs past ``limit`` seconds."""
+    """Fail (instead of hanging the run) if the body never ends: stopped after ``limit`` seconds. The
+    time a case took is not checked (no timed assertions: a slow case under load is not a failure)."""
 
     def alarm(signum: int, frame: Any) -> None:
         raise Hang(f"a fuzz case ran past {limit} s")
 
     old = signal.signal(signal.SIGALRM, alarm)
     signal.setitimer(signal.ITIMER_REAL, limit)
-    t0 = time.monotonic()
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
-    assert time.monotonic() - t0 < limit
 
 
 @contextmanager

@@ -31,7 +31,7 @@ from test_distributed import run
 from unbroken.reader import read_manifest
 from unbroken.store import open_store
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 SCRIPT = str(Path(__file__).parent / "accel_train.py")
 STEPS, SAVE_EVERY, CUT = 12, 4, 8  # epochs end after steps 5 and 10
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="1")

@@ -22,7 +22,7 @@ import pytest
 from test_distributed import kill_at
 from test_integration_hf_dist import differing, launch, rows, torchrun
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 FLAGS = ("--ddp-find-unused-false",)
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error")
 

@@ -20,7 +20,7 @@ import pytest
 from test_distributed import kill_at
 from test_integration_lightning_dist import ENV, final, job, launch, merged, same
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 def torchrun4(base: Path, restarts: int = 0) -> list[str]:

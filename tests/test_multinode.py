@@ -28,7 +28,7 @@ from test_distributed import losses, run, same_final
 from unbroken.faults import EXIT_PREEMPTED
 from unbroken.store import open_store
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 SCRIPT = str(Path(__file__).parent / "multinode_train.py")
 STEPS, SAVE_EVERY, GLOBAL_BATCH = 16, 4, 16
 PORT = 29400  # of the rendezvous, on node 0's address: every cluster is a network of its own

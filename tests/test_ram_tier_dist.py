@@ -20,7 +20,7 @@ import pytest
 from test_distributed import (ENV, STEPS, all_rows, job, losses, reference,  # noqa: F401 (reference: the fixture)
                               run, same_final, torchrun)
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 def test_ddp_rank_killed_resumes_from_ram_on_every_rank_bitwise(reference: Path, tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ from test_distributed import losses, same_final
 from unbroken.faults import EXIT_PREEMPTED
 from unbroken.store import open_store
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 SCRIPT = str(Path(__file__).parent / "signals_train.py")
 STEPS, SAVE_EVERY, TARGET = 16, 4, 6
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")

@@ -42,7 +42,7 @@ import pytest
 from slurm_cluster import CRED_EXPIRE, TERMINAL_STATES, ClusterError, SlurmCluster, ensure_installed
 from unbroken.demo import compare
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.e2e, pytest.mark.slow]
 
 STEPS, SAVE_EVERY, HIDDEN, SEED = 150, 10, 256, 3
 SIGNAL_AFTER = 20  # send USR1 once the job has printed this step

@@ -1,6 +1,6 @@
 """The job of tests/dist_train.py checkpointed by PyTorch alone, as its DDP tutorial does it.
 
-    torchrun --nnodes 2 ... tests/multinode_alone_train.py --run-dir RUN --out OUT --global-batch 16
+    torchrun --nnodes 2 ... benchmarks/peers/multinode_alone_train.py --run-dir RUN --out OUT --global-batch 16
 
 The same model, optimizer, schedule and data (with a per-sample augmentation seeded by the index)
 as dist_train.py, a ``DistributedSampler`` (shuffled, seeded), and the snapshot of PyTorch's
@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # the jobs of the tests it measures against
 from dist_train import Data, model_and_optimizer  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """DeepSpeed's own checkpointing under the faults of tests/test_deepspeed.py: what it does, measured.
 
-The job is tests/ds_alone_train.py: the job of ds_train.py (ZeRO-2 unless said, 2 ranks, 12
+The job is benchmarks/peers/ds_alone_train.py: the job of ds_train.py (ZeRO-2 unless said, 2 ranks, 12
 steps) checkpointed by DeepSpeed's documented recipe, ``engine.save_checkpoint(dir,
 client_state={"step": ...})`` every 3 steps and ``engine.load_checkpoint(dir)`` on start, with
 a DistributedSampler whose consumed micro-batches a resumed process skips. Each test compares
@@ -28,7 +28,7 @@ import torch
 from test_deepspeed import launch, rows, same_tensors
 
 assert importlib.util.find_spec("deepspeed"), "DeepSpeed is missing: `make test` installs it (the test extra)"
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 SCRIPT = str(Path(__file__).parent / "ds_alone_train.py")
 STEPS, SAVE_EVERY, CUT = 12, 3, 6
 

@@ -1,6 +1,6 @@
 """The job of tests/test_multinode.py checkpointed by PyTorch alone, under the same faults: measured.
 
-The job is tests/multinode_alone_train.py: the same model, data and optimizer, checkpointed as
+The job is benchmarks/peers/multinode_alone_train.py: the same model, data and optimizer, checkpointed as
 PyTorch's multinode DDP tutorial does it (rank 0 ``torch.save``s a ``snapshot.pt`` every 4 steps,
 every rank loads it at start and skips the batches already done), two nodes of tests/netns.py. The
 test asserts what it does; it documents torch 2.13's behaviour (the column "PyTorch alone" of
@@ -22,14 +22,14 @@ from netns import Cluster
 from test_distributed import losses
 from test_multinode import ENV, GLOBAL_BATCH, SAVE_EVERY, STEPS, Job, cluster, nodes  # noqa: F401 (fixtures)
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ALONE = str(Path(__file__).parent / "multinode_alone_train.py")
 
 
 def test_pytorch_alone_loses_the_steps_since_its_snapshot_resumes_not_bitwise_and_is_stuck_after_a_torn_one(
         nodes: Cluster, tmp_path: Path) -> None:
     """The column "PyTorch alone" of docs/distributed.md: the same job checkpointed as PyTorch's
-    multinode DDP tutorial does it (tests/multinode_alone_train.py), under the same harness:
+    multinode DDP tutorial does it (benchmarks/peers/multinode_alone_train.py), under the same harness:
 
     1. SIGTERM to every process on every node after step 6: every process dies of it, no snapshot
        is written, the steps since the snapshot of step 4 are lost;

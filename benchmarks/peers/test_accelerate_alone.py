@@ -22,7 +22,7 @@ import pytest
 
 from test_integration_accelerate import SCRIPT, STEPS, differing, global_samples, launch, launch_cmd, logged_steps, rows
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 CUT = 8
 
 
