@@ -107,10 +107,21 @@ def _signal_dispositions_restored() -> Iterator[None]:
             signal.signal(s, handler)
 
 
-MULTI_PROCESS = re.compile(r"torch\.distributed\.run|torchrun|\bsrun\b|\bsbatch\b|\bnetns\b|llamafactory|deepspeed"
-                           r"|(hf|hf_dist|lightning|lightning_dist|accel|ds)_train\.py|lf_builtelsewhere\.py")
-"""Commands that make a test ``slow``: several ranks, a SLURM job, a network namespace, the jobs of another
-framework (HF, Lightning, Accelerate, DeepSpeed, LLaMA-Factory: each pays for its imports in every process)."""
+SLOW_COMMANDS = {"torchrun", "srun", "sbatch", "salloc", "deepspeed", "accelerate"}
+SLOW_SCRIPTS = re.compile(r"(hf|hf_dist|lightning|lightning_dist|accel|ds)_train\.py|lf_builtelsewhere\.py")
+
+
+def slow_command(args: Any) -> bool:
+    """Whether a command makes a test ``slow``: several ranks (torchrun, ``-m torch.distributed.run``), a
+    SLURM job, a network namespace, or the jobs of another framework (HF, Lightning, Accelerate,
+    DeepSpeed, LLaMA-Factory: each pays for that framework's imports in every process)."""
+    words = [str(a) for a in args] if isinstance(args, (list, tuple)) else str(args).split()
+    if not words:
+        return False
+    exe = Path(words[0])
+    return (exe.name in SLOW_COMMANDS or "torch.distributed.run" in words
+            or (exe.name == "ip" and "netns" in words) or "/llamafactory-" in words[0]
+            or any(SLOW_SCRIPTS.fullmatch(Path(w).name) for w in words[1:3]))
 
 
 @pytest.fixture(autouse=True)
@@ -125,8 +136,8 @@ def _tier_checked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
     original = subprocess.Popen._execute_child  # type: ignore[attr-defined]
 
     def checked(self: subprocess.Popen, args: Any, *rest: Any, **kw: Any) -> Any:
-        text = " ".join(map(str, args)) if isinstance(args, (list, tuple)) else str(args)
-        if MULTI_PROCESS.search(text):
+        if slow_command(args):
+            text = " ".join(map(str, args)) if isinstance(args, (list, tuple)) else str(args)
             pytest.fail(f"this test starts {text[:200]!r}: mark it slow (pytest.mark.slow; docs/testing.md)",
                         pytrace=False)
         return original(self, args, *rest, **kw)

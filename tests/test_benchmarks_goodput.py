@@ -25,7 +25,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from goodput_timeline import INFO, SEGMENTS  # noqa: E402
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "benchmarks" / "bench_goodput.py"
 SAVE_EVERY = 5

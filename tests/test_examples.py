@@ -197,6 +197,7 @@ def rank_pid(agent: int, rank: int) -> int | None:
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_torchrun_ddp_rank_killed_torchrun_restarts_and_both_ranks_resume_bitwise(tmp_path: Path) -> None:
     steps, save_every = 40, 10

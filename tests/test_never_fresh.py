@@ -266,6 +266,7 @@ def test_a_user_object_that_refuses_leaves_every_part_as_it_was(tmp_path: Path) 
     assert all(torch.equal(after["model"][k], before["model"][k]) for k in before["model"])
 
 
+@pytest.mark.slow
 def test_every_rank_refuses_when_every_checkpoint_is_damaged(tmp_path: Path) -> None:
     """torchrun, 2 ranks (DDP): every checkpoint damaged → every rank raises the same error (the
     choice of a checkpoint is collective), no rank starts at step 0, the relaunch too."""

@@ -90,6 +90,7 @@ def test_exceptions_give_exact_emergency_checkpoints(reference: Path, tmp_path: 
     assert all(results.values()), (steps, results)
 
 
+@pytest.mark.slow
 def test_torchrun_restarts_resume_automatically(reference: Path, tmp_path: Path) -> None:
     """torchrun --max-restarts restarts the crashed worker; restore() needs no extra code."""
     out = subprocess.run(

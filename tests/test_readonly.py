@@ -478,6 +478,7 @@ RANKS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_readonly_restore_with_two_ranks_under_torchrun(tmp_path: Path) -> None:
     """Both ranks restore (the coordinator found the run read-only and told the others), and both
     raise at the save, before any collective: no rank waits for another that gave up."""

@@ -347,6 +347,7 @@ def ref1(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return base
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.parametrize("extra", [(), ("--async-save",)], ids=["sync", "async"])
 def test_e2e_transient_faults_bitwise(ref1: Path, tmp_path: Path, extra: tuple[str, ...]) -> None:
@@ -365,6 +366,7 @@ def test_e2e_transient_faults_bitwise(ref1: Path, tmp_path: Path, extra: tuple[s
     assert shown.returncode == 0 and shown.stdout.count("rolled_back") == 5, shown
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_e2e_retries_exhausted_propagates_and_a_relaunch_resumes_exactly(ref1: Path, tmp_path: Path) -> None:
     done = run(job(tmp_path, "--faults", "13:oom:4", "--retries", "3"))
@@ -378,6 +380,7 @@ def test_e2e_retries_exhausted_propagates_and_a_relaunch_resumes_exactly(ref1: P
     assert last_losses(tmp_path) == last_losses(ref1)
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_e2e_an_exception_not_in_on_propagates(ref1: Path, tmp_path: Path) -> None:
     done = run(job(tmp_path, "--faults", "9:key"))
@@ -388,6 +391,7 @@ def test_e2e_an_exception_not_in_on_propagates(ref1: Path, tmp_path: Path) -> No
     assert same(final(tmp_path), final(ref1))
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_e2e_loss_spike_skip_is_reproduced_by_a_relaunch(ref1: Path, tmp_path: Path) -> None:
     bad = last_losses(ref1)[12][1][0]  # a sample of step 12: its batch spikes
@@ -420,6 +424,7 @@ def ref2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return base
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_e2e_two_ranks_roll_back_to_the_same_step_bitwise(ref2: Path, tmp_path: Path) -> None:
     # an OOM on both ranks; a NaN loss on rank 0 only, made global by the job's all-reduced flag
@@ -434,6 +439,7 @@ def test_e2e_two_ranks_roll_back_to_the_same_step_bitwise(ref2: Path, tmp_path: 
     assert out.count("step 9: FloatingPointError") == 2  # logged by both ranks
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_e2e_one_rank_raising_alone_goes_to_the_relaunch_path(ref2: Path, tmp_path: Path) -> None:
     """Rank 1 waits in the job's all-reduce: it cannot join; rank 0 re-raises after the bounded
@@ -449,6 +455,7 @@ def test_e2e_one_rank_raising_alone_goes_to_the_relaunch_path(ref2: Path, tmp_pa
         assert last_losses(tmp_path, rank) == last_losses(ref2, rank)
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_e2e_an_oom_inside_ddp_backward_goes_to_the_relaunch_path(ref2: Path, tmp_path: Path) -> None:
     """Documented limit: after an exception in the middle of DDP's backward its reducer still waits for
@@ -462,6 +469,7 @@ def test_e2e_an_oom_inside_ddp_backward_goes_to_the_relaunch_path(ref2: Path, tm
     assert same(final(tmp_path), final(ref2))
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_e2e_two_ranks_loss_spike_on_one_rank_rolls_back_both_and_a_relaunch_reproduces_it(
         ref2: Path, tmp_path: Path) -> None:
@@ -482,6 +490,7 @@ def test_e2e_two_ranks_loss_spike_on_one_rank_rolls_back_both_and_a_relaunch_rep
     assert same(final(tmp_path / "b"), final(tmp_path / "a"))
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.skipif(not hasattr(unbroken, "RamTier"), reason="the RAM tier (issue 26 §1) is not on this branch yet")
 def test_e2e_rollbacks_read_the_ram_tier(ref1: Path, tmp_path: Path) -> None:

@@ -149,6 +149,7 @@ def test_bad_options() -> None:
     assert code == 2 and "after --" in err
 
 
+@pytest.mark.slow
 def test_under_torchrun_every_kind_of_interruption_on_rank_0_and_both_ranks_identical(tmp_path: Path) -> None:
     code, out, err = selftest("--nproc", "2", "--steps", "16", "--kills", "4", "--seed", "17", "--timeout", "120",
                               "--workdir", str(tmp_path / "w"), "--json", *script("ddp_ok"))
@@ -173,6 +174,7 @@ def test_under_torchrun_every_kind_of_interruption_on_rank_0_and_both_ranks_iden
     assert doc["compared"]["records"] >= 2 * 16 and doc["compared"]["rerun_steps"] >= 2
 
 
+@pytest.mark.slow
 def test_under_torchrun_a_mistake_on_one_rank_is_found_on_that_rank(tmp_path: Path) -> None:
     code, out, err = selftest("--nproc", "2", "--steps", "12", "--kills", "1", "--kinds", "sigkill", "--seed", "0",
                               "--timeout", "120", "--json", *script("ddp_ok", "--rank1-draws-after-restore"))
