@@ -53,6 +53,9 @@ from .tiers import Remote
 log = logging.getLogger("unbroken")
 T = TypeVar("T")
 _open: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
+_held: "set[Checkpointer]" = set()
+"""Checkpointers with a RAM tier, held until closed: one dropped without ``close()`` (a local variable of
+``main()``) must still persist its newest RAM checkpoint at exit, so it is not collected before."""
 
 
 @at_exit
@@ -176,6 +179,8 @@ class Checkpointer(Saving, Stepping):
             return
         self.run.begin()
         _open.add(self)
+        if self.run.ram is not None:
+            _held.add(self)
         self.rules.watch_optimizers()  # which optimizers step, for the forgotten-optimizer warning
         self._signals.install()
         if self.comm.coordinator and not self.run.readonly:  # one index, one submit script per run
@@ -219,6 +224,7 @@ class Checkpointer(Saving, Stepping):
         """``ended``: training ended normally (``close()``, a ``with`` block left without an
         exception), not a crash: only then is a RAM tier's folder removed."""
         _open.discard(self)
+        _held.discard(self)
         failed: BaseException | None = None
         try:
             self.flush()

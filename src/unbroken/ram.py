@@ -187,6 +187,13 @@ class RamRun:
                 self._persist(name)
 
     def _persist(self, name: str) -> None:
+        busy = self.persister.busy
+        if busy is not None and time.monotonic() - self.persister.busy_since > self.tier.close_timeout_s:
+            pid = self.persister.abandon()  # stopped (SIGSTOP) or stuck on a hung filesystem
+            log.warning("the RAM tier's writer process %s has not finished copying %s in %.0f s (close_timeout_s): "
+                        "killed it (nothing of that copy is committed); %s goes to a new writer", pid, busy,
+                        self.tier.close_timeout_s, name)
+            self.failures.append(f"{busy}: the writer did not finish within {self.tier.close_timeout_s:.0f} s")
         if self.persister.busy is None:
             self.persister.submit(name)
         else:
@@ -268,11 +275,13 @@ class RamRun:
                     self.pending = None
                     self.persister.submit(newest)
         done = self.wait(self.tier.close_timeout_s)
-        self.persister.stop()
         if not done:
-            log.error("the RAM tier's last copy to %s did not finish within %.0f s; the RAM folder %s is kept "
-                      "(the next start restores from it)", self.disk.url, self.tier.close_timeout_s, self.dir)
+            pid = self.persister.abandon()  # stopped, or stuck on a hung filesystem: not waited on again
+            log.error("the RAM tier's last copy to %s did not finish within %.0f s: its writer process %s is killed; "
+                      "the RAM folder %s is kept (the next start restores from it)", self.disk.url,
+                      self.tier.close_timeout_s, pid, self.dir)
             return
+        self.persister.stop()
         if newest is not None and newest not in self.persisted and manifests[newest].seq > newest_on_disk:
             log.error("the newest RAM checkpoint %s could not be persisted to %s; the RAM folder %s is kept (the "
                       "next start on this node restores from it)", newest, self.disk.url, self.dir)

@@ -34,14 +34,22 @@ log = logging.getLogger("unbroken")
 
 
 class Persister:
-    """The training side of the writer process: start it, hand it a checkpoint, collect answers."""
+    """The training side of the writer process: start it, hand it a checkpoint, collect answers.
+
+    Every wait on the process is bounded, and an answer counts only if it comes from the process
+    that has the checkpoint in hand, for that checkpoint: a writer that died while idle (SIGKILL, the
+    OOM killer) leaves its end-of-output behind it, which must not be taken for its successor's reply.
+    The writer runs in a session of its own, so that a signal to the trainer's process group (Ctrl-C,
+    a scheduler's SIGTERM to the group) does not reach it: it finishes the copy in hand and exits when
+    the trainer closes the pipe."""
 
     def __init__(self, ram_dir: str, run_url: str, storage_options: Mapping[str, Any] | None) -> None:
         self.ram_dir, self.run_url = ram_dir, run_url
         self.storage_options = dict(storage_options or {})
         self._proc: subprocess.Popen[bytes] | None = None
-        self._answers: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._answers: queue.Queue[dict[str, Any] | None] = queue.Queue()  # the current process's
         self.busy: str | None = None  # the RAM checkpoint being persisted
+        self.busy_since = 0.0  # time.monotonic() when it was handed over
 
     @property
     def pid(self) -> int | None:
@@ -50,19 +58,22 @@ class Persister:
     def _start(self) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self._proc = subprocess.Popen([sys.executable, "-m", "unbroken.ramwriter"], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, env=env, close_fds=True)
+                                      stdout=subprocess.PIPE, env=env, close_fds=True, start_new_session=True)
         assert self._proc.stdin is not None
+        self._answers = queue.Queue()  # a dead predecessor's answers (its end) stay in its own queue
         self._send({"ram": self.ram_dir, "run": self.run_url, "storage_options": self.storage_options})
-        threading.Thread(target=self._read, args=(self._proc,), name="unbroken-persist-answers", daemon=True).start()
+        threading.Thread(target=self._read, args=(self._proc, self._answers), name="unbroken-persist-answers",
+                         daemon=True).start()
 
-    def _read(self, proc: subprocess.Popen[bytes]) -> None:
+    @staticmethod
+    def _read(proc: subprocess.Popen[bytes], answers: queue.Queue[dict[str, Any] | None]) -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
             try:
-                self._answers.put(json.loads(line))
+                answers.put(json.loads(line))
             except ValueError:
                 continue
-        self._answers.put(None)  # the process ended
+        answers.put(None)  # the process ended
 
     def _send(self, doc: dict[str, Any]) -> None:
         assert self._proc is not None and self._proc.stdin is not None
@@ -74,7 +85,7 @@ class Persister:
         assert self.busy is None, "one checkpoint at a time"
         if self._proc is None or self._proc.poll() is not None:
             self._start()
-        self.busy = name
+        self.busy, self.busy_since = name, time.monotonic()
         try:
             self._send({"name": name})
         except OSError as e:  # the writer died: answered as a failure by the next poll
@@ -84,20 +95,43 @@ class Persister:
         """The answer for the checkpoint in hand, if there is one by ``timeout`` (None: wait)."""
         if self.busy is None:
             return None
-        try:
-            answer = self._answers.get(timeout=timeout) if timeout != 0.0 else self._answers.get_nowait()
-        except queue.Empty:
-            return None
+        while True:
+            try:
+                answer = self._answers.get(timeout=timeout) if timeout != 0.0 else self._answers.get_nowait()
+            except queue.Empty:
+                return None
+            if answer is None or answer.get("name") == self.busy:
+                break  # (an answer for another checkpoint cannot be this one's: skipped)
         if answer is None:  # the process ended without answering
-            code = self._proc.wait() if self._proc is not None else None
-            answer = {"name": self.busy, "error": f"the writer process exited (code {code}) during the copy"}
-            self._proc = None
+            answer = {"name": self.busy, "error": f"the writer process exited (code {self._reap()}) during the copy"}
         self.busy = None
         return answer
 
-    def stop(self, timeout: float = 60.0) -> None:
-        """Close the pipe (the writer exits once idle) and wait for the process."""
+    def _reap(self, timeout: float = 10.0) -> int | None:
+        """End the current process (its output is closed: it is exiting), within ``timeout``; its code."""
         proc, self._proc = self._proc, None
+        if proc is None:
+            return None
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait()
+
+    def abandon(self) -> int | None:
+        """Kill the writer (stopped, or stuck on a hung filesystem) and forget the copy in hand, which
+        commits nothing (a copy is committed whole or not at all); the next :meth:`submit` starts a new
+        writer. The pid killed."""
+        pid = self.pid
+        if self._proc is not None:
+            self._proc.kill()
+            self._reap()
+        self.busy = None
+        return pid
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Close the pipe (the writer exits once idle) and wait for the process, at most ``timeout``."""
+        proc = self._proc
         if proc is None:
             return
         try:
@@ -111,6 +145,7 @@ class Persister:
             log.error("the RAM tier's writer process %d did not exit within %.0f s: killed", proc.pid, timeout)
             proc.kill()
             proc.wait()
+        self._proc = None
 
 
 def _serve(config: dict[str, Any], lines: Any, out: Any) -> None:
@@ -135,9 +170,11 @@ def _serve(config: dict[str, Any], lines: Any, out: Any) -> None:
 
 
 def main() -> None:
-    # Ctrl-C reaches the whole foreground group: the trainer handles it (a preemption save), the
-    # writer goes on until the trainer closes the pipe
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The writer runs in its own session (Persister), out of reach of the signals to the trainer's
+    # group; ignored too when it is sent to this process alone by mistake: the writer goes on until the
+    # trainer closes the pipe
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="unbroken ram writer: %(message)s")
     config = json.loads(sys.stdin.readline() or "{}")
     if not config:
