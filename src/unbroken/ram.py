@@ -35,6 +35,17 @@ no live process owns (the trainer and its writer hold a shared lock on ``.owner`
 checkpoints are all older than their run's newest on disk; one holding a newer state (a killed
 run never relaunched) is named in the log and kept (``/dev/shm/unbroken-<uid>/``).
 
+**Other users (threat model).** ``/dev/shm`` is writable by every user of the node and often shared
+by containers. The per-user folder ``unbroken-<uid>`` and each run's folder in it are created 0700
+and opened without following links, their owner checked on the open descriptor
+(:mod:`unbroken.store.private`): another user can neither read nor write the RAM checkpoints, nor
+make a trainer use a folder or follow a link they planted (refused, naming them). What they can
+still do is deny the tier: take the name ``unbroken-<uid>`` first (the trainer refuses to start and
+says how to choose another root) or fill the shared memory (the first save refuses with the sizes).
+Not yet covered (issue 33 §1): a RAM folder is keyed by the run's path, not by an identity the run
+folder carries, so another run later created at the same path (or another container's volume at
+that path) is taken for the same run; a RAM folder removed under a running trainer is an error.
+
 **Ranks.** With several ranks on one node every rank writes its part into the same RAM folder
 and the coordinator commits and persists, as on disk. On several nodes (each with its own
 ``/dev/shm``) every node keeps a copy of every RAM checkpoint, so the loss of a node is survived
@@ -62,6 +73,7 @@ from .format.manifest import Manifest
 from .rampeers import Nodes
 from .ramwriter import Persister
 from .store import open_ram_store, open_store
+from .store.private import private_folder
 
 log = logging.getLogger("unbroken")
 MARKER = ".unbroken-ram.json"
@@ -125,18 +137,18 @@ class RamRun:
 
     # ---------------------------------------------------------------- lifecycle
     def ensure_folder(self) -> None:
-        """Create the RAM folder (and the per-user folder above it, private to the user)."""
-        try:
-            for attempt in range(3):  # another run may remove the per-user folder as it empties it
-                try:
-                    self.dir.mkdir(parents=True, exist_ok=True)
-                    break
-                except FileNotFoundError:
-                    if attempt == 2:
-                        raise
-            os.chmod(self.dir.parent, 0o700)
-        except OSError as e:
-            raise StorageError(f"cannot create the RAM tier's folder {self.dir}: {e}") from e
+        """Create or open the RAM folder and the per-user folder above it, as ``mkstemp`` would in a
+        place every user can write (``/dev/shm``): no link followed, each folder checked through its
+        open descriptor to be the user's own and private (see :func:`private_folder`)."""
+        root = self.dir.parent.parent
+        for attempt in range(3):  # another run of this user may remove the per-user folder as it empties it
+            try:
+                with private_folder(root, self.dir.parent.name, shared_root=True) as user:
+                    with private_folder(self.dir.parent, self.dir.name, parent_fd=user):
+                        return
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise StorageError(f"cannot create the RAM tier's folder {self.dir}: it keeps vanishing") from None
 
     def begin(self) -> None:
         """The coordinator (on several nodes: each node's leader) opens the folder: mark it as
