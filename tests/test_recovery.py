@@ -47,10 +47,12 @@ def build(seed: int = 0) -> dict[str, Any]:
 
 
 def train(ckpt: unbroken.Checkpointer, state: dict[str, Any], steps: int, fail: dict[int, list[BaseException]],
-          calls: list[int] | None = None, hook: Any = None):
+          calls: list[int] | None = None, hook: Any = None, saved: dict[str, Any] | None = None):
     """A loop for recover(): ``fail[step]`` holds exceptions raised (one per visit) after that step's
-    backward; ``hook(step)`` runs at each step's start."""
+    backward; ``hook(step)`` runs at each step's start; ``saved``: the state given to the Checkpointer
+    (the same objects arranged another way), if not ``state``."""
     model, opt, loader = state["model"], state["optimizer"], state["data"]
+    saved = state if saved is None else saved
 
     def fn() -> int:
         if calls is not None:
@@ -65,7 +67,7 @@ def train(ckpt: unbroken.Checkpointer, state: dict[str, Any], steps: int, fail: 
                     raise fail[ckpt.progress.step + 1].pop(0)
                 opt.step()
                 opt.zero_grad()
-                ckpt.step(state, loss=loss.detach())
+                ckpt.step(saved, loss=loss.detach())
                 if ckpt.progress.step >= steps:
                     break
         return ckpt.progress.step
@@ -120,6 +122,58 @@ def test_without_dropping_the_gradients_it_would_not_be_exact(tmp_path: Path, re
         ckpt.restore(state)
         ckpt.recover(train(ckpt, state, 10, {5: [torch.OutOfMemoryError("oom")]}), state, on=torch.OutOfMemoryError)
     assert not same(params(state), reference)
+
+
+@pytest.mark.parametrize("arrange", ["nested", "list"])
+def test_modules_and_optimizers_nested_in_the_state_lose_their_gradients_too(
+        tmp_path: Path, reference: dict[str, torch.Tensor], arrange: str) -> None:
+    """Issue 33 §3: the model and optimizer inside a mapping or a list of the state (before the fix only
+    top-level ones dropped their gradients: the re-run step added to the failed step's)."""
+    state = build()
+    nets = {"model": state["model"], "optimizer": state["optimizer"]}
+    saved = {"nets": nets if arrange == "nested" else [state["model"], state["optimizer"]], "data": state["data"]}
+    with unbroken.Checkpointer(tmp_path / "run", save_every=3, preemption=None) as ckpt:
+        ckpt.restore(saved)
+        out = ckpt.recover(train(ckpt, state, 10, {5: [torch.OutOfMemoryError("oom")]}, saved=saved), saved,
+                           on=torch.OutOfMemoryError)
+    assert out == 10 and same(params(state), reference)
+
+
+def test_a_failure_between_unscale_and_update_of_a_grad_scaler_reruns_exactly(tmp_path: Path) -> None:
+    """Issue 33 §3: a step that fails after ``scaler.unscale_(opt)`` (a NaN check on the unscaled
+    gradients) left the scaler's per-optimizer stage at "unscaled": the re-run raised torch's own
+    "unscale_() has already been called" error. Compared with the same loop never failing."""
+
+    def run(where: Path, fail_at: int | None) -> dict[str, torch.Tensor]:
+        state = build()
+        state["scaler"] = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+        model, opt, loader, scaler = state["model"], state["optimizer"], state["data"], state["scaler"]
+        failed = []
+
+        with unbroken.Checkpointer(where, save_every=3, preemption=None) as ckpt:
+            def fn() -> int:
+                while ckpt.progress.step < 10:
+                    for x, y in loader:
+                        loss = torch.nn.functional.cross_entropy(model(x), y)
+                        scaler.scale(loss).backward()
+                        scaler.unscale_(opt)
+                        if ckpt.progress.step + 1 == fail_at and not failed:
+                            failed.append(1)
+                            raise FloatingPointError("nan in the unscaled gradients")
+                        scaler.step(opt)
+                        scaler.update()
+                        opt.zero_grad()
+                        ckpt.step(state, loss=loss.detach())
+                        if ckpt.progress.step >= 10:
+                            break
+                return ckpt.progress.step
+
+            ckpt.restore(state)
+            assert ckpt.recover(fn, state, on=FloatingPointError) == 10
+        assert bool(failed) == (fail_at is not None)
+        return {**params(state), "scale": scaler.get_scale() * torch.ones(1)}
+
+    assert same(run(tmp_path / "failed", 5), run(tmp_path / "never", None))
 
 
 def test_an_exception_not_in_on_propagates_unchanged(tmp_path: Path) -> None:

@@ -8,9 +8,11 @@ is exactly what a relaunch does, minus the process:
 
 1. A background save in flight is collected (``flush``); one that failed is logged and is not a
    rollback target (it never committed).
-2. Every gradient of the state's modules and optimizers is set to ``None``, as in a fresh process
-   (a ``Gradients`` object in the state gets the saved gradients back in step 3). Without this, a
-   step that failed in ``backward()`` would leave partial gradients that the re-run step adds to.
+2. Every gradient of the state's modules and optimizers, nested ones included, is set to ``None``,
+   as in a fresh process (a ``Gradients`` object in the state gets the saved gradients back in step
+   3), and every ``GradScaler``'s per-optimizer stage is cleared. Without this, a step that failed in
+   ``backward()`` would leave partial gradients that the re-run step adds to, and one that failed
+   after ``scaler.unscale_()`` would make the re-run raise.
 3. ``ckpt.restore(state)``: the normal restore path (verification, quarantine of a bad checkpoint
    and fallback to the previous one, every tier, RNGs last; a collective with several ranks, so
    every rank gets the same checkpoint). The data position comes back with the state: a
@@ -74,6 +76,7 @@ from .data import StreamLoader
 from .data.loader import ResumableLoader
 from .errors import ConfigurationError, UnbrokenError
 from .events import RolledBack
+from .state.walk import instances
 
 log = logging.getLogger("unbroken")
 
@@ -228,15 +231,22 @@ def rollback(ckpt: Any, state: MutableMapping[str, Any], policy: Policy, failed:
 
 
 def drop_gradients(state: Mapping[str, Any]) -> None:
-    """``grad = None`` for every parameter of the state's modules and optimizers (a fresh process)."""
-    for value in state.values():
-        params: Iterable[torch.Tensor] = ()
-        if isinstance(value, torch.nn.Module):
-            params = value.parameters()
-        elif isinstance(value, torch.optim.Optimizer):
-            params = (p for g in value.param_groups for p in g["params"])
+    """``grad = None`` for every parameter of the state's modules and optimizers, wherever they are in
+    the state (nested in mappings, lists, tuples: :func:`unbroken.state.walk.instances`), as in a fresh
+    process; and every AMP ``GradScaler``'s per-optimizer stage (unscaled, stepped) cleared, as its own
+    ``update()`` does (a failure between ``unscale_()`` and ``update()`` would otherwise make the re-run
+    step raise "unscale_() has already been called")."""
+    for obj in instances(state, (torch.nn.Module, torch.optim.Optimizer)):
+        if isinstance(obj, torch.nn.Module):
+            params: Iterable[torch.Tensor] = obj.parameters()
+        else:
+            params = (p for g in obj.param_groups for p in g["params"])
         for p in params:
             p.grad = None
+    for scaler in instances(state, torch.amp.GradScaler):
+        stages = getattr(scaler, "_per_optimizer_states", None)
+        if stages is not None:
+            stages.clear()  # a defaultdict: every optimizer back to READY
 
 
 def skip(ckpt: Any, state: MutableMapping[str, Any], n: int) -> int:
