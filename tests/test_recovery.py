@@ -216,6 +216,22 @@ def test_a_guard_around_recover_saves_the_exact_emergency_checkpoint_once_retrie
     assert same(params(state), reference)
 
 
+def test_a_guard_never_commits_the_state_rollback_if_rejected(tmp_path: Path) -> None:
+    """Issue 33 §3: the retries of a loss-spike rollback run out inside ``guard()``: the guard used to
+    save the spiked state (the step boundary was marked) as an emergency checkpoint, and the relaunch
+    resumed from the rejected weights. No checkpoint of step 5 may exist; the relaunch starts at 4."""
+    state = build()
+    with unbroken.Checkpointer(tmp_path / "run", save_every=4, preemption=None) as ckpt:
+        ckpt.restore(state)
+        with pytest.raises(LossSpike, match="at step 5"), ckpt.guard(state):
+            ckpt.recover(train(ckpt, state, 10, {}), state, on=torch.OutOfMemoryError,
+                         rollback_if=lambda m: ckpt.progress.step == 5, retries=1)
+        assert ckpt.last_saved is not None and ckpt.last_saved.step == 4, ckpt.last_saved
+        assert all(c.step <= 4 for c in ckpt.checkpoints()), [(c.name, c.step) for c in ckpt.checkpoints()]
+    with unbroken.Checkpointer(tmp_path / "run", save_every=4, preemption=None) as ckpt:
+        assert ckpt.restore(build(seed=5)).step == 4
+
+
 def test_policy_counts_a_failure_earlier_in_the_rerun_stretch_as_consecutive() -> None:
     p = Policy((Exception,), retries=3)
     assert [p.failure(s) for s in (10, 10, 8, 10, 11, 11, 30)] == [1, 2, 3, 4, 1, 2, 1]

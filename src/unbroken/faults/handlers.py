@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..events import Preempted
+from ..recovery import LossSpike
 from . import EXIT_PREEMPTED, slurm
 from .guard import StepGuard
 
@@ -73,6 +74,10 @@ def emergency_save(ckpt: Any, guard: StepGuard, exc: BaseException | None) -> An
     live state cannot be proven to be one instant (see :mod:`unbroken.faults.guard`)."""
     what = f"{type(exc).__name__}: {exc}" if exc is not None else "an exception"
     ckpt.flush(raise_errors=False)  # a background save in flight commits first (or is logged)
+    if isinstance(exc, LossSpike):  # the step's state is what rollback_if rejected: never committed
+        log.error("step %d: %s; no emergency checkpoint: that state was rejected by rollback_if and is never "
+                  "committed. %s", exc.step, what, _fallback(ckpt))
+        return None
     if ckpt.comm.world > 1:  # the other ranks are inside the next step's collectives: no save together
         log.error("step %d raised %s on rank %d of %d; no emergency checkpoint with several ranks (the others "
                   "could not join it): the restart resumes from the last committed checkpoint",
