@@ -68,7 +68,7 @@ class Saving:
         state = adapt(state)
         self.rules.check_reserved(state)
         self._begin()
-        if not self._started and kind != "imported":  # (an import adds a given state to a run on purpose)
+        if not self._started:
             self._refuse_starting_over()
         self.flush(raise_errors=kind == "regular")  # backpressure: at most one save in flight
         if metrics:
