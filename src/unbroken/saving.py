@@ -9,14 +9,12 @@ recorder), which :mod:`unbroken.manager` sets up.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Mapping
 from typing import Any
 
 from .api import CheckpointInfo
 from .dist.comm import Comm
-from .errors import ConfigurationError
 from .events import Saved
 from .format.manifest import Manifest
 from .lazy import StepGate, step_only_storages
@@ -33,27 +31,6 @@ log = logging.getLogger("unbroken")
 class Saving:
     """The save path of :class:`~unbroken.Checkpointer` (see the module docstring)."""
 
-    def _refuse_starting_over(self) -> None:
-        """The first save of a process that never called ``restore()``: refused, before anything is
-        written or deleted, if the run already has checkpoints (a forgotten ``restore()``, an ``if
-        args.resume:`` without the flag): it would start again at step 0 under newer sequence numbers,
-        and retention would delete the run's real checkpoints. ``UNBROKEN_START_FRESH=1`` starts over
-        on purpose (logged)."""
-        found = self.run.checkpoints()
-        if found and os.environ.get("UNBROKEN_START_FRESH") != "1":
-            newest = max(c.step for c in found)
-            raise ConfigurationError(
-                f"{self.location} already has {len(found)} checkpoint(s), the newest at step {newest}, and this "
-                f"process is saving without having called restore(): it would start over (it is at step "
-                f"{self.progress.step}) and retention would delete those checkpoints. Call ckpt.restore(state) "
-                f"before training (it resumes from step {newest}); to start over on purpose, use a new run "
-                "location, or set UNBROKEN_START_FRESH=1.")
-        if found:
-            log.warning("UNBROKEN_START_FRESH=1: %s starts over without restoring (at step %d); its %d checkpoint(s) "
-                        "(newest at step %d) go as retention replaces them", self.location, self.progress.step,
-                        len(found), max(c.step for c in found))
-        self._started = True
-
     def save(self, state: Mapping[str, Any], metrics: dict[str, Any] | None = None, *, kind: str = "regular",
              tag: str | None = None, progress: Mapping[str, int] | None = None,
              rng: Mapping[str, Any] | None = None) -> CheckpointInfo | None:
@@ -68,8 +45,6 @@ class Saving:
         state = adapt(state)
         self.rules.check_reserved(state)
         self._begin()
-        if not self._started:
-            self._refuse_starting_over()
         self.flush(raise_errors=kind == "regular")  # backpressure: at most one save in flight
         if metrics:
             self.metrics.update(metrics)
