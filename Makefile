@@ -37,7 +37,7 @@ test: $(STAMP) system-deps
 # The inner loop: every module, unit tests and single-process end-to-end runs (no several ranks, no
 # SLURM, no namespaces, no other framework's jobs): under 5 minutes (docs/testing.md).
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -ra -n $(TEST_JOBS) -m "not slow" --durations=10 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra -n $(TEST_JOBS) --dist loadfile -m "not slow" --durations=10 $(PYTEST_ARGS)
 
 test-slurm: $(STAMP) system-deps
 	$(PY) -m pytest -q -ra -m slurm $(PYTEST_ARGS)

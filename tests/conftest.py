@@ -48,6 +48,30 @@ and module fixtures stay on one worker); starting the long ones first keeps one 
 starting last and running alone."""
 
 
+SPLIT_BY = {"test_integration_hf_dist.py", "test_integration_lightning_dist.py"}
+"""The longest files, whose tests form one group per parameter value (the stack, the strategy: the first
+part of the test's id in brackets). Each value has its own reference run, so the groups share nothing and
+run on different workers; kept whole, either file ran alone on one worker for the last stretch."""
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile`` (make test): a file's tests stay on one worker with its module fixtures, except
+    the files of :data:`SPLIT_BY`, one group per parameter value. (pytest-xdist's own ``loadgroup`` marks
+    have no effect under pytest 9, which no longer reads the node id it rewrites.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FilesAndSplitFiles(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            if Path(file).name in SPLIT_BY and nodeid.endswith("]"):
+                return f"{file}[{nodeid.rsplit('[', 1)[1].split('-')[0].rstrip(']')}]"
+            return file
+
+    return FilesAndSplitFiles(config, log)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("slurm"):  # a SLURM cluster is never part of the fast tier
