@@ -42,10 +42,11 @@ LONGEST_FIRST = (
     "test_deepspeed_convert.py", "test_never_fresh.py", "test_s3.py", "test_boundary.py", "test_emergency_exact.py",
     "test_selftest_trust.py", "test_epochs.py",
 )
-"""Test files that take longest, longest first (measured; the README's "Tests" has the suite's
-timings). ``make test`` runs the files in parallel (pytest-xdist, ``--dist loadfile``: one file's tests
-and module fixtures stay on one worker); starting the long ones first keeps one of them from
-starting last and running alone."""
+"""Test files that take longest, longest first (measured; docs/testing.md has the suite's timings).
+``make test`` runs the files in parallel (pytest-xdist, ``--dist loadfile``: one file's tests and module
+fixtures stay on one worker); starting the long ones first keeps one of them from starting last and
+running alone. It needs ``--no-loadscope-reorder``: by default pytest-xdist reorders the files by their
+number of tests, most first, which put the long few-test files (LLaMA-Factory) last."""
 
 
 SPLIT_BY = {"test_integration_hf_dist.py", "test_integration_lightning_dist.py"}
