@@ -32,12 +32,12 @@ system-deps:
 	sh scripts/install_system_deps.sh
 
 test: $(STAMP) system-deps
-	$(PY) -m pytest -q -ra -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra -n $(TEST_JOBS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 # The inner loop: every module, unit tests and single-process end-to-end runs (no several ranks, no
 # SLURM, no namespaces, no other framework's jobs): under 5 minutes (docs/testing.md).
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -ra -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder -m "not slow" --durations=10 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra -n $(TEST_JOBS) --dist loadfile -m "not slow" --durations=10 $(PYTEST_ARGS)
 
 test-slurm: $(STAMP) system-deps
 	$(PY) -m pytest -q -ra -m slurm $(PYTEST_ARGS)
@@ -45,7 +45,7 @@ test-slurm: $(STAMP) system-deps
 # The peers measured alone under the faults the tests put unbroken through (HF, Lightning, Accelerate,
 # DeepSpeed, LLaMA-Factory, plain PyTorch): benchmarks, not tests of unbroken; prints their table.
 bench-peers: $(STAMP) system-deps
-	$(PY) -m pytest -q -rA -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder -p no:cacheprovider benchmarks/peers $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rA -n $(TEST_JOBS) --dist loadfile -p no:cacheprovider benchmarks/peers $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_save_load.py

@@ -46,8 +46,9 @@ LONGEST_FIRST = (
 """Test files that take longest, longest first (measured; docs/testing.md has the suite's timings).
 ``make test`` runs the files in parallel (pytest-xdist, ``--dist loadfile``: one file's tests and module
 fixtures stay on one worker); starting the long ones first keeps one of them from starting last and
-running alone. It needs ``--no-loadscope-reorder``: by default pytest-xdist reorders the files by their
-number of tests, most first, which put the long few-test files (LLaMA-Factory) last."""
+running alone. Not in effect yet: pytest-xdist reorders the files by their number of tests, most first,
+unless given ``--no-loadscope-reorder`` (which would start every long multi-rank file at once; to be
+measured before it is adopted: docs/testing.md)."""
 
 
 SPLIT_BY = {"test_integration_hf_dist.py", "test_integration_lightning_dist.py"}
