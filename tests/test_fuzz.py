@@ -34,7 +34,6 @@ import json
 import os
 import random
 import re
-import signal
 import string
 import struct
 from collections import OrderedDict
@@ -59,6 +58,8 @@ from unbroken.state.decoder import Decoder
 from unbroken.state.rng import GlobalRNG
 from unbroken.state.stateful import Progress
 
+from hang import hang_guard
+
 EXAMPLES = int(os.environ.get("UNBROKEN_FUZZ_EXAMPLES", "400"))
 CASE_LIMIT_S = 120.0
 """A hang guard, not a time limit: one small case takes milliseconds, but a loaded machine may stop this
@@ -72,25 +73,9 @@ def category(e: Exception) -> str:
     return re.sub(r"^[^ ]*(safetensors|json|mem:ck): ", "", text)[:40]
 
 
-class Hang(Exception):
-    """A fuzz case ran past ``CASE_LIMIT_S``: it hangs."""
-
-
-@contextmanager
-def bounded(limit: float = CASE_LIMIT_S) -> Iterator[None]:
-    """Fail (instead of hanging the run) if the body never ends: stopped after ``limit`` seconds. The
-    time a case took is not checked (no timed assertions: a slow case under load is not a failure)."""
-
-    def alarm(signum: int, frame: Any) -> None:
-        raise Hang(f"a fuzz case ran past {limit} s")
-
-    old = signal.signal(signal.SIGALRM, alarm)
-    signal.setitimer(signal.ITIMER_REAL, limit)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
+def bounded(limit: float = CASE_LIMIT_S) -> Any:
+    """Fail (instead of hanging the run) if a case never ends: a hang guard (:mod:`hang`), not a time limit."""
+    return hang_guard(limit, "a fuzz case")
 
 
 @contextmanager

@@ -14,10 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -26,27 +23,9 @@ import unbroken
 from unbroken.demo import compare, run_attempt
 from unbroken.faults import EXIT_PREEMPTED
 
+from hang import hang_guard
+
 STEPS, HIDDEN = 24, 64
-
-
-class Hang(Exception):
-    pass
-
-
-@contextmanager
-def hang_guard(limit: float = 120.0) -> Iterator[None]:
-    """Fail instead of hanging the suite: a guard, not a time limit (a slow machine passes)."""
-
-    def alarm(signum: int, frame: Any) -> None:
-        raise Hang(f"still waiting after {limit} s: a wait on the writer process is not bounded")
-
-    old = signal.signal(signal.SIGALRM, alarm)
-    signal.setitimer(signal.ITIMER_REAL, limit)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def _state() -> dict:
@@ -76,7 +55,8 @@ def test_a_writer_killed_while_idle_is_replaced_and_the_next_copy_commits(tmp_pa
     trainer then waited forever on the successor."""
     tier = unbroken.RamTier(keep_last=2, persist_every=2, root=str(tmp_path / "shm"))
     state = _state()
-    with hang_guard(), unbroken.Checkpointer(tmp_path / "run", save_every=1, ram=tier) as ckpt:
+    with hang_guard(120, "a wait on the writer process"), \
+            unbroken.Checkpointer(tmp_path / "run", save_every=1, ram=tier) as ckpt:
         ckpt.restore(state)
         for _ in range(2):
             ckpt.step(state)
@@ -103,7 +83,7 @@ def test_a_stopped_writer_is_replaced_and_close_is_bounded(tmp_path: Path, caplo
     state = _state()
     stopped: list[int] = []
     try:
-        with hang_guard():
+        with hang_guard(120, "a wait on the writer process"):
             ckpt = unbroken.Checkpointer(tmp_path / "run", save_every=1, ram=tier)
             ckpt.restore(state)
             for _ in range(2):
@@ -159,7 +139,7 @@ def test_sigterm_to_the_whole_process_group_exits_75_and_resumes_bitwise(tmp_pat
     assert proc.stdout is not None
     sent = False
     try:
-        with hang_guard(180):  # the bug was waiting forever
+        with hang_guard(180, "the preempted trainer"):  # the bug was waiting forever
             for line in proc.stdout:
                 if not sent and line.startswith("step ") and int(line.split()[1]) >= 10:
                     os.killpg(proc.pid, signal.SIGTERM)
