@@ -19,8 +19,16 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from test_integration_accelerate import SCRIPT, STEPS, differing, global_samples, launch, launch_cmd, logged_steps, rows
+from test_integration_accelerate import (
+    SCRIPT,
+    STEPS,
+    differing,
+    global_samples,
+    launch,
+    launch_cmd,
+    logged_steps,
+    rows,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 CUT = 8

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from test_deepspeed import launch, rows, same_tensors
 
 assert importlib.util.find_spec("deepspeed"), "DeepSpeed is missing: `make test` installs it (the test extra)"
@@ -218,7 +217,9 @@ def test_every_file_of_a_deepspeed_checkpoint_with_state_is_a_pickle(reference) 
     ``LossScaler``). The folder also gets two Python scripts copied into it."""
     import inspect
 
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (
+        TorchCheckpointEngine,
+    )
 
     ckpt = reference / "ckpt"
     tags = sorted(p.name for p in ckpt.glob("global_step*"))

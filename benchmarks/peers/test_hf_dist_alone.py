@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import pytest
 import re
 import shutil
 import signal
 
+import pytest
 from test_integration_hf_dist import (  # noqa: F401 (fixtures)
     ALONE,
     CUT,

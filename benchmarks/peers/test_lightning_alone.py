@@ -4,12 +4,11 @@ noticed). Run by ``make bench-peers`` (benchmarks/peers/conftest.py)."""
 
 from __future__ import annotations
 
-import pytest
-
-from pathlib import Path
 import random
 import signal
+from pathlib import Path
 
+import pytest
 from test_integration_lightning import (  # noqa: F401 (fixtures)
     LIGHTNING,
     SAVE_EVERY,

@@ -4,21 +4,20 @@ noticed). Run by ``make bench-peers`` (benchmarks/peers/conftest.py)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-from unbroken.faults import EXIT_PREEMPTED
-import pytest
 import random
 import re
 import shutil
 import signal
 import threading
-import torch
+from pathlib import Path
 
+import pytest
+import torch
 from test_integration_lightning_dist import (  # noqa: F401 (fixtures)
     ALONE,
     HANG_S,
-    Reference,
     STEPS,
+    Reference,
     alive,
     at_step,
     compare,
@@ -35,6 +34,8 @@ from test_integration_lightning_dist import (  # noqa: F401 (fixtures)
     same,
     sigkill_rank,
 )
+
+from unbroken.faults import EXIT_PREEMPTED
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

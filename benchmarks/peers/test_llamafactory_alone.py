@@ -4,16 +4,15 @@ noticed). Run by ``make bench-peers`` (benchmarks/peers/conftest.py)."""
 
 from __future__ import annotations
 
-import pytest
-
-from concurrent.futures import ThreadPoolExecutor
 import functools
 import random
 import signal
+from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 from test_llamafactory import (  # noqa: F401 (fixtures)
-    Attempt,
     SAVE_EVERY,
+    Attempt,
     assets,
     attempt,
     differing_steps,

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from netns import Cluster
 from test_distributed import losses
 from test_multinode import ENV, GLOBAL_BATCH, SAVE_EVERY, STEPS, Job, cluster, nodes  # noqa: F401 (fixtures)
