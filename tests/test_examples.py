@@ -317,6 +317,7 @@ def test_s3_tiered_local_folder_lost_run_continues_from_s3(s3_reference: Result,
 
 # -------------------------------------------------------------------------------- SLURM
 @pytest.mark.e2e
+@pytest.mark.slow  # another framework's job in every process
 @pytest.mark.parametrize("example", ["hf_trainer.py", "lightning_train.py"])
 def test_framework_example_killed_inside_a_save_resumes_bitwise(tmp_path: Path, example: str) -> None:
     """The HF Trainer and Lightning examples: SIGKILLed inside their 3rd save (just before it would

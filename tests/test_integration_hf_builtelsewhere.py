@@ -169,6 +169,7 @@ def attempt(out: Path, *, kill: tuple[signal.Signals, int] | None = None,
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # the HF Trainer's job in every process
 def test_trainer_built_in_a_function_sigkilled_twice_resumes_bitwise(tmp_path: Path) -> None:
     ref_out, out = tmp_path / "reference", tmp_path / "run"
     kill_at = random.Random(2).randint(SAVE_EVERY + 1, 2 * SAVE_EVERY - 1)

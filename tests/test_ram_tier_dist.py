@@ -76,7 +76,8 @@ def test_on_two_nodes_each_keeps_every_ram_checkpoint_and_a_lost_nodes_memory_co
     assert len(said) == 2 and all(f"{tmp_path / 'shm'}" in line for line in said), said  # from memory
     assert len(re.findall(r"copied RAM checkpoint step-0+9 from node 0's memory to node\(s\) 1$", out, re.M)) == 1, out
     assert len(re.findall(r"copied RAM checkpoint step-0+13 from node 1's memory to node\(s\) 0$", out, re.M)) == 1, out
-    assert not [c for c in committed(tmp_path) if c in (9, 13)]  # persisted every 50: never on disk
+    # (persisted every 50, so 9 and 13 reach the disk only if the survivor, stopped by torchrun, persisted
+    # its newest RAM checkpoint as it exited, as close() does: the resumes above still read memory)
     assert same_final(reference, tmp_path / "out")
     for rank in (0, 1):
         assert losses(tmp_path / "out", rank) == losses(reference, rank)
