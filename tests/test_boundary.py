@@ -249,6 +249,36 @@ def test_a_folder_named_tags_json_is_a_clear_error(tmp_path: Path) -> None:
     assert out.returncode != 0 and "Traceback" not in out.stderr and "tags.json" in out.stderr, out.stderr
 
 
+@pytest.mark.parametrize("damage", ["not json", "a list", "a folder"])
+def test_a_damaged_tags_json_stops_retention_instead_of_unprotecting_the_tagged(
+        tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture) -> None:
+    """``tags.json`` protects the checkpoints tagged after their save. Damaged, the tags it held are
+    unknown: retention deletes nothing (one warning naming the file and the way out) instead of
+    deleting what it protected; once it is readable again, retention goes on (issue 33 §4)."""
+    run = tmp_path / "run"
+    model, state = fresh_state()
+    with unbroken.Checkpointer(run, save_every=1, keep_last=1) as ckpt:
+        ckpt.restore(state)
+        ckpt.step(state)
+        ckpt.tag("best")  # step 1, tagged in tags.json
+        ckpt.step(state)
+        (run / "tags.json").unlink()
+        if damage == "a folder":
+            plant(run / "tags.json", "dir")
+        else:
+            (run / "tags.json").write_text('{"best": ' if damage == "not json" else '["best"]')
+        for _ in range(3):
+            ckpt.step(state)
+        names = sorted(p.name for p in run.glob("step-*"))
+        assert names[0] == "step-000000001" and len(names) == 5, names  # nothing deleted, the tagged kept
+        assert caplog.text.count("retention deletes nothing until it is fixed or removed") == 1
+        if damage == "a folder":
+            shutil.rmtree(run / "tags.json")
+        (run / "tags.json").write_text('{"best": "step-000000001"}')
+        ckpt.step(state)
+    assert sorted(p.name for p in run.glob("step-*")) == ["step-000000001", "step-000000006"]  # retention again
+
+
 def test_a_folder_named_dot_lock_is_a_library_error(tmp_path: Path) -> None:
     """The lock file is a folder: the first save fails with a library error (it says what is
     wrong), not a raw IsADirectoryError."""

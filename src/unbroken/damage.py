@@ -13,10 +13,13 @@ from __future__ import annotations
 import json
 import logging
 import re
+from datetime import datetime, timezone
 from typing import Any, Callable
 
 from .events import CorruptionFound, Event, Quarantined
+from .index import INDEX_FILE, RunIndex
 from .reader import vanished
+from .store.local import LocalStore
 
 log = logging.getLogger("unbroken")
 _DAMAGED_CHUNK = re.compile(r"chunk ([0-9a-f]{64}): (?:checksum mismatch|damaged)")
@@ -64,7 +67,7 @@ class Damage:
         return [x for x in self._found(stores, unknown) if x[0] not in seen or x[0] == unknown]
 
     def _found(self, stores: list[Any], unknown: str | None) -> list[tuple[str, str]]:
-        found = list(self.unmoved)
+        found = list(self.unmoved) + (remembered(stores[0]) if stores else [])
         if unknown:
             found.append((unknown, "the remote tier could not be listed, so its checkpoints are unknown"))
         for store in stores:
@@ -83,6 +86,34 @@ class Damage:
                 head, sep, rest = reason.partition(": ")
                 found.append((q.describe(name), rest if sep and "/" in head else reason))  # not the old path
         return found
+
+
+def remembered(store: Any) -> list[tuple[str, str]]:
+    """The checkpoints the run index of a run on a filesystem records as committed, as ``(where,
+    reason)``: asked only where none can be restored, so these vanished (deleted by hand, a storage
+    that lost them) and the run had progress. ``where`` names the sequence number and the time of
+    creation, so a later checkpoint of the same name (a fresh start numbers from 0 again) is never
+    taken for one a fresh start acknowledged. A run index that is
+    missing, damaged or not a plain file remembers nothing (a run with progress then has its
+    manifests, or its quarantine, to tell)."""
+    if not isinstance(store, LocalStore) or not (store.local_dir() / INDEX_FILE).is_file():
+        return []  # (an object store's index is a cache of this machine's, not the run's own)
+    try:
+        with RunIndex(store.local_dir(), readonly=True) as index:
+            rows = index.checkpoints("committed")
+    except Exception as e:  # noqa: BLE001 - unreadable: the manifests and quarantine still tell
+        log.warning("could not read the run index of %s to look for vanished checkpoints: %s", store.url, e)
+        return []
+    return [(f"{store.describe(str(r['name']))} (seq {r['seq']}, created {_when(r['created'])})",
+             f"committed at step {r['step']} (the run index {INDEX_FILE} records it) and now absent")
+            for r in rows]
+
+
+def _when(created: Any) -> str:
+    try:
+        return datetime.fromtimestamp(float(created), timezone.utc).isoformat(timespec="microseconds")
+    except (TypeError, ValueError, OverflowError, OSError):
+        return "at an unknown time"
 
 
 FRESH_STARTS = "fresh-starts.json"

@@ -10,11 +10,13 @@ deletes nothing; chunks no checkpoint uses any more are collected after a prune.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from .chunks import collect
 from .discovery import discover
 from .events import Pruned
 from .scheduling import Schedule
+from .tags import retention_blocked
 
 log = logging.getLogger("unbroken")
 
@@ -43,6 +45,8 @@ class Pruning:
 
     def _prune_disk(self, schedule: Schedule, keep: str | None) -> list[str]:
         with self._prune_lock:  # the uploader thread prunes too, after each upload
+            if self._retention_blocked(self.store):
+                return []
             infos = discover(self.store)
             protect = [keep] if keep else []
             if self.uploader is not None:
@@ -59,12 +63,26 @@ class Pruning:
                 collect(self.store, pinned=self.chunks.pinned if self.chunks else None, elsewhere=self.comm.world > 1)
         return doomed
 
+    def _retention_blocked(self, store: Any) -> bool:
+        """A damaged ``tags.json`` stops retention in ``store`` (the checkpoints it protects are
+        unknown), with one warning per run and store until it is readable again."""
+        why = retention_blocked(store)
+        if why is None:
+            self._retention_warned.discard(store.url)
+            return False
+        if store.url not in self._retention_warned:
+            self._retention_warned.add(store.url)
+            log.warning("%s", why)
+        return True
+
     def _prune_remote(self) -> list[str]:
         """After an upload: apply the remote tier's retention, and the local one (what waited
         for this upload may go now)."""
         assert self.remote_store is not None and self.remote_schedule is not None
         if self._schedule is not None:
             self._prune_disk(self._schedule, None)
+        if self._retention_blocked(self.remote_store):
+            return []
         infos = discover(self.remote_store)
         doomed = self.remote_schedule.doomed(infos, {c.name: set(c.tags) for c in infos}, None)
         if doomed and self.remote_lock is not None:

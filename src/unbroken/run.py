@@ -80,6 +80,7 @@ class Run(Pruning):
         self._next_seq = 0
         self._remote_ok = True
         self._prune_lock = threading.Lock()
+        self._retention_warned: set[str] = set()  # stores whose damaged tags.json stopped retention (said once)
         self._writing = False
         self.damage = Damage(self.publish)
         self._remote_unlisted = False  # the remote tier could not be listed by the last restore

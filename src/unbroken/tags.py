@@ -28,17 +28,36 @@ def check_tag(tag: str) -> str:
     return tag
 
 
-def load_tags(store: Any) -> dict[str, str]:
-    """The run-level tags (tag -> checkpoint name); an unreadable file counts as empty."""
+def read_tags(store: Any) -> tuple[dict[str, str], str | None]:
+    """The run-level tags (tag -> checkpoint name), and why ``tags.json`` could not be read (``None``:
+    read, or absent). Unreadable, it counts as empty for listing, but retention deletes nothing while
+    it is (:func:`retention_blocked`): the tags it held are unknown."""
     try:
         raw = store.read_meta(TAGS_FILE)
         data = json.loads(raw) if raw is not None else {}
     except (OSError, ValueError, RecursionError, UnbrokenError) as e:  # a link, a FIFO, 1 GB, not JSON
-        log.warning("ignoring the run's %s: %s", TAGS_FILE, e)
-        return {}
+        return {}, f"{type(e).__name__}: {e}"
     if not isinstance(data, dict):
-        return {}
-    return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str) and _TAG.match(k)}
+        return {}, f"not a JSON object but {type(data).__name__}"
+    return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str) and _TAG.match(k)}, None
+
+
+def load_tags(store: Any) -> dict[str, str]:
+    """The run-level tags (tag -> checkpoint name); an unreadable file counts as empty (with a warning)."""
+    tags, problem = read_tags(store)
+    if problem is not None:
+        log.warning("ignoring the run's %s: %s", TAGS_FILE, problem)
+    return tags
+
+
+def retention_blocked(store: Any) -> str | None:
+    """Why retention must delete nothing in ``store`` now: its ``tags.json`` exists but cannot be
+    read, so which checkpoints it protects is unknown (``None``: retention may go on)."""
+    problem = read_tags(store)[1]
+    if problem is None:
+        return None
+    return (f"the run's {TAGS_FILE} in {store.url} cannot be read ({problem}), so the checkpoints it tags are "
+            f"unknown: retention deletes nothing until it is fixed or removed (`unbroken tag` rewrites it)")
 
 
 def save_tags(store: Any, tags: dict[str, str]) -> None:
