@@ -10,6 +10,7 @@ is written to the machine's /dev/shm. The capacity test mounts a small tmpfs ins
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import random
 import re
@@ -296,6 +297,24 @@ def test_checkpoints_lists_the_tiers_and_close_removes_the_folder(tmp_path: Path
     assert ram_folders(tmp_path) == []
     assert list((tmp_path / "shm").iterdir()) == []  # nor the per-user folder it was in
     assert on_disk(tmp_path / "run") == ["step-000000002", "step-000000004", "step-000000005"]
+
+
+def test_a_crash_keeps_the_ram_folder_and_is_not_called_a_signal(tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """An exception out of the ``with`` block: the RAM folder is kept for the relaunch (as on a signal),
+    and the log says why it really stopped, never "on a signal" (issue 33 §5)."""
+    tier = unbroken.RamTier(keep_last=2, persist_every=10, root=str(tmp_path / "shm"))
+    state = _state(8)
+    caplog.set_level(logging.INFO, logger="unbroken")
+    with pytest.raises(RuntimeError, match="a bad batch"):
+        with unbroken.Checkpointer(tmp_path / "run", save_every=1, ram=tier) as ckpt:
+            ckpt.restore(state)
+            for _ in range(3):
+                ckpt.step(state)
+            raise RuntimeError("a bad batch")
+    assert len(ram_folders(tmp_path)) == 1
+    assert "on a signal" not in caplog.text
+    assert "stopping without close() (an exception" in caplog.text and "is kept for a relaunch" in caplog.text
 
 
 def test_persisted_checkpoints_go_on_to_the_remote_tier(tmp_path: Path) -> None:

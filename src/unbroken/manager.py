@@ -237,7 +237,11 @@ class Checkpointer(Saving, Stepping):
             self._file_writer.close()
         self._signals.uninstall()
         self.rules.stop_watching()
-        self.run.close(keep_ram=not ended or self._signals.received is not None)  # a relaunch here reads RAM
+        received = self._signals.received
+        keep = (f"stopping on a signal ({received.name})" if received is not None
+                else None if ended else "stopping without close() (an exception, or the exit of a script that never "
+                                        "calls close())")
+        self.run.close(keep_ram=keep)  # a relaunch here reads RAM
         self.comm.close()
         self._save_comm.close()
         for p in self._plugins:

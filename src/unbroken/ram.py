@@ -276,7 +276,7 @@ class RamRun:
             self.collect(timeout=min(left, 0.5) if left is not None else 0.5)  # the lock is held that long
         return True
 
-    def close(self, newest_on_disk: int, manifests: Mapping[str, Manifest], keep: bool = False) -> None:
+    def close(self, newest_on_disk: int, manifests: Mapping[str, Manifest], keep: str | None = None) -> None:
         """Persist the newest RAM checkpoint if the disk has nothing as new, wait, stop the writer
         and remove the RAM folder, unless ``keep`` (see the module docstring)."""
         newest = max(manifests, key=lambda n: (manifests[n].seq, manifests[n].step), default=None)
@@ -299,13 +299,13 @@ class RamRun:
                       "next start on this node restores from it)", newest, self.disk.url, self.dir)
             return
         if keep:
-            log.info("stopping on a signal: the RAM folder %s is kept for a relaunch on this node (its newest "
-                     "checkpoint is also in %s)", self.dir, self.disk.url)
+            log.info("%s: the RAM folder %s is kept for a relaunch on this node (its newest checkpoint is also in "
+                     "%s)", keep, self.dir, self.disk.url)
             self._release_owner()
             return
         self.remove()
 
-    def close_copy(self, keep: bool) -> None:
+    def close_copy(self, keep: str | None) -> None:
         """Close on a node other than the coordinator's (several nodes): its copies go with a normal
         close (node 0's writer persisted the newest), stay for a relaunch on a signal or a crash."""
         if keep:

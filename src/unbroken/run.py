@@ -211,10 +211,10 @@ class Run(Pruning):
             self._persisted()
         return self.uploader.wait(timeout) if self.uploader is not None else True
 
-    def close(self, keep_ram: bool = False) -> None:
+    def close(self, keep_ram: str | None = None) -> None:
         """Release the run: persist the newest RAM checkpoint, wait for uploads, unlock. The RAM
-        folder is removed unless ``keep_ram`` (the process stops on a signal: a relaunch on this
-        node restores from memory, and removes it at its own close)."""
+        folder is removed unless ``keep_ram`` (why the process stops other than by a normal close: a
+        signal, a crash; a relaunch on this node restores from memory, and removes it at its own close)."""
         if self.ram is not None and self.comm.coordinator and self._writing and not self._readonly:
             disk = max((m.seq for m in manifests(self.store).values()), default=-1)
             self.ram.close(disk, self.ram.manifests(), keep=keep_ram)
