@@ -49,6 +49,7 @@ def test_events_of_a_resumed_run(resumed: Path) -> None:
     assert kinds.count("run_started") == 1 and kinds.count("resumed") == 1 and kinds.count("saved") == 4
     resume = next(e for e in doc["events"] if e["kind"] == "resumed")
     assert resume["checkpoint"] == "step-000000002" and resume["step"] == 2
+    assert resume["data"] == {"tier": "path"}  # named by its path (restore(path=...))
     only = as_json(invoke("events", resumed, "--kind", "saved", "--json"))["events"]
     assert [e["checkpoint"] for e in only] == ["step-000000002", "step-000000004", "step-000000004-2",
                                                "step-000000006"]

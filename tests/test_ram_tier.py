@@ -315,6 +315,11 @@ def test_a_crash_keeps_the_ram_folder_and_is_not_called_a_signal(tmp_path: Path,
     assert len(ram_folders(tmp_path)) == 1
     assert "on a signal" not in caplog.text
     assert "stopping without close() (an exception" in caplog.text and "is kept for a relaunch" in caplog.text
+    with unbroken.Checkpointer(tmp_path / "run", save_every=1, ram=tier) as ckpt:  # the relaunch reads memory
+        info = ckpt.restore(_state(8))
+        assert info is not None and info.step == 3 and info.tiers == ("ram",)
+    with RunIndex(str(tmp_path / "run"), readonly=True) as index:  # and the run index says so
+        assert [e["data"] for e in index.events("resumed")] == [{"tier": "ram"}]
 
 
 def test_persisted_checkpoints_go_on_to_the_remote_tier(tmp_path: Path) -> None:

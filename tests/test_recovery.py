@@ -405,8 +405,9 @@ def last_losses(base: Path, rank: int = 0) -> dict[int, tuple[float, list[int]]]
 
 def rollbacks(base: Path) -> list[tuple[int, int, int, str]]:
     with RunIndex(str(base / "run"), readonly=True) as idx:
-        return [(e["step"], e["data"]["restored_step"], e["data"]["attempt"], e["message"].split(":")[0])
-                for e in idx.events("rolled_back")]
+        events = idx.events("rolled_back")
+    assert all(e["data"]["tier"] == "local" for e in events), events  # the tier each rollback read from
+    return [(e["step"], e["data"]["restored_step"], e["data"]["attempt"], e["message"].split(":")[0]) for e in events]
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import torch
 
 import unbroken
 from unbroken.events import Uploaded, UploadFailed
+from unbroken.index import RunIndex
 from unbroken.store import open_store
 from unbroken.store.retry import Retry
 
@@ -90,9 +91,11 @@ def test_local_copy_deleted_resume_downloads_from_the_remote(tmp_path: Path, s3,
     fresh = make_state(seed=1)
     with tiered(tmp_path / "run", s3, s3_url, save_every=2) as ckpt:
         info = ckpt.restore(fresh)
-        assert info is not None and info.step == 6
+        assert info is not None and info.step == 6 and info.tiers == ("remote",)  # where it came from
         assert all(torch.equal(saved[k], v) for k, v in weights(fresh).items())
         assert "step-000000006" in names(open_store(tmp_path / "run"))  # downloaded and kept
+    with RunIndex(str(tmp_path / "run"), readonly=True) as index:  # the run index says so too
+        assert [e["data"] for e in index.events("resumed")] == [{"tier": "remote"}]
 
 
 def test_a_damaged_local_copy_falls_back_to_the_remote_copy_of_the_same_step(tmp_path: Path, s3, s3_url) -> None:

@@ -28,15 +28,15 @@ log = logging.getLogger("unbroken")
 RELISTS = 10
 """How often :func:`newest_valid` looks again after checkpoints vanished while it read them."""
 RAM = "ram:"
+REMOTE = "remote:"  # a checkpoint downloaded from the remote tier into the primary store, read there
 """Prefix of a candidate in the RAM tier."""
 
 
-def newest_valid(run: Run, repair: LiveChunks | None = None) -> tuple[LoadedCheckpoint | None, str, int]:
+def newest_valid(run: Run, repair: LiveChunks | None = None) -> tuple[LoadedCheckpoint | None, str, str]:
     """The newest checkpoint that verifies in any tier (downloaded if only the remote has it),
-    where it was read, and how many committed checkpoints were seen. Invalid ones are
+    where it was read, and the tier it came from (``ram``, ``local``, ``remote``; ``""``: none). Invalid ones are
     reported, quarantined and skipped; a damaged chunk the live state still holds is
     rewritten by ``repair`` first. A collective: every rank gets its part."""
-    seen = [0]
     rank, world = run.comm.rank, run.comm.world
     nodes = run.ram.nodes if run.ram is not None else None
     held = rampeers.holdings(nodes, run.comm, run.ram.manifests) if nodes is not None and run.ram else None
@@ -54,29 +54,29 @@ def newest_valid(run: Run, repair: LiveChunks | None = None) -> tuple[LoadedChec
 
     for _ in range(RELISTS):  # a checkpoint pruned while read (a read-only run's writer): look again
         run.damage.vanished = False
-        chosen = collective.choose(run.comm, _candidates(run, seen, held) if run.comm.coordinator else None,
+        chosen = collective.choose(run.comm, _candidates(run, held) if run.comm.coordinator else None,
                                    attempt, invalid)
         if not run.comm.broadcast(run.damage.vanished and run.comm.coordinator and _newer_than(run, chosen)):
             break
-    seen_all = run.comm.broadcast(seen[0])
     if chosen is None:
-        return None, "", seen_all
+        return None, "", ""
     token, loaded = chosen
     run.use_base(loaded)
     store, name = _where(run, token)
-    return loaded, store.describe(name), seen_all
+    tier = "ram" if token.startswith(RAM) else "remote" if token.startswith(REMOTE) else "local"
+    return loaded, store.describe(name), tier  # (the token is the coordinator's, on every rank)
 
 def _where(run: Run, token: str) -> tuple[Any, str]:
     if run.ram is not None and token.startswith(RAM):
         return run.ram.store, token[len(RAM):]
-    return run.store, token
+    return run.store, token.removeprefix(REMOTE)
 
 def _newer_than(run: Run, chosen: tuple[str, LoadedCheckpoint] | None) -> bool:
     """Whether a checkpoint newer than ``chosen`` is committed now (one vanished meanwhile)."""
     seq = chosen[1].manifest.seq if chosen is not None else -1
     return any(m.seq > seq for m in manifests(run.store).values())
 
-def _candidates(run: Run, seen: list[int], held: list[dict[str, list[int]]] | None) -> Iterator[str]:
+def _candidates(run: Run, held: list[dict[str, list[int]]] | None) -> Iterator[str]:
     """Names to try, newest first, in the primary store: a checkpoint only the remote tier
     has (or whose local copy failed) is downloaded first. ``held``: the RAM checkpoints of
     every node (several nodes: any node's is a candidate)."""
@@ -89,7 +89,6 @@ def _candidates(run: Run, seen: list[int], held: list[dict[str, list[int]]] | No
         for name, (seq, step) in node.items():
             ram_by.setdefault((seq, step), name)
     keys = sorted({*local_by, *remote_by, *ram_by}, reverse=True)
-    seen[0] = len(keys)
     for key in keys:
         if key in ram_by and run.ram is not None:
             yield RAM + ram_by[key]  # memory first; if it fails, the same checkpoint from disk or remote
@@ -99,7 +98,7 @@ def _candidates(run: Run, seen: list[int], held: list[dict[str, list[int]]] | No
                 continue  # invalid but could not be quarantined: not shadowed by a download
         if key in remote_by and run.remote_store is not None:
             try:
-                yield run.download(remote_by[key])
+                yield REMOTE + run.download(remote_by[key])
             except CorruptCheckpointError as e:
                 run.invalid(run.remote_store, remote_by[key], str(e), tier="remote")
 

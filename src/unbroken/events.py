@@ -92,11 +92,13 @@ class UploadFailed(Event):
 
 @dataclass(frozen=True)
 class Restored(Event):
-    """State was loaded from a checkpoint (``location``: where it was read)."""
+    """State was loaded from a checkpoint (``location``: where it was read; ``tier``: ``ram``,
+    ``local``, ``remote`` (downloaded first), or ``path`` (named by the caller))."""
 
     name: str
     location: str
     step: int
+    tier: str = ""
 
 
 @dataclass(frozen=True)
@@ -161,6 +163,8 @@ class RolledBack(Event):
     attempt: int
     retries: int
     skipped_batches: int = 0
+    tier: str = ""
+    """The tier ``checkpoint`` was read from (see :class:`Restored`)."""
 
 
 class Listener(Protocol):

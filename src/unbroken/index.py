@@ -209,15 +209,16 @@ class RunIndex:
                                                             checkpoint, message, _json(dict(data or {}))))
         return int(cur.lastrowid or 0)
 
-    def start_segment(self, resumed_from: str | None, start_step: int) -> int:
-        """Record that this process starts writing the run, with a ``run_started`` (or ``resumed``)
-        event; later metrics, events and checkpoint rows carry the returned segment id."""
+    def start_segment(self, resumed_from: str | None, start_step: int, tier: str = "") -> int:
+        """Record that this process starts writing the run, with a ``run_started`` (or ``resumed``,
+        whose data names the ``tier`` the checkpoint was read from) event; later metrics, events and
+        checkpoint rows carry the returned segment id."""
         with self._tx() as conn:
             seg = int(conn.execute(
                 "INSERT INTO segments (started, resumed_from, start_step, host, pid) VALUES (?, ?, ?, ?, ?)",
                 (time.time(), resumed_from, start_step, socket.gethostname(), os.getpid())).lastrowid or 0)
             self._insert_event(conn, "resumed" if resumed_from else "run_started", step=start_step,
-                               checkpoint=resumed_from, segment=seg)
+                               checkpoint=resumed_from, data={"tier": tier} if tier else None, segment=seg)
         self.segment = seg
         return seg
 

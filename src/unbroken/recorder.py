@@ -35,7 +35,7 @@ class Recorder:
             self.event("started_over", "UNBROKEN_START_FRESH=1", step=e.step,
                        data={"checkpoints": e.checkpoints, "newest_step": e.newest_step})
         elif isinstance(e, ev.Restored):
-            self.segment(e.name, e.step)
+            self.segment(e.name, e.step, e.tier)
         elif isinstance(e, ev.StepEnded):
             self.metrics(e.step, e.metrics)
         elif isinstance(e, ev.Saved):
@@ -64,7 +64,7 @@ class Recorder:
         elif isinstance(e, ev.RolledBack):  # a resume inside the process: a new segment after it
             self.event("rolled_back", e.error, step=e.step_failed, checkpoint=e.checkpoint,
                        data={"restored_step": e.restored_step, "attempt": e.attempt, "retries": e.retries,
-                             "skipped_batches": e.skipped_batches})
+                             "skipped_batches": e.skipped_batches, "tier": e.tier})
             self._segment, self._rows = False, {}
             self.segment(e.checkpoint, e.restored_step)
         elif isinstance(e, ev.Preempted):
@@ -90,12 +90,13 @@ class Recorder:
     def index(self) -> RunIndex | None:
         return self._index
 
-    def segment(self, resumed_from: str | None, step: int) -> None:
-        """Start the run segment (once per process): after restore, or at the first step."""
+    def segment(self, resumed_from: str | None, step: int, tier: str = "") -> None:
+        """Start the run segment (once per process): after restore (``tier``: where it read from), or
+        at the first step."""
         if self._segment or self._index is None:
             return
         self._segment = True
-        self._call("start_segment", lambda: self._index.start_segment(resumed_from, step))  # type: ignore[union-attr]
+        self._call("start_segment", lambda: self._index.start_segment(resumed_from, step, tier))  # type: ignore[union-attr]
 
     def metrics(self, step: int, metrics: Mapping[str, Any]) -> None:
         numbers = {k: v for k, v in metrics.items()

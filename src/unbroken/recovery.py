@@ -221,7 +221,8 @@ def rollback(ckpt: Any, state: MutableMapping[str, Any], policy: Policy, failed:
     if info is None:  # ensure_target saved one; only a run emptied from outside gets here
         raise ConfigurationError(f"recover: {ckpt.location} has no checkpoint to roll back to")
     skipped = skip(ckpt, state, policy.skip_batches) if spike else 0
-    event = RolledBack(failed, info.step, info.name, error, attempt, policy.retries, skipped)
+    event = RolledBack(failed, info.step, info.name, error, attempt, policy.retries, skipped,
+                       info.tiers[0] if info.tiers else "")
     ckpt.events.publish(event)
     log.warning("step %d: %s; rolled back to %s (step %d)%s, retry %d of %d", failed, error, info.name, info.step,
                 f", {skipped} batch(es) skipped" if skipped else "", attempt, policy.retries)

@@ -163,10 +163,11 @@ def sync_data_position(progress: Progress, state: Mapping[str, Any]) -> None:
 
 
 def apply_checkpoint(ckpt: Any, state: MutableMapping[str, Any], loaded: LoadedCheckpoint,
-                     where: str) -> CheckpointInfo:
+                     where: str, tier: str = "path") -> CheckpointInfo:
     """Load ``loaded`` into ``state`` and into the Checkpointer ``ckpt`` (its progress, trigger,
     metrics), in the order of the module docstring: everything is checked before anything is
-    applied, RNGs come last. Publishes ``Restored``; returns what was loaded."""
+    applied, RNGs come last. Publishes ``Restored``; returns what was loaded (its ``tiers``: the
+    one it was read from, ``ram``, ``local``, ``remote``, or ``path`` for a checkpoint named by path)."""
     check_environment(loaded.manifest.environment, ckpt.environment(), ckpt.env.policy)
     comm = ckpt.comm
     saved = {k: v for k, v in loaded.state.items() if k not in ckpt.allow_unsaved}
@@ -198,9 +199,9 @@ def apply_checkpoint(ckpt: Any, state: MutableMapping[str, Any], loaded: LoadedC
         ckpt.probe_report = check_after_resume(ckpt.probe, loaded.manifest.probe)
     ckpt.metrics = dict(loaded.manifest.metrics)
     in_run = where == ckpt.run.describe(loaded.name)
-    ckpt.events.publish(Restored(loaded.name if in_run else where, where, ckpt.progress.step))
+    ckpt.events.publish(Restored(loaded.name if in_run else where, where, ckpt.progress.step, tier))
     log.info("resumed from %s (step %d)", where, loaded.manifest.step)
-    return CheckpointInfo.of(where, loaded.name, loaded.manifest)
+    return CheckpointInfo.of(where, loaded.name, loaded.manifest, tiers=(tier,))
 
 
 def restore_into(ckpt: Any, state: MutableMapping[str, Any], path: Any, tag: str | None,
@@ -219,9 +220,9 @@ def restore_into(ckpt: Any, state: MutableMapping[str, Any], path: Any, tag: str
     # a read-only run is not written, not even to repair a chunk
     repair = LiveChunks(ckpt.run.store, ckpt.saved_part(state)) if ckpt.run.chunks is not None and \
         not ckpt.run.readonly else None
-    loaded, where, _ = ckpt.run.newest_valid(repair)
+    loaded, where, tier = ckpt.run.newest_valid(repair)
     if loaded is not None:
-        return apply_checkpoint(ckpt, state, loaded, where)
+        return apply_checkpoint(ckpt, state, loaded, where, tier)
     lost = ckpt.run.unrestorable()
     if lost and if_unrestorable != "start_fresh" and os.environ.get("UNBROKEN_START_FRESH") != "1":
         raise NoValidCheckpointError(unrestorable_message(ckpt.location, lost))

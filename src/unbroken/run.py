@@ -326,9 +326,9 @@ class Run(Pruning):
         return self.ram.store.describe(name) if in_ram and self.ram is not None else self.store.describe(name)
 
     # ---------------------------------------------------------------------- read
-    def newest_valid(self, repair: LiveChunks | None = None) -> tuple[LoadedCheckpoint | None, str, int]:
+    def newest_valid(self, repair: LiveChunks | None = None) -> tuple[LoadedCheckpoint | None, str, str]:
         """The newest checkpoint that verifies in any tier (RAM, this location, the remote tier,
-        downloaded), where it was read, and how many committed checkpoints were seen; a collective
+        downloaded), where it was read, and the tier it came from; a collective
         (see :func:`unbroken.choosing.newest_valid`)."""
         return choosing.newest_valid(self, repair)
 
