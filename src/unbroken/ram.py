@@ -42,9 +42,18 @@ and opened without following links, their owner checked on the open descriptor
 make a trainer use a folder or follow a link they planted (refused, naming them). What they can
 still do is deny the tier: take the name ``unbroken-<uid>`` first (the trainer refuses to start and
 says how to choose another root) or fill the shared memory (the first save refuses with the sizes).
-Not yet covered (issue 33 §1): a RAM folder is keyed by the run's path, not by an identity the run
-folder carries, so another run later created at the same path (or another container's volume at
-that path) is taken for the same run; a RAM folder removed under a running trainer is an error.
+
+**One run, one RAM folder.** The folder is keyed by the run's path *and* its id (``run-id`` in the
+run folder, created once: :mod:`unbroken.runid`), and its marker names both: a run deleted and made
+again at the same path, or another container's volume at that path, never restores, prunes or
+persists the other's RAM checkpoints (a start collects another run's folder only when it can tell it
+is unneeded: otherwise it is kept and named). One trainer per RAM folder: the coordinator (or a
+node's leader) holds ``.trainer`` exclusively, so a second job on the same run reached another way
+(a copy of the volume mounted at the same path) is refused, naming the holder. A RAM folder removed
+under a running trainer (a ``/dev/shm`` cleaner, systemd's ``RemoveIPC=yes``) is made again at the
+next RAM save, with a warning; until a new RAM checkpoint commits, a restart resumes from the disk.
+On one process a folder that cannot be made again sends that save to the disk; with several ranks
+that save fails on every rank, as any failed write does.
 
 **Ranks.** With several ranks on one node every rank writes its part into the same RAM folder
 and the coordinator commits and persists, as on disk. On several nodes (each with its own
@@ -54,13 +63,10 @@ from another node's memory (:mod:`unbroken.rampeers`).
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import hashlib
 import json
 import logging
 import os
-import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -71,18 +77,12 @@ from .errors import ConfigurationError, StorageError, UnbrokenError
 from .events import Event, Persisted, Pruned
 from .format.manifest import Manifest
 from .rampeers import Nodes
+from .ramfolder import MARKER, collect_orphans, exclusive, own, remove_folder
 from .ramwriter import Persister
-from .store import open_ram_store, open_store
+from .store import open_ram_store
 from .store.private import private_folder
 
 log = logging.getLogger("unbroken")
-MARKER = ".unbroken-ram.json"
-"""Written into every RAM folder: the run it belongs to (what removing it may touch)."""
-OWNER = ".owner"
-"""Locked (shared) by the trainer and its writer process while they live: a folder whose lock can be
-taken exclusively has no live owner (:func:`collect_orphans`)."""
-
-
 @dataclass
 class RamTier:
     """The RAM tier of a :class:`~unbroken.Checkpointer` (see :mod:`unbroken.ram`).
@@ -107,10 +107,11 @@ class RamTier:
         if not isinstance(self.persist_every, int) or self.persist_every < 1:
             raise ConfigurationError(f"RamTier(persist_every={self.persist_every!r}): a positive number of saves")
 
-    def folder(self, identity: str) -> Path:
-        """The RAM folder of the run whose store identity is ``identity``."""
+    def folder(self, identity: str, run_id: str) -> Path:
+        """The RAM folder of the run whose store identity (its real path) is ``identity`` and whose id
+        (:mod:`unbroken.runid`) is ``run_id``."""
         root = Path(self.root or os.environ.get("UNBROKEN_RAM_ROOT") or "/dev/shm")
-        digest = hashlib.sha256(identity.encode()).hexdigest()[:24]
+        digest = hashlib.sha256(f"{identity}\0{run_id}".encode()).hexdigest()[:24]
         return root / f"unbroken-{os.getuid()}" / digest
 
 
@@ -122,20 +123,30 @@ class RamRun:
         if not isinstance(tier, RamTier):
             raise ConfigurationError(f"ram={tier!r}: pass unbroken.RamTier(...)")
         self.tier, self.disk, self.publish = tier, disk, publish
-        self.dir = tier.folder(str(getattr(disk, "identity", None) or disk.url))
-        self.store = open_ram_store(self.dir, tier.keep_last)
-        self.persister = Persister(str(self.dir), disk.url, storage_options)
+        self.storage_options = storage_options
+        self.run_id = ""  # set by attach(), before the folder is used
+        self.attach("")
         self.saves = 0  # RAM commits by this process
         self.pending: str | None = None  # due for persisting while the writer was busy
         self.persisted: dict[str, str] = {}  # RAM name -> its name on disk
         self.failures: list[str] = []
         self._done: list[tuple[str, str, float]] = []  # persisted, not yet handled by the run
-        self._owner: int | None = None
+        self._owner: int | None = None  # a shared lock on OWNER (the writer process holds one too)
+        self._exclusive: int | None = None  # the lock on TRAINER: one trainer per RAM folder
+        self._inode = -1  # the folder's, once marked: a folder removed (or replaced) under the trainer differs
         self._manifests: dict[str, Manifest] = {}  # committed RAM checkpoints (a name never changes)
         self._lock = threading.RLock()  # saves commit in a background thread (async_save), prunes in the loop's
         self.nodes: Nodes | None = None  # several nodes (unbroken.rampeers); None on one
 
     # ---------------------------------------------------------------- lifecycle
+    def attach(self, run_id: str) -> None:
+        """Key the RAM folder by the run's id (:mod:`unbroken.runid`) as well as its path: every rank,
+        once the coordinator has read or created the id (``""``: a run without one, read-only)."""
+        self.run_id = run_id
+        self.dir = self.tier.folder(str(getattr(self.disk, "identity", None) or self.disk.url), run_id)
+        self.store = open_ram_store(self.dir, self.tier.keep_last)
+        self.persister = Persister(str(self.dir), self.disk.url, self.storage_options)
+
     def ensure_folder(self) -> None:
         """Create or open the RAM folder and the per-user folder above it, as ``mkstemp`` would in a
         place every user can write (``/dev/shm``): no link followed, each folder checked through its
@@ -154,25 +165,61 @@ class RamRun:
         """The coordinator (on several nodes: each node's leader) opens the folder: mark it as
         this run's, remove leftovers of saves that died (only those of dead writers)."""
         self.ensure_folder()
-        marker = self.dir / MARKER
-        mine = {"run": self.disk.url, "identity": str(getattr(self.disk, "identity", self.disk.url))}
-        if marker.exists():
-            try:
-                found = json.loads(marker.read_text())
-            except (OSError, ValueError):
-                found = {}
-            if found.get("identity") != mine["identity"]:
-                raise StorageError(f"{self.dir} belongs to another run ({found.get('run', 'unknown')}); "
-                                   "remove it, or use RamTier(root=...)")
-        else:
-            self.store.write_meta(MARKER, json.dumps(mine).encode())
+        self._mark()
         self._owner = own(self.dir)
+        self._exclusive = exclusive(self.dir)
         for name in self.store.clean_stale():
             log.info("removed leftover %s of an interrupted RAM save", name)
         collect_orphans(self.dir.parent, self.dir)
         held = self.store.list_committed()
         if held:
             log.info("the RAM tier %s holds %d checkpoint(s) of a previous process", self.dir, len(held))
+
+    def _mark(self) -> None:
+        """The folder's marker names the run (its path and id): a folder of another run (same path,
+        another id: a run created again there, another container's volume) is never used."""
+        marker = self.dir / MARKER
+        mine = {"run": self.disk.url, "identity": str(getattr(self.disk, "identity", self.disk.url)),
+                "run_id": self.run_id}
+        if marker.exists():
+            try:
+                found = json.loads(marker.read_text())
+            except (OSError, ValueError):
+                found = {}
+            if (found.get("identity"), found.get("run_id")) != (mine["identity"], mine["run_id"]):
+                raise StorageError(f"{self.dir} belongs to another run ({found.get('run', 'unknown')}, id "
+                                   f"{found.get('run_id', 'none')}; this run's id is {self.run_id}); remove it, "
+                                   "or use RamTier(root=...)")
+        else:
+            self.store.write_meta(MARKER, json.dumps(mine).encode())
+        self._inode = os.stat(self.dir, follow_symlinks=False).st_ino
+
+    def check_folder(self) -> bool:
+        """Before a RAM save: the folder is still this run's. Removed under the running trainer (a
+        ``/dev/shm`` cleaner, systemd's ``RemoveIPC``), it is made again, empty, with a warning: the
+        RAM tier protects again from this save on (the disk tier has the run meanwhile). False if it
+        cannot be made again (the caller saves to disk), with a warning saying why."""
+        try:
+            if os.stat(self.dir, follow_symlinks=False).st_ino == self._inode and (self.dir / MARKER).is_file():
+                return True
+        except OSError:
+            pass
+        log.warning("the RAM tier's folder %s was removed (or replaced) under this running process (a /dev/shm "
+                    "cleaner? systemd's RemoveIPC=yes?): its RAM checkpoints are gone; making it again (until a "
+                    "new RAM checkpoint commits, a restart resumes from the disk tier %s)", self.dir, self.disk.url)
+        self._release_owner()
+        with self._lock:
+            self._manifests.clear()
+        try:
+            self.ensure_folder()
+            self._mark()
+            self._owner = own(self.dir)
+            self._exclusive = exclusive(self.dir)
+        except (OSError, UnbrokenError) as e:
+            log.warning("cannot make the RAM tier's folder %s again (%s): this checkpoint goes to the disk tier %s",
+                        self.dir, e, self.disk.url)
+            return False
+        return True
 
     def manifests(self) -> dict[str, Manifest]:
         """The readable manifests of the committed RAM checkpoints (read once per checkpoint)."""
@@ -314,80 +361,12 @@ class RamRun:
             self.remove()
 
     def _release_owner(self) -> None:
-        if self._owner is not None:
-            os.close(self._owner)
-            self._owner = None
+        for fd in (self._owner, self._exclusive):
+            if fd is not None:
+                os.close(fd)
+        self._owner = self._exclusive = None
 
     def remove(self) -> None:
         """Delete this run's RAM folder: its checkpoints, leftovers and quarantine, then the folder."""
         self._release_owner()
         remove_folder(self.dir, self.store)
-
-
-def own(folder: Path, exclusive: bool = False) -> int | None:
-    """Lock ``folder``'s owner file (shared; ``exclusive`` and non-blocking: None if a live
-    process holds it); the open descriptor holds the lock until closed."""
-    fd = os.open(folder / OWNER, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB if exclusive else fcntl.LOCK_SH)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
-
-
-def collect_orphans(root: Path, mine: Path) -> None:
-    """Remove the RAM folders under ``root`` that no live process owns and whose every checkpoint
-    is older than the newest one on its run's disk (a killed run relaunched elsewhere, or one that
-    ended with ``keep``); a folder holding a newer state is kept for its run's relaunch, and named."""
-    from .discovery import manifests
-
-    for folder in sorted(root.iterdir()):
-        if folder == mine or not (folder / MARKER).is_file():
-            continue
-        fd = own(folder, exclusive=True)
-        if fd is None:
-            continue  # a live trainer or writer
-        try:
-            run = json.loads((folder / MARKER).read_text())["run"]
-            store = open_store(str(folder))
-            ram = max((m.seq for m in manifests(store).values()), default=-1)
-            disk = max((m.seq for m in manifests(open_store(run)).values()), default=-1) if "://" not in run else None
-            if disk is not None and ram <= disk:
-                log.info("removing %s: the RAM checkpoints of %s left by a process that ended (all older than "
-                         "its newest on disk)", folder, run)
-                remove_folder(folder, store)
-            else:
-                log.warning("%s holds RAM checkpoints of %s newer than its disk's, left by a process that ended: "
-                            "relaunching that run on this node resumes from them (and removes them); delete the "
-                            "folder to give the memory back", folder, run)
-        except Exception as e:  # noqa: BLE001 - someone else's folder: never a reason to stop training
-            log.debug("not collecting %s: %s", folder, e)
-        finally:
-            os.close(fd)
-
-
-def remove_folder(folder: Path, store: Any) -> None:
-    """Delete a RAM folder this library made: its checkpoints, leftovers and quarantine, then itself."""
-    try:
-        for name in store.list_committed():
-            store.delete(name)
-        store.clean_stale()
-        q = folder / "quarantine"
-        if q.is_dir():
-            names = sorted(p.name for p in q.iterdir())
-            if names:
-                log.warning("removing the RAM tier's quarantined copies: %s", ", ".join(names))
-            shutil.rmtree(q)
-        for p in folder.iterdir():
-            if p.name.startswith((".node-", ".lock", OWNER, MARKER)):
-                p.unlink()
-        folder.rmdir()
-    except OSError as e:
-        if e.errno != errno.ENOENT:
-            log.warning("could not remove the RAM tier's folder %s: %s", folder, e)
-        return
-    try:  # the per-user folder (unbroken-<uid>) too, once no run of this user has one in it
-        folder.parent.rmdir()
-    except OSError:
-        pass

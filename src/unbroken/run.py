@@ -44,6 +44,7 @@ from .store.retry import is_transient
 from .tags import TAGS_FILE, load_tags, save_tags, tags_by_checkpoint
 from .pruning import Pruning
 from .ram import RamRun, RamTier
+from .runid import ensure_run_id, read_run_id
 from .rampeers import start_nodes
 from .tiers import Remote, Uploader, copy_checkpoint
 
@@ -80,7 +81,8 @@ class Run(Pruning):
         self._next_seq = 0
         self._remote_ok = True
         self._prune_lock = threading.Lock()
-        self._retention_warned: set[str] = set()  # stores whose damaged tags.json stopped retention (said once)
+        self._retention_warned: set[str] = set()
+        self.last_in_ram = False  # whether the last checkpoint written went to the RAM tier  # stores whose damaged tags.json stopped retention (said once)
         self._writing = False
         self.damage = Damage(self.publish)
         self._remote_unlisted = False  # the remote tier could not be listed by the last restore
@@ -122,30 +124,35 @@ class Run(Pruning):
         if self._writing:
             return
         failure: BaseException | None = None
-        readonly, code = "", errno.EROFS
+        readonly, code, run_id = "", errno.EROFS, ""
         if self.comm.coordinator:
             try:
                 try:
                     self.lock.acquire()
                 except ReadOnlyRunError as e:
                     readonly, code = str(e), e.errno or errno.EROFS
+                    run_id = (read_run_id(self.store) or "") if self.ram is not None else ""
                 else:
                     for name in self.store.clean_stale():
                         log.info("removed leftover %s of an interrupted save", name)
                     self._collect_at_start()
                     if self.ram is not None:
+                        run_id = ensure_run_id(self.store)  # the RAM folder is this run's, not its path's
+                        self.ram.attach(run_id)
                         self.ram.begin()
                     if self.remote_store is not None:
                         self._begin_remote()
             except BaseException as e:  # noqa: BLE001 - told to every rank, then raised here
                 failure = e
-        outcome, readonly, code = self.comm.broadcast([f"{type(failure).__name__}: {failure}" if failure else "",
-                                                       readonly, code])
+        outcome, readonly, code, run_id = self.comm.broadcast(
+            [f"{type(failure).__name__}: {failure}" if failure else "", readonly, code, run_id])
         if failure is not None:
             raise failure
         if outcome:
             raise RunLockedError(f"the coordinator (rank 0) could not open {self.url}: {outcome}")
         self._readonly, self._readonly_errno = readonly, code
+        if self.ram is not None and self.ram.run_id != run_id:
+            self.ram.attach(run_id)  # the other ranks (and a read-only run: its id, if it has one)
         if self.ram is not None and self.comm.world > 1 and not readonly:
             self.ram.nodes = start_nodes(self.comm, self.ram)  # several nodes: a copy on each
         if readonly and self.comm.coordinator:
@@ -285,6 +292,10 @@ class Run(Pruning):
         A read-only run raises :class:`ReadOnlyRunError` on every rank, before any collective."""
         self.require_writable("save a checkpoint to")
         in_ram = self.saves_to_ram(fields.get("kind", "regular"))
+        if in_ram and self.ram is not None and self.comm.coordinator and not self.ram.check_folder() \
+                and self.comm.world == 1:  # (several ranks write into one folder: the write fails on every rank)
+            in_ram = False  # this checkpoint to the disk tier; the next RAM save tries the folder again
+        self.last_in_ram = in_ram
         store = self.ram.store if self.ram is not None and in_ram else self.store
         peers = self.ram.nodes if self.ram is not None and in_ram else None
         final, manifest = collective.write(comm or self.comm, store, self.lock, name, shared, mine,

@@ -149,7 +149,7 @@ class Saving:
 
     def _committed(self, final: str, manifest: Manifest, kind: str, tags: list[str], took: float) -> CheckpointInfo:
         """Bookkeeping after a commit (in the training thread): events, log, retention."""
-        in_ram = self.run.saves_to_ram(kind)
+        in_ram = self.run.last_in_ram  # (a RAM save whose folder vanished went to the disk: Run.write)
         info = CheckpointInfo.of(self.run.describe(final, in_ram), final, manifest)
         self.last_saved = info
         self.schedule.saved(manifest.step, manifest.metrics, manifest.progress.get("epoch", 0))

@@ -103,7 +103,7 @@ def import_checkpoint(src: str | os.PathLike[str], run: str | os.PathLike[str], 
     return info, imported
 
 
-_RUN_FILES = ("tags.json", "fresh-starts.json", "quarantine", "submit.slurm", "chunks", "index.sqlite")
+_RUN_FILES = ("tags.json", "fresh-starts.json", "run-id", "quarantine", "submit.slurm", "chunks", "index.sqlite")
 
 
 def check_run_folder(run: str | os.PathLike[str]) -> None:

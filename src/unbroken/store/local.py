@@ -382,7 +382,7 @@ class _RunLock(FlockLock):
         super().acquire()
 
 
-_MANAGED_FILES = {".lock", ".lock.json", "tags.json", "fresh-starts.json", QUARANTINE, "submit.slurm", CHUNKS}
+_MANAGED_FILES = {".lock", ".lock.json", "tags.json", "fresh-starts.json", "run-id", QUARANTINE, "submit.slurm", CHUNKS}
 
 
 def linked_entries(dir_fd: int) -> list[str]:
