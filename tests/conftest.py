@@ -20,6 +20,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 import buildcache  # noqa: E402
+import timeline  # noqa: E402
 from repo_guard import changes, snapshot, tracked  # noqa: E402
 from s3_server import S3Server  # noqa: E402
 
@@ -32,69 +33,45 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ.pop(_var, None)
 
 
-LONGEST_FIRST = (
-    "test_integration_hf_dist.py", "test_llamafactory.py", "test_integration_lightning_dist.py",
-    "test_distributed.py", "test_selftest.py", "test_upstream_loops.py", "test_data_e2e.py", "test_integration_hf.py",
-    "test_incremental_e2e.py",
-    "test_integration_lightning.py", "test_examples.py", "test_deepspeed.py", "test_async_save.py",
-    "test_preemption.py", "test_e2e_kill.py", "test_recovery.py", "test_ram_tier.py",
-    "test_integration_accelerate.py", "test_benchmarks_goodput.py",
-    "test_readonly.py", "test_lock.py", "test_multinode.py", "test_e2e_s3.py",
-    "test_deepspeed_convert.py", "test_never_fresh.py", "test_s3.py", "test_boundary.py", "test_emergency_exact.py",
-    "test_selftest_trust.py", "test_epochs.py",
-)
-"""Test files that take longest, longest first (measured; docs/testing.md has the suite's timings).
-``make test`` runs the files in parallel (pytest-xdist, ``--dist loadfile``: one file's tests and module
-fixtures stay on one worker); starting the long ones first keeps one of them from starting last and
-running alone. Not in effect yet: pytest-xdist reorders the files by their number of tests, most first,
-unless given ``--no-loadscope-reorder`` (which would start every long multi-rank file at once; to be
-measured before it is adopted: docs/testing.md)."""
-
-
-SPLIT_BY = {"test_integration_hf_dist.py", "test_integration_lightning_dist.py"}
-"""The longest files, whose tests form one group per parameter value (the stack, the strategy: the first
-part of the test's id in brackets). Each value has its own reference run, so the groups share nothing and
-run on different workers; kept whole, either file ran alone on one worker for the last stretch."""
+MEASURED_S: dict[str, float] = {}
+"""Seconds the tests of each scope (a file, or a group of :data:`timeline.SPLIT_BY`) took in a full
+``make test`` (``python tests/timeline.py <timeline> --table`` prints this table from a run's timeline;
+docs/testing.md). The scheduler hands the scopes out longest first; one not in the table counts
+:data:`UNMEASURED_S` per test."""
+UNMEASURED_S = 2.0
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """``--dist loadfile`` (make test): a file's tests stay on one worker with its module fixtures, except
-    the files of :data:`SPLIT_BY`, one group per parameter value. (pytest-xdist's own ``loadgroup`` marks
-    have no effect under pytest 9, which no longer reads the node id it rewrites.)"""
+    the files of :data:`timeline.SPLIT_BY`, one scope per parameter value; the scopes are handed out
+    longest first by :data:`MEASURED_S` (pytest-xdist's own order is by number of tests, which started the
+    longest files, few tests each, last; its ``loadgroup`` marks have no effect under pytest 9)."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
-    class FilesAndSplitFiles(LoadFileScheduling):
+    class LongestFirst(LoadFileScheduling):
+        ordered = False
+
         def _split_scope(self, nodeid: str) -> str:
-            file = nodeid.split("::", 1)[0]
-            if Path(file).name in SPLIT_BY and nodeid.endswith("]"):
-                return f"{file}[{nodeid.rsplit('[', 1)[1].split('-')[0].rstrip(']')}]"
-            return file
+            return timeline.scope(nodeid)
 
-    return FilesAndSplitFiles(config, log)
+        def _assign_work_unit(self, node: Any) -> None:
+            if not self.ordered:  # the first assignment: the queue is complete
+                self.ordered = True
+                cost = {key: MEASURED_S.get(Path(key).name, UNMEASURED_S * len(tests))
+                        for key, tests in self.workqueue.items()}
+                for key in sorted(self.workqueue, key=lambda k: -cost[k]):
+                    self.workqueue.move_to_end(key)
+            super()._assign_work_unit(node)
 
-
-TIMELINE = os.environ.get("UNBROKEN_TEST_TIMELINE")
-"""A file that each test appends ``worker, start, end, node id`` to (tab-separated, Unix seconds): the
-suite's timeline, to see which tests run beside which and what runs last (docs/testing.md)."""
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    start = time.time()
-    yield
-    if TIMELINE:
-        with open(TIMELINE, "a") as f:  # one short line per write: appends from several workers stay whole
-            f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}\t{start:.2f}\t{time.time():.2f}\t{item.nodeid}\n")
+    return LongestFirst(config, log)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("slurm"):  # a SLURM cluster is never part of the fast tier
             item.add_marker(pytest.mark.slow)
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 
 
 @pytest.fixture(autouse=True, scope="session")

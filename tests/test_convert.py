@@ -332,3 +332,40 @@ def test_import_refuses_a_folder_that_is_not_a_run(tmp_path: Path) -> None:
     again, _ = import_checkpoint(tmp_path / "w.pt", tmp_path / "run")  # a run takes another one
     assert again.path != info.path
     unbroken.verify(info.path)
+
+
+@pytest.mark.parametrize("step", [float("inf"), float("nan"), -3, 2.5, 2**60])
+def test_a_step_that_is_not_a_count_is_refused_not_committed(tmp_path: Path, step: float) -> None:
+    """An infinite, NaN, negative, fractional or absurd step in a source is refused with the value named,
+    before anything is written (issue 33 §5: before, inf raised a raw OverflowError, and NaN or a
+    negative step became step 0 silently)."""
+    torch.save({"model": {"w": torch.zeros(2)}, "step": step}, tmp_path / "ckpt.pt")
+    with pytest.raises(unbroken.errors.UnbrokenError, match=r"its step is .*not a count from 0"):
+        import_checkpoint(tmp_path / "ckpt.pt", tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_tiny_pickle_of_an_expanded_tensor_is_refused_not_written_out_at_full_size(tmp_path: Path) -> None:
+    """One element expanded to 10**8 pickles in about 1.5 KB; written out it would be a 400 MB checkpoint
+    (issue 33 §5): refused, naming the shape. A small broadcast view (HF's position_ids) still imports."""
+    torch.save({"model": {"w": torch.zeros(1).expand(10**8)}}, tmp_path / "big.pt")
+    assert (tmp_path / "big.pt").stat().st_size < 4096
+    with pytest.raises(unbroken.errors.UnbrokenError, match=r"expanded beyond the bytes behind them.*100000000"):
+        import_checkpoint(tmp_path / "big.pt", tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+    torch.save({"model": {"position_ids": torch.arange(512).expand((1, -1)), "w": torch.ones(2)}},
+               tmp_path / "ok.pt")
+    info, _ = import_checkpoint(tmp_path / "ok.pt", tmp_path / "run")
+    assert info.step == 0
+
+
+def test_a_deepspeed_file_named_for_rank_a_billion_is_refused_without_allocating(tmp_path: Path) -> None:
+    """The ranks of a DeepSpeed folder are bounded by the files present: a file claiming rank 10**9
+    used to build a list of 10**9 ranks (gigabytes, then a raw MemoryError) (issue 33 §5)."""
+    from unbroken.convert.deepspeed import _rank_files
+
+    for rank in (0, 10**9):
+        (tmp_path / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"")
+    with pytest.raises(unbroken.errors.UnbrokenError, match=r"lacks the optimizer file of rank 1 \(files of 2 "
+                                                            r"ranks, the highest 1000000000\)"):
+        _rank_files(tmp_path)

@@ -11,19 +11,18 @@ once per session (about a minute), into a folder of the session's own.
 from __future__ import annotations
 
 import importlib.util
-import contextlib
 import json
 import os
 import random
 import shutil
 import signal
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+import jobs
 from test_distributed import run
 from unbroken.store import open_store
 
@@ -39,18 +38,12 @@ def env(deepspeed_env: dict[str, str]) -> dict[str, str]:
 
 
 def torchrun(n: int, base: Path, stage: int, *extra: str, restarts: int = 0) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-            f"--max-restarts={restarts}", SCRIPT, "--run-dir", str(base / "run"), "--out", str(base / "out"),
-            "--stage", str(stage), "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), *extra]
+    return jobs.torchrun(n, SCRIPT, "--run-dir", str(base / "run"), "--out", str(base / "out"), "--stage",
+                           str(stage), "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), *extra, restarts=restarts)
 
 
 def launch(cmd: list[str], env: dict[str, str], base: Path, on_line=None) -> tuple[int, str]:
-    def kill_workers() -> None:  # torchrun's workers outlive a killed agent's process group
-        for f in (base / "out").glob("pid-r*"):
-            with contextlib.suppress(OSError, ValueError):
-                os.kill(int(f.read_text()), signal.SIGKILL)
-
-    return run(cmd, env=env, timeout=400, on_line=on_line, on_timeout=kill_workers)
+    return run(cmd, env=env, timeout=400, on_line=on_line, workers=base / "out")  # (tests/jobs.py)
 
 
 def rows(out: Path, rank: int) -> dict[int, tuple[list[float], list[int]]]:

@@ -25,6 +25,7 @@ import unbroken
 from unbroken.convert import UntrustedPickleError, import_checkpoint, read_source
 
 assert importlib.util.find_spec("deepspeed"), "DeepSpeed is missing: `make test` installs it (the test extra)"
+import jobs
 from test_deepspeed import launch, same_tensors  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -39,9 +40,8 @@ def env(deepspeed_env: dict[str, str]) -> dict[str, str]:
 
 
 def torchrun(n: int, run: Path, out: Path, stage: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", "--max-restarts=0",
-            SCRIPT, "--run-dir", str(run), "--out", str(out), "--stage", str(stage), "--steps", str(K),
-            "--save-every", "3", "--buffer", *extra]
+    return jobs.torchrun(n, SCRIPT, "--run-dir", str(run), "--out", str(out), "--stage", str(stage), "--steps",
+                           str(K), "--save-every", "3", "--buffer", *extra)
 
 
 _trained: dict[int, Path] = {}

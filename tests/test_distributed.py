@@ -22,6 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import jobs
 from unbroken.faults import EXIT_PREEMPTED
 from unbroken.store import open_store
 
@@ -32,8 +33,7 @@ ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
 
 
 def torchrun(n: int, *args: str, restarts: int = 0) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-            f"--max-restarts={restarts}", SCRIPT, *args]
+    return jobs.torchrun(n, SCRIPT, *args, restarts=restarts)
 
 
 def job(base: Path, *extra: str, mode: str = "ddp") -> list[str]:
@@ -41,34 +41,10 @@ def job(base: Path, *extra: str, mode: str = "ddp") -> list[str]:
             "--save-every", str(SAVE_EVERY), *extra]
 
 
-def run(cmd: list[str], env: dict | None = None, timeout: float = 300, on_line=None,
-        on_timeout=None) -> tuple[int, str]:
-    """Run ``cmd``, streaming its output to ``on_line(line, proc)``; (exit code, output). After
-    ``timeout`` its process group is killed, and ``on_timeout()`` called (torchrun's workers have
-    their own sessions and keep the output open)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env or ENV,
-                            start_new_session=True)
-    lines: list[str] = []
-
-    def kill() -> None:
-        os.killpg(proc.pid, signal.SIGKILL)
-        if on_timeout is not None:
-            on_timeout()
-
-    timer = threading.Timer(timeout, kill)
-    timer.start()
-    try:
-        for line in proc.stdout:  # type: ignore[union-attr]
-            lines.append(line)
-            if on_line is not None:
-                on_line(line, proc)
-        proc.wait()
-    finally:
-        timer.cancel()
-        if proc.poll() is None:  # a failed check above: never leave a job behind
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return proc.returncode, "".join(lines)
+def run(cmd: list[str], env: dict | None = None, timeout: float = 300, on_line=None, on_timeout=None,
+        workers: Path | None = None) -> tuple[int, str]:
+    """:func:`jobs.run` with this module's environment by default."""
+    return jobs.run(cmd, env or ENV, timeout, on_line, workers, on_timeout)
 
 
 def losses(out: Path, rank: int) -> dict[int, tuple[float, list[int]]]:
@@ -81,18 +57,7 @@ def all_rows(out: Path, rank: int) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in map(json.loads, (out / f"losses-r{rank}.jsonl").read_text().splitlines())]
 
 
-def kill_at(base: Path, rank: int, line: int):
-    """An ``on_line`` that SIGKILLs rank ``rank`` (its pid in ``base/out/pid-r<rank>``) once it prints
-    ``rank <rank> step <line>`` (the ranks' lines may run together); and the list of pids killed."""
-    killed: list[int] = []
-
-    def on_line(text: str, proc) -> None:
-        if not killed and re.search(rf"rank {rank} step {line}(?!\d)", text):
-            pid = int((base / "out" / f"pid-r{rank}").read_text())
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
-
-    return on_line, killed
+kill_at = jobs.kill_at
 
 
 def same_final(a: Path, b: Path) -> bool:

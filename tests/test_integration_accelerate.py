@@ -14,7 +14,6 @@ losses and samples of every step, every evaluation, the final parameters, AdamW 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -50,15 +49,7 @@ def launch_cmd(n: int, base: Path, *extra: str, fsdp: bool = False, restarts: in
 
 
 def launch(cmd: list[str], base: Path, on_line=None, env: dict | None = None) -> tuple[int, str]:
-    def kill_workers() -> None:  # torchrun's workers outlive a killed launcher's process group
-        for f in (base / "out").glob("pid-r*"):
-            with contextlib.suppress(OSError, ValueError):
-                os.kill(int(f.read_text()), signal.SIGKILL)
-
-    try:
-        return run(cmd, env=env or ENV, timeout=400, on_line=on_line, on_timeout=kill_workers)
-    finally:
-        kill_workers()  # never leave a worker behind (a failed check, a timeout)
+    return run(cmd, env=env or ENV, timeout=400, on_line=on_line, workers=base / "out")  # (tests/jobs.py)
 
 
 def rows(out: Path, rank: int, name: str = "losses") -> dict[int, tuple]:

@@ -28,7 +28,6 @@ the table of ``docs/integrations.md``. FSDP runs on CPU only because the job for
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -41,6 +40,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import jobs
 from test_distributed import run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -62,18 +62,12 @@ def env(deepspeed_env: dict[str, str]) -> dict[str, str]:
 
 def torchrun(n: int, base: Path, stack: str, mode: str, *extra: str, restarts: int = 0) -> list[str]:
     force = ("--force-fsdp-on-cpu",) if stack.startswith("fsdp") else ()
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-            f"--max-restarts={restarts}", SCRIPT, "--stack", stack, "--mode", mode, "--out", str(base / "out"),
-            "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), *force, *extra]
+    return jobs.torchrun(n, SCRIPT, "--stack", stack, "--mode", mode, "--out", str(base / "out"), "--steps",
+                           str(STEPS), "--save-every", str(SAVE_EVERY), *force, *extra, restarts=restarts)
 
 
 def launch(cmd: list[str], env: dict[str, str], base: Path, on_line=None) -> tuple[int, str]:
-    def kill_workers() -> None:  # torchrun's workers outlive a killed agent's process group
-        for f in (base / "out").glob("pid-r*"):
-            with contextlib.suppress(OSError, ValueError):
-                os.kill(int(f.read_text()), signal.SIGKILL)
-
-    return run(cmd, env=env, timeout=480, on_line=on_line, on_timeout=kill_workers)
+    return run(cmd, env=env, timeout=480, on_line=on_line, workers=base / "out")  # (tests/jobs.py)
 
 
 def pid(base: Path, rank: int) -> int:

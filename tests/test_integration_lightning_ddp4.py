@@ -12,11 +12,11 @@ four ranks 2 samples per rank per micro-batch, 2 micro-batches a step (the globa
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
+import jobs
 from test_distributed import kill_at
 from test_integration_lightning_dist import ENV, final, job, launch, merged, same
 
@@ -24,9 +24,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 def torchrun4(base: Path, restarts: int = 0) -> list[str]:
-    cmd = job(base, devices=4)
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-            f"--max-restarts={restarts}", *cmd[1:]]
+    return jobs.torchrun(4, *job(base, devices=4)[1:], restarts=restarts)
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 import pytorch_lightning  # noqa: F401  (the test extra installs it: a missing one fails, not skips)
+import jobs
 from test_distributed import run
 from unbroken.faults import EXIT_PREEMPTED
 from unbroken.store import open_store
@@ -52,18 +53,7 @@ def job(base: Path, *extra: str, devices: int = 2, strategy: str = "ddp") -> lis
 
 
 def torchrun_job(base: Path, *extra: str, restarts: int = 0) -> list[str]:
-    cmd = job(base, *extra)
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-            f"--max-restarts={restarts}", *cmd[1:]]
-
-
-def kill_job(base: Path) -> None:
-    """SIGKILL every rank of the job writing ``base/out`` (Lightning's children outlive a killed rank 0)."""
-    for f in (base / "out").glob("pid-r*"):
-        try:
-            os.kill(int(f.read_text()), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
-            pass
+    return jobs.torchrun(2, *job(base, *extra)[1:], restarts=restarts)
 
 
 def alive(pid: int) -> bool:
@@ -77,10 +67,7 @@ def alive(pid: int) -> bool:
 def launch(base: Path, cmd: list[str], env: dict[str, str] | None = None, on_line=None,
            timeout: float = 400) -> tuple[int, str]:
     """Run one job to its end (every rank: its output closes), killing what is left after a timeout."""
-    try:
-        return run(cmd, env=env or ENV, timeout=timeout, on_line=on_line, on_timeout=lambda: kill_job(base))
-    finally:
-        kill_job(base)
+    return run(cmd, env=env or ENV, timeout=timeout, on_line=on_line, workers=base / "out")  # (tests/jobs.py)
 
 
 def at_step(base: Path, step: int, action) -> tuple:

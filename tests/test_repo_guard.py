@@ -47,7 +47,7 @@ def test_snapshot_sees_writes_anywhere_but_tool_caches(tmp_path: Path) -> None:
 def _harness(repo: Path, test_body: str) -> subprocess.CompletedProcess[str]:
     tests = repo / "tests"
     tests.mkdir(parents=True)
-    for name in ("conftest.py", "repo_guard.py", "s3_server.py", "buildcache.py", "hang.py"):
+    for name in ("conftest.py", "repo_guard.py", "s3_server.py", "buildcache.py", "hang.py", "timeline.py", "jobs.py"):
         shutil.copy(HERE / name, tests / name)
     (tests / "test_scratch.py").write_text(textwrap.dedent(test_body))
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp",

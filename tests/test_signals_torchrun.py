@@ -8,19 +8,18 @@ adopted by a subreaper started by the test, which reports their real exit status
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Callable
 
 import pytest
 
+import jobs
 from test_distributed import losses, same_final
 from unbroken.faults import EXIT_PREEMPTED
 from unbroken.store import open_store
@@ -52,9 +51,8 @@ with open(sys.argv[1], "w") as f:
 
 
 def torchrun(base: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=0",
-            SCRIPT, "--run-dir", str(base / "run"), "--out", str(base / "out"), "--mode", "ddp", "--steps",
-            str(STEPS), "--save-every", str(SAVE_EVERY), *extra]
+    return jobs.torchrun(2, SCRIPT, "--run-dir", str(base / "run"), "--out", str(base / "out"), "--mode", "ddp",
+                           "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), *extra)
 
 
 def worker_pids(base: Path) -> list[int]:
@@ -64,33 +62,8 @@ def worker_pids(base: Path) -> list[int]:
 def run(cmd: list[str], base: Path, on_line: Callable[[str, subprocess.Popen], None] | None = None
         ) -> tuple[int, str]:
     """Run ``cmd`` to its end, streaming its output to ``on_line``; (exit code, output). Whatever goes
-    wrong, no worker is left behind (they run in sessions of their own)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
-                            start_new_session=True)
-
-    def kill_all() -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(OSError, ValueError):
-            for pid in worker_pids(base):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-
-    timer = threading.Timer(400, kill_all)  # a test gone wrong must not hang the suite
-    timer.start()
-    lines: list[str] = []
-    try:
-        for line in proc.stdout:  # type: ignore[union-attr]
-            lines.append(line)
-            if on_line is not None:
-                on_line(line, proc)
-        proc.wait()
-    finally:
-        timer.cancel()
-        if proc.poll() is None:
-            kill_all()
-            proc.wait()
-    return proc.returncode, "".join(lines)
+    wrong, no worker is left behind (they run in sessions of their own: tests/jobs.py)."""
+    return jobs.run(cmd, ENV, 400, on_line, workers=base / "out")
 
 
 @pytest.fixture(scope="module")

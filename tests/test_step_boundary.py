@@ -110,6 +110,7 @@ def train(run: Path, workers: int, point: str | None = None, losses: dict | None
                     os.kill(os.getpid(), signal.SIGUSR1)
                 ckpt.step(state, loss=loss.detach())
     finally:
+        batches = None  # noqa: F841 - the raised exception keeps this frame: its loader workers stop now
         ckpt.close()
     return {k: v.clone() for k, v in model.state_dict().items()} | {
         f"opt/{i}/{k}": v.clone() for i, s in opt.state_dict()["state"].items() for k, v in s.items()}

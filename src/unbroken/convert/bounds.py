@@ -133,3 +133,50 @@ def check_config(config: dict[str, Any], tensors: int, path: Path) -> None:
                     f"{path} declares {key} = {value}, but the checkpoint's weights have {tensors} tensors (each "
                     "layer, block or expert has at least one): the config does not describe these weights, so "
                     "no model was built from it. Fix or remove config.json")
+
+
+MAX_COUNT = 2**53
+"""The largest step, epoch or sample count an import accepts (a float64 holds every integer below it)."""
+MAX_AMPLIFIED_BYTES = 1 << 20
+"""Bytes an imported state's tensors may hold beyond the storage behind them (expanded views: a
+broadcast row, HF's ``position_ids``); past it the source is refused, not written out at full size."""
+
+
+def check_count(value: Any, what: str, source: str, integral: bool = True) -> int:
+    """A step, epoch or sample count from ``source``: missing (``None``) is 0; otherwise a number from 0
+    to :data:`MAX_COUNT` (``integral``: a whole one; else its whole part, as an HF epoch of 2.57),
+    refused with a clear error otherwise (infinite, NaN, negative, a string), never committed as is."""
+    if value is None:
+        return 0
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or value != value or not 0 <= value < MAX_COUNT or (integral and value != int(value)):
+        raise UnbrokenError(f"{source}: its {what} is {value!r}, not a count from 0 to {MAX_COUNT:,}; the "
+                            "checkpoint was not imported (fix the source's metadata, or import a plain state)")
+    return int(value)
+
+
+def check_tensors(root: Any, source: str) -> None:
+    """Refuse ``root`` (already through :func:`check_tree`) if its tensors would be written out with
+    more than :data:`MAX_AMPLIFIED_BYTES` beyond the bytes that back them: a 1.5 KB pickle of one
+    element expanded to 10**8 would otherwise become a checkpoint of 400 MB."""
+    import torch
+
+    extra, seen, todo = 0, set(), [root]
+    while todo:
+        node = todo.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, torch.Tensor):
+            if node.layout != torch.strided or node.is_meta:
+                continue
+            logical = node.numel() * node.element_size()
+            extra += max(0, logical - node.untyped_storage().nbytes())
+            if extra > MAX_AMPLIFIED_BYTES:
+                raise SourceTooLargeError(
+                    f"{source} holds tensors that are views expanded beyond the bytes behind them (one of shape "
+                    f"{tuple(node.shape)} has {logical:,} bytes over a storage of "
+                    f"{node.untyped_storage().nbytes():,}): written out they would take more than "
+                    f"{MAX_AMPLIFIED_BYTES:,} bytes the source does not hold; it was not imported")
+        elif isinstance(node, _CONTAINERS):
+            todo.extend(_children(node))

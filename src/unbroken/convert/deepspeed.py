@@ -38,6 +38,7 @@ import torch
 
 from ..errors import UnbrokenError
 from ..dist.deepspeed import FORMAT, SCALAR_TYPES
+from .bounds import check_count
 from .pickles import load_pickle
 
 _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -108,10 +109,12 @@ def _rank_files(folder: Path) -> list[Path]:
     if not found:
         raise UnbrokenError(f"{folder} has no zero_pp_rank_*_mp_rank_00_optim_states.pt: not a DeepSpeed ZeRO "
                             "checkpoint (stage 0 checkpoints keep a plain optimizer; load them with DeepSpeed)")
-    missing = [r for r in range(max(found) + 1) if r not in found]
-    if missing:
-        raise UnbrokenError(f"{folder} lacks the optimizer file of rank {missing[0]} (of {max(found) + 1}): the "
-                            "checkpoint is incomplete (a rank did not finish saving); use another tag")
+    ranks = sorted(found)  # (never a list as long as the largest rank named: a file may claim rank 10**9)
+    if ranks[-1] + 1 != len(ranks):
+        missing = next((i for i, r in enumerate(ranks) if i != r), len(ranks))
+        raise UnbrokenError(f"{folder} lacks the optimizer file of rank {missing} (files of {len(ranks)} ranks, the "
+                            f"highest {ranks[-1]}): the checkpoint is incomplete (a rank did not finish saving); "
+                            "use another tag")
     return [found[r] for r in range(len(found))]
 
 
@@ -163,7 +166,8 @@ def _read(folder: Path, trust: bool) -> tuple[dict[str, Any], dict[str, int], li
     params = _param_info(shapes, module, master, frozen, models[0], _lp_dtype(config))
     accumulation = config.get("gradient_accumulation_steps")
     accumulation = accumulation if isinstance(accumulation, int) and accumulation > 0 else 1
-    steps = {c: int(m0.get(c) or 0) for c in ("global_steps", "global_samples", "skipped_steps")}
+    steps = {c: check_count(m0.get(c), c, str(folder / model_names[0]))
+             for c in ("global_steps", "global_samples", "skipped_steps")}
     state = {"format": FORMAT, "mode": "zero3" if stage == 3 else "hp", "stage": stage, "world_size": world,
              "counters": {**steps, "micro_steps": steps["global_steps"] * accumulation},
              "accumulation": accumulation, "caller_boundary": False, "scheduler": m0.get("lr_scheduler"),

@@ -43,7 +43,7 @@ from ..api import CheckpointInfo
 from ..errors import TargetExistsError, UnbrokenError, UnsupportedStateError
 from ..manager import Checkpointer
 from ..state.validate import validate_state
-from .bounds import check_config, check_tree, read_json
+from .bounds import check_config, check_count, check_tensors, check_tree, read_json
 from .deepspeed import is_deepspeed_folder, read_deepspeed
 from .pickles import load_pickle
 
@@ -80,6 +80,7 @@ def read_source(src: str | os.PathLike[str], trust_pickle: bool = False) -> Impo
     reader = {"hf": _read_hf, "deepspeed": _read_deepspeed, "lightning": _read_lightning, "torch": _read_torch}[kind]
     imported = reader(Path(src), trust_pickle)
     check_tree(imported.state, str(src))  # shared references walked once, before any walk per value
+    check_tensors(imported.state, str(src))  # no expanded view written out at a size the source does not hold
     _drop_unsavable(imported)
     return imported
 
@@ -129,10 +130,9 @@ def check_run_folder(run: str | os.PathLike[str]) -> None:
 
 
 # ---------------------------------------------------------------------------------- sources
-def _progress(step: Any, epoch: Any) -> dict[str, int]:
-    step = int(step) if isinstance(step, (int, float)) and step >= 0 else 0
-    epoch = int(epoch) if isinstance(epoch, (int, float)) and epoch >= 0 else 0
-    return {"step": step, "epoch": epoch, "micro_step": 0, "samples": 0}
+def _progress(step: Any, epoch: Any, source: Path) -> dict[str, int]:
+    return {"step": check_count(step, "step", str(source)),
+            "epoch": check_count(epoch, "epoch", str(source), integral=False), "micro_step": 0, "samples": 0}
 
 
 def _read_deepspeed(folder: Path, trust: bool) -> Imported:
@@ -156,7 +156,8 @@ def _read_hf(folder: Path, trust: bool) -> Imported:
         check_config(state["config"], len(state["model"]), folder / "config.json")
         notes += _fill_tied(state["model"], state["config"], folder / "config.json")
     rng_file = next((folder / n for n in ("rng_state.pth", "rng_state_0.pth") if (folder / n).is_file()), None)
-    out = Imported("hf", state, _progress(trainer_state.get("global_step"), trainer_state.get("epoch")),
+    out = Imported("hf", state, _progress(trainer_state.get("global_step"), trainer_state.get("epoch"),
+                                            folder / "trainer_state.json"),
                    rng=_hf_rng(load_pickle(rng_file, trust), rng_file) if rng_file is not None else None)
     out.left_out += notes
     if (folder / "training_args.bin").is_file():
@@ -267,7 +268,7 @@ def _read_lightning(file: Path, trust: bool) -> Imported:
                           if k in ck}
     if ck.get("hyper_parameters"):
         state["hyper_parameters"] = dict(ck["hyper_parameters"])
-    out = Imported("lightning", state, _progress(ck.get("global_step"), ck.get("epoch")))
+    out = Imported("lightning", state, _progress(ck.get("global_step"), ck.get("epoch"), file))
     if ck.get("callbacks"):
         out.left_out.append(f"callbacks ({', '.join(map(str, ck['callbacks']))}: their own state)")
     return out
@@ -280,10 +281,11 @@ def _read_torch(file: Path, trust: bool) -> Imported:
     if not isinstance(obj, dict) or not obj or not all(isinstance(k, str) for k in obj):
         raise UnbrokenError(f"{file} holds a {type(obj).__name__}, not a dict with string keys")
     if all(isinstance(v, torch.Tensor) for v in obj.values()):
-        return Imported("torch", {"model": obj}, _progress(0, 0))
+        return Imported("torch", {"model": obj}, _progress(0, 0, file))
     state = dict(obj)
-    step = next((state[k] for k in ("global_step", "step") if isinstance(state.get(k), int)), 0)
-    return Imported("torch", state, _progress(step, state.get("epoch", 0)))
+    step = next((state[k] for k in ("global_step", "step") if isinstance(state.get(k), (int, float))), 0)
+    epoch = state.get("epoch") if isinstance(state.get("epoch"), (int, float)) else 0  # (a user's own "epoch")
+    return Imported("torch", state, _progress(step, epoch, file))
 
 
 def _drop_unsavable(imported: Imported) -> None:
