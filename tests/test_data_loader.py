@@ -376,6 +376,28 @@ def test_load_refuses_another_dataset_or_seed() -> None:
         make(shuffle=False).load_state_dict(state)
 
 
+@pytest.mark.parametrize("key,value,message", [
+    ("position", 10**12, r"position is 1000000000000, outside from 0 to 37"),
+    ("position", -1, r"position is -1, outside from 0 to 37"),
+    ("epoch", 2.5, r"epoch is 2.5 \(float\), not an integer"),
+    ("samples_seen", "12", r"samples_seen is '12' \(str\), not an integer"),
+    ("epoch", True, r"epoch is True \(bool\), not an integer"),
+    ("batch_size", 0, r"batch_size is 0, outside at least 1"),
+    ("position", None, r"position is None"),
+])
+def test_load_refuses_a_crafted_position_before_anything_changes(key: str, value: object, message: str) -> None:
+    """A crafted or damaged data state (issue 33 §5) is refused at ``load_state_dict`` with the key and
+    the value, and the loader is left as it was (before: a position past the data served nothing or
+    raised at the first batch; a float epoch went through ``int()``)."""
+    loader = make()
+    take(loader, 2)
+    before = loader.state_dict()
+    state = make().state_dict() | {key: value}
+    with pytest.raises(ValueError, match=message):
+        loader.load_state_dict(state)
+    assert loader.state_dict() == before
+
+
 def test_load_warns_when_global_batch_changes_off_boundary() -> None:
     loader = make(batch_size=4)
     take(loader, 3)  # position 12

@@ -186,6 +186,17 @@ def test_refuses_a_shard_shorter_than_the_offset(shards) -> None:
     JsonlReader(paths).load_state_dict(state)
 
 
+@pytest.mark.parametrize("key,value,message", [("shard", 99, "shard is 99, outside from 0 to"),
+                                               ("offset", -5, "offset is -5, outside at least 0"),
+                                               ("records", 1.5, r"records is 1.5 \(float\), not an integer")])
+def test_refuses_a_crafted_position(shards, key: str, value: object, message: str) -> None:
+    """A crafted stream position (issue 33 §5) is refused with its key and value before anything changes."""
+    paths, _ = shards
+    state = state_after(paths, 10) | {key: value}
+    with pytest.raises(ValueError, match=message):
+        JsonlReader(paths).load_state_dict(state)
+
+
 def test_finished_reader_stays_finished(shards) -> None:
     paths, _ = shards
     reader = JsonlReader(paths)

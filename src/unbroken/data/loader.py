@@ -38,6 +38,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from .checked import count
 from .order import GlobalOrder, mix_ints
 from .sample import SampleIndex
 
@@ -231,6 +232,11 @@ class ResumableLoader:
                 "world_size": self.world_size, "batch_size": self.batch_size, "drop_last": self.drop_last}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        n = self.order.n
+        epoch, position = count(state, "epoch", "loader"), count(state, "position", "loader", hi=n)
+        samples_seen = count(state, "samples_seen", "loader")
+        for key in ("world_size", "batch_size"):
+            count(state, key, "loader", lo=1)
         if state["n"] != self.order.n or state["seed"] != self.seed or state["shuffle"] != self.order.shuffle:
             raise ValueError(
                 f"the checkpoint's data order (n={state['n']}, seed={state['seed']}, shuffle={state['shuffle']}) "
@@ -241,8 +247,7 @@ class ResumableLoader:
                 f"global batch changed from {state['world_size'] * state['batch_size']} to {self.global_batch}; "
                 "continuing exactly from global sample "
                 f"{state['position']} of epoch {state['epoch']} (batch boundaries shift)", stacklevel=2)
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
-        self.samples_seen = int(state["samples_seen"])
+        self.epoch, self.position, self.samples_seen = epoch, position, samples_seen
         # restored at an epoch's end: its next iterator serves nothing and ends the epoch; unless the
         # state says the loop that consumes it ended the epoch itself (``"epoch_ended": True``, set by
         # integrations whose framework restores its own epoch loop, e.g. Lightning's): then the next

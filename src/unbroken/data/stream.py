@@ -20,6 +20,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence, runtime_checkable
 
+from .checked import count
+
 
 @runtime_checkable
 class Skippable(Protocol):
@@ -78,13 +80,14 @@ class JsonlReader:
             raise ValueError(
                 f"saved with {state['num_shards']} shards over {state['world_size']} ranks, now "
                 f"{len(self.all_paths)} over {self.world_size}: shard positions are per rank and cannot move")
-        shard = int(state["shard"])
+        shard = count(state, "shard", "stream", hi=len(self.paths))
+        offset = count(state, "offset", "stream")
+        epoch, records = count(state, "epoch", "stream"), count(state, "records", "stream")
         if shard < len(self.paths) and Path(self.paths[shard]).name != state["shard_name"]:
             raise ValueError(f"shard {shard} was {state['shard_name']!r}, now {Path(self.paths[shard]).name!r}")
-        if shard < len(self.paths) and os.path.getsize(self.paths[shard]) < state["offset"]:
-            raise ValueError(f"{self.paths[shard]} is shorter than the saved offset {state['offset']}")
-        self.shard, self.offset = shard, int(state["offset"])
-        self.epoch, self.records = int(state["epoch"]), int(state["records"])
+        if shard < len(self.paths) and os.path.getsize(self.paths[shard]) < offset:
+            raise ValueError(f"{self.paths[shard]} is shorter than the saved offset {offset}")
+        self.shard, self.offset, self.epoch, self.records = shard, offset, epoch, records
 
 
 class Counted:
@@ -125,4 +128,4 @@ class Counted:
         return {"consumed": self.consumed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.consumed = self._resume_at = int(state["consumed"])
+        self.consumed = self._resume_at = count(state, "consumed", "counter")
