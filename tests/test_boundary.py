@@ -312,6 +312,31 @@ def test_a_fifo_named_index_sqlite_never_hangs_the_run_log_commands(tmp_path: Pa
     assert (run / "index.sqlite").is_fifo()
 
 
+@pytest.mark.parametrize("name,kind", [("index.sqlite", "fifo"), ("index.sqlite-wal", "fifo"),
+                                       ("index.sqlite", "dir")])
+def test_a_fifo_or_folder_named_for_the_index_never_hangs_or_stops_training(tmp_path: Path, name: str,
+                                                                            kind: str) -> None:
+    """The training side opens the index for writing (issue 33 §4): a FIFO there would block SQLite's
+    first read forever. The index is turned off with a warning, training and saving go on, and the
+    planted entry is left as it is. In a subprocess with a bound: a hang fails the test."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "index.sqlite").write_bytes(b"") if name != "index.sqlite" else None
+    plant(run / name, kind)
+    script = textwrap.dedent(f"""
+        import torch, unbroken
+        state = {{"w": torch.nn.Linear(2, 2)}}
+        with unbroken.Checkpointer({str(run)!r}, save_every=1) as ckpt:
+            ckpt.step(state)
+            ckpt.step(state)
+        print("trained", [c.step for c in ckpt.checkpoints()])
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "trained [2, 1]" in out.stdout, out.stderr
+    assert "run index disabled" in out.stderr and "is not a regular file" in out.stderr, out.stderr
+    assert (run / name).is_fifo() if kind == "fifo" else (run / name).is_dir()
+
+
 # --------------------------------------------- a checkpoint or staging folder replaced later
 def test_a_checkpoint_folder_replaced_by_a_link_after_it_was_listed_is_never_read_through(tmp_path: Path) -> None:
     """Between the listing and the read, ``step-000000001`` becomes a link to a folder outside

@@ -133,6 +133,9 @@ class RunIndex:
         for suffix in ("", *SIDECARS):  # never follow a planted link; never replay a WAL of a deleted db
             if (side := Path(f"{self.path}{suffix}")).is_symlink() or (suffix and not self.path.exists()):
                 side.unlink(missing_ok=True)
+        if not plain_files(self.path):  # a FIFO would block SQLite's first read forever, a folder fail later
+            raise OSError(f"{self.path} (or a -wal/-shm/-journal beside it) is not a regular file; move it away "
+                          "to have the run index again")
         conn = connect(str(self.path))
         reason = "missing" if (problem := _diagnose(conn)) == "" else None
         if problem:
