@@ -53,7 +53,7 @@ def main() -> None:
         print("MEASURED_S = {")
         for key, secs in sorted(took.items(), key=lambda kv: -kv[1]):
             if secs >= 20:
-                print(f"    {key!r}: {secs:.0f},")
+                print(f'    "{key}": {secs:.0f},')
         print("}")
         return
     print(f"{len(rows)} tests, {(end - t0) / 60:.1f} min from the first test's start to the last test's end")
