@@ -128,6 +128,20 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return LongestFirst(config, log)
 
 
+TIMELINE = os.environ.get("UNBROKEN_TEST_TIMELINE")
+"""A file that each test appends ``worker, start, end, node id`` to (tab-separated, Unix seconds): the
+suite's timeline, read by ``tests/timeline.py`` (docs/testing.md)."""
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    start = time.time()
+    yield
+    if TIMELINE:
+        with open(TIMELINE, "a") as f:  # one short line per write: appends from several workers stay whole
+            f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}\t{start:.2f}\t{time.time():.2f}\t{item.nodeid}\n")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("slurm"):  # a SLURM cluster is never part of the fast tier
