@@ -71,6 +71,40 @@ def test_packer_rows_and_positions() -> None:
         ud.Packer(seq_len=5, batch_size=2).load_state_dict(p.state_dict())
 
 
+@pytest.mark.parametrize("change,message", [
+    ({"tokens": torch.arange(8.0)}, "not two integer vectors"),  # floats
+    ({"tokens": torch.arange(9)}, "not two integer vectors"),  # a batch's worth or more: never carried
+    ({"positions": torch.tensor([4, 5, -1, 1])}, "positions from 0"),
+    ({"tokens": [12, 0, 13, 0]}, "not two integer vectors"),  # a list, not a tensor
+    ({"seq_len": "4"}, r"seq_len is '4' \(str\), not an integer"),
+])
+def test_packer_refuses_a_crafted_carry(change: dict, message: str) -> None:
+    """What a packer carries is checked at restore (issue 33 §5): a clear error naming what is wrong,
+    the packer unchanged (before: a float token went through int(), a list raised AttributeError)."""
+    p = ud.Packer(seq_len=4, batch_size=2, eos=0)
+    p([[5, 6, 7], [8, 9, 10, 11, 12], [13]])
+    state = p.state_dict() | change
+    q = ud.Packer(seq_len=4, batch_size=2, eos=0)
+    with pytest.raises(ValueError, match=message):
+        q.load_state_dict(state)
+    assert q.tokens == [] and q.positions == []
+
+
+def test_shuffle_buffer_refuses_a_crafted_state() -> None:
+    import numpy as np
+
+    from unbroken.data.buffer import ShuffleBuffer
+
+    b = ShuffleBuffer(4, np.random.default_rng(0))
+    for i in range(3):
+        b.push(i)
+    state = b.state_dict()
+    with pytest.raises(ValueError, match="not a list of at most 4 examples"):
+        ShuffleBuffer(4, np.random.default_rng(0)).load_state_dict(state | {"items": list(range(10**6))})
+    with pytest.raises(ValueError, match=r"size is 4.5 \(float\), not an integer"):
+        ShuffleBuffer(4, np.random.default_rng(0)).load_state_dict(state | {"size": 4.5})
+
+
 @pytest.mark.parametrize("collator", ["packer", "buckets"])
 def test_carry_over_resumes_at_every_output_batch(collator: str) -> None:
     make = lambda w=0: packed(w, Buckets(3) if collator == "buckets" else None)  # noqa: E731

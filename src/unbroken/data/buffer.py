@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from .checked import count
+
 
 def epoch_generator(generator: np.random.Generator, epoch: int) -> np.random.Generator:
     """The buffer's generator in ``epoch``: ``datasets``' ``shift_rngs`` rule (a copy at epoch 0)."""
@@ -59,8 +61,11 @@ class ShuffleBuffer:
         return {"size": self.size, "items": list(self.items), "rng": self.rng.bit_generator.state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if int(state["size"]) != self.size:
+        if count(state, "size", "shuffle buffer", lo=1) != self.size:
             raise ValueError(f"the checkpoint's shuffle buffer holds {state['size']} examples, this one {self.size}: "
                              "keep buffer_size across a resume")
+        if not isinstance(state.get("items"), (list, tuple)) or len(state["items"]) > self.size:
+            raise ValueError(f"the checkpoint's shuffle buffer items are not a list of at most {self.size} examples: "
+                             "the checkpoint is damaged or was not written by this buffer")
         self.items = list(state["items"])
         self.rng.bit_generator.state = state["rng"]

@@ -20,6 +20,8 @@ from typing import Any, Iterator, Mapping, Protocol, runtime_checkable
 
 import torch
 
+from .checked import count
+
 
 @runtime_checkable
 class Carrier(Protocol):
@@ -127,8 +129,16 @@ class Packer:
                 "positions": torch.tensor(self.positions, dtype=torch.int64)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if (int(state["seq_len"]), int(state["batch_size"])) != (self.seq_len, self.batch_size):
+        shape = (count(state, "seq_len", "packer", lo=1), count(state, "batch_size", "packer", lo=1))
+        if shape != (self.seq_len, self.batch_size):
             raise ValueError(f"the checkpoint's packer made ({state['batch_size']}, {state['seq_len']}) batches, this one "
                              f"({self.batch_size}, {self.seq_len}): keep the shape across a resume")
-        self.tokens = [int(t) for t in state["tokens"].tolist()]
-        self.positions = [int(t) for t in state["positions"].tolist()]
+        carried = [state.get("tokens"), state.get("positions")]
+        if not all(isinstance(t, torch.Tensor) and t.dim() == 1 and not t.is_floating_point() for t in carried) \
+                or carried[0].numel() != carried[1].numel() or carried[0].numel() >= self.seq_len * self.batch_size \
+                or (carried[1].numel() and int(carried[1].min()) < 0):
+            raise ValueError("the checkpoint's packer carries tokens and positions that are not two integer vectors "
+                             f"of one length under a batch ({self.batch_size} x {self.seq_len}), positions from 0: the "
+                             "checkpoint is damaged or was not written by this packer")
+        self.tokens = [int(t) for t in carried[0].tolist()]
+        self.positions = [int(t) for t in carried[1].tolist()]

@@ -27,6 +27,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 from torch.utils.data import Dataset
 
+from .checked import count
 from .loader import ResumableLoader
 from .order import GlobalOrder, mix_ints
 from .sample import SampleIndex
@@ -222,7 +223,8 @@ class _MixtureLoader(ResumableLoader):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         state = dict(state)
         mixture = state.pop("mixture")
-        at = int(state["epoch"]) * len(self.dataset) + int(state["position"])
+        at = count(state, "epoch", "loader") * len(self.dataset) + count(state, "position", "loader",
+                                                                         hi=len(self.dataset))
         plan = self.dataset._plan(mixture, at)  # refusals before anything changes
         super().load_state_dict(state)
         self.dataset._adopt(*plan)
