@@ -31,13 +31,26 @@ def torchrun(n: int, script: str | os.PathLike[str], *args: str, restarts: int =
             f"--max-restarts={restarts}", str(script), *args]
 
 
+def _started_at(pid: int) -> float:
+    """When process ``pid`` started (seconds since the epoch), from ``/proc``."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                if line.startswith("btime "))
+    return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+
+
 def kill_ranks(workers: Path | None) -> None:
-    """SIGKILL every rank whose pid is in ``workers/pid-r*`` (gone ones are skipped)."""
+    """SIGKILL every rank whose pid is in ``workers/pid-r*`` and still alive. A pid is killed only if
+    its process started before the file was written (a rank writes its own pid once started): the
+    machine reuses pids (``pid_max`` is often 32768), and an earlier attempt's file may name a process
+    of another test by now."""
     if workers is None:
         return
     for f in workers.glob("pid-r*"):
-        with contextlib.suppress(OSError, ValueError):
-            os.kill(int(f.read_text()), signal.SIGKILL)
+        with contextlib.suppress(OSError, ValueError, StopIteration, IndexError):
+            pid = int(f.read_text())
+            if _started_at(pid) <= f.stat().st_mtime + 0.05:  # (the start time is counted in clock ticks)
+                os.kill(pid, signal.SIGKILL)
 
 
 def run(cmd: Sequence[str], env: dict[str, str] | None = None, timeout: float = 300,
