@@ -47,8 +47,13 @@ def align_after_restore(state: Mapping[str, Any]) -> int:
         return 0
     for ddp in instances(dict(state.items()), torch.nn.parallel.DistributedDataParallel, depth=3):
         why = _why_not(ddp)
-        if why:
+        if why and why in QUIET:
             log.debug("DDP's first step after the resume is left as it is: %s", why)
+            continue
+        if why:  # an option whose first iteration follows another path: said, once per restore
+            log.warning("DDP's first step after the resume is not aligned with the uninterrupted run's (%s): with "
+                        "more than two ranks its gradients may differ in the last bits, and so may every later "
+                        "step (docs/distributed.md lists the options; UNBROKEN_DDP_ALIGN=0 silences this)", why)
             continue
         try:
             hook = _FirstStep(ddp)
@@ -61,20 +66,39 @@ def align_after_restore(state: Mapping[str, Any]) -> int:
     return aligned
 
 
+TWO_OR_FEWER = "two ranks or fewer"
+REBUILT = "its buckets were rebuilt already"
+NEVER_REBUILDS = "find_unused_parameters=True: DDP never rebuilds its buckets, every iteration sums in one order"
+QUIET = (TWO_OR_FEWER, REBUILT, NEVER_REBUILDS)
+"""Reasons that need no warning: nothing to align (a sum of two is the same in any order; a DDP
+module that has rebuilt its buckets already, or never rebuilds them, sums as the uninterrupted run:
+HF's default ``ddp_find_unused_parameters=True`` was found bitwise without alignment)."""
+
+
 def _why_not(ddp: Any) -> str:
-    """Why the first step of ``ddp`` is not aligned ("" if it is to be)."""
+    """Why the first step of ``ddp`` is not aligned ("" if it is to be): the constructor options that
+    change how the first iteration buckets or reduces (docs/distributed.md), by name."""
     dist = torch.distributed
     group = getattr(ddp, "process_group", None)
     if not dist.is_initialized() or group is None or dist.get_world_size(group) <= 2:
-        return "two ranks or fewer"
-    if ddp.static_graph or ddp.find_unused_parameters or getattr(ddp, "mixed_precision", None) is not None:
-        return "static graph, find_unused_parameters or mixed precision"
-    if getattr(ddp, "_comm_hooks", None) or getattr(ddp, "_delay_all_reduce_all_params", False):
-        return "a communication hook of its own"
+        return TWO_OR_FEWER
+    options = [name for name, on in (
+        ("static_graph=True", ddp.static_graph),
+        ("mixed_precision", getattr(ddp, "mixed_precision", None) is not None),
+        ("bucket_cap_mb_list", bool(getattr(getattr(ddp, "_bucket_config", None), "per_bucket_bytes_caps", ()))),
+        ("batched_grad_copy=True", getattr(ddp, "batched_grad_copy", False)),
+        ("delay_all_reduce_named_params", getattr(ddp, "_delay_all_reduce_all_params", False)
+         or bool(getattr(ddp, "_delay_all_reduce_params", None))),
+        ("a communication hook of its own", bool(getattr(ddp, "_comm_hooks", None))),
+    ) if on]
+    if options:
+        return ", ".join(options)
+    if ddp.find_unused_parameters:
+        return NEVER_REBUILDS
     if not hasattr(ddp, "_bucket_config") or not hasattr(dist, "_compute_bucket_assignment_by_size"):
         return "this torch's DDP has no bucket configuration to follow"
     if int(ddp._get_ddp_logging_data().get("has_rebuilt_buckets", 0)):
-        return "its buckets were rebuilt already"
+        return REBUILT
     return ""
 
 
