@@ -109,7 +109,8 @@ def test_keep_last_none_keeps_all(tmp_path):
     assert names(run) == [f"step-{s:09d}" for s in range(1, 6)]
 
 
-def test_retention_never_deletes_the_just_committed(tmp_path):
+def test_retention_never_deletes_the_just_committed(tmp_path, monkeypatch):
+    monkeypatch.setenv("UNBROKEN_START_FRESH", "1")  # two writers that never restored, on purpose
     run = tmp_path / "run"
     a = unbroken.Checkpointer(run, keep_last=1, rng=False)
     a.progress.step = 1

@@ -354,6 +354,7 @@ def test_submit_script_never_replaces_a_users_own_script(tmp_path: Path, monkeyp
     """A user's own ``submit.slurm`` in the run folder (or ours with the marker line deleted) is never
     replaced; ours, with the marker, is rewritten for the current job."""
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("UNBROKEN_START_FRESH", "1")  # each Checkpointer saves into the run without restore()
     run = tmp_path / "run"
     run.mkdir()
     mine = "#!/bin/bash\n#SBATCH --time=7-00:00:00\nsrun python train.py  # my own\n"

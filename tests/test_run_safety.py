@@ -61,6 +61,7 @@ def test_one_process_may_hold_several_checkpointers_on_a_run(tmp_path: Path) -> 
     a = unbroken.Checkpointer(tmp_path / "run", preemption=None)
     b = unbroken.Checkpointer(tmp_path / "run", preemption=None)
     a.save({"w": torch.zeros(2)})
+    b.restore({"w": torch.zeros(2)})  # (saving into a run with checkpoints needs a restore first)
     b.save({"w": torch.zeros(2)})
     a.close()
     b.close()
