@@ -52,7 +52,13 @@ def train(run: Path, shm: Path, steps: int = 2) -> None:
 
 
 def run_folder_name(run: Path, shm: Path) -> str:
-    return unbroken.RamTier(root=str(shm)).folder(open_store(str(run)).identity).name
+    """The RAM folder name of ``run``: keyed by its path and its id (``run-id``, written here first as
+    the run's first start would; another user who can read the run folder knows it)."""
+    run.mkdir(parents=True, exist_ok=True)
+    if not (run / "run-id").exists():
+        (run / "run-id").write_text("1" * 32 + "\n")
+    run_id = (run / "run-id").read_text().strip()
+    return unbroken.RamTier(root=str(shm)).folder(open_store(str(run)).identity, run_id).name
 
 
 def test_a_per_user_folder_made_by_another_user_is_never_used(shm: Path, tmp_path: Path) -> None:

@@ -406,7 +406,7 @@ def last_losses(base: Path, rank: int = 0) -> dict[int, tuple[float, list[int]]]
 def rollbacks(base: Path) -> list[tuple[int, int, int, str]]:
     with RunIndex(str(base / "run"), readonly=True) as idx:
         events = idx.events("rolled_back")
-    assert all(e["data"]["tier"] == "local" for e in events), events  # the tier each rollback read from
+    assert all(e["data"]["tier"] in ("local", "ram") for e in events), events  # the tier each rollback read from
     return [(e["step"], e["data"]["restored_step"], e["data"]["attempt"], e["message"].split(":")[0]) for e in events]
 
 
@@ -570,6 +570,8 @@ def test_e2e_rollbacks_read_the_ram_tier(ref1: Path, tmp_path: Path) -> None:
     done = run(job(tmp_path, "--ram", "--faults", "7:oom,13:nan"), env=dict(ENV, UNBROKEN_RAM_ROOT=str(ram)))
     assert done.returncode == 0, done.stderr
     assert [r[:2] for r in rollbacks(tmp_path)] == [(7, 5), (13, 10)]
+    with RunIndex(str(tmp_path / "run"), readonly=True) as idx:  # the index names the tier read (issue 33 §5)
+        assert [e["data"]["tier"] for e in idx.events("rolled_back")] == ["ram", "ram"]
     resumed = [line for line in done.stderr.splitlines() if "resumed from" in line]
     assert len(resumed) == 2 and all(str(ram) in line for line in resumed), resumed
     assert same(final(tmp_path), final(ref1))

@@ -31,16 +31,6 @@ class Started(Event):
 
 
 @dataclass(frozen=True)
-class StartedOver(Event):
-    """A process started over on purpose (``UNBROKEN_START_FRESH=1``) at ``step``, without restoring,
-    in a run that had ``checkpoints`` committed, the newest at ``newest_step``."""
-
-    step: int
-    checkpoints: int
-    newest_step: int
-
-
-@dataclass(frozen=True)
 class StepEnded(Event):
     """An optimizer step completed (``Checkpointer.step``), with the metrics passed to it."""
 

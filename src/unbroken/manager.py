@@ -164,7 +164,6 @@ class Checkpointer(Saving, Stepping):
         self._agreement = StepAgreement(self.comm, self.schedule.trigger.triggers if self.schedule.trigger else (),
                                         watches_signals=bool(self.preemption.signals))
         self._guard: StepGuard | None = None
-        self._started = False  # restore() ran (a resume or a fresh start), or a save found the run empty
         self._recovery: recovery.Policy | None = None  # inside recover(): its loss-spike predicate
         self._environment: dict[str, Any] | None = None
         self._recorder: Recorder | None = None
@@ -322,7 +321,6 @@ class Checkpointer(Saving, Stepping):
             self._selftest.watch(state)  # fingerprints the state once restored (on Restored / Started)
         self.flush()  # a save in flight commits (and stops reading the live state) first
         info = restore_into(self, state, path, tag, if_unrestorable)
-        self._started = True
         if info is not None and self.comm.world > 2:
             align_after_restore(state)  # DDP's first step summed as without the restart (unbroken.dist.ddpalign)
         return info

@@ -233,10 +233,11 @@ class ResumableLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         n = self.order.n
-        epoch, position = count(state, "epoch", "loader"), count(state, "position", "loader", hi=n)
+        saved_batch = count(state, "world_size", "loader", lo=1) * count(state, "batch_size", "loader", lo=1)
+        # an epoch padded to whole global batches of the saving run ends past n by less than one of them
+        epoch = count(state, "epoch", "loader")
+        position = count(state, "position", "loader", hi=n + max(saved_batch, self.global_batch))
         samples_seen = count(state, "samples_seen", "loader")
-        for key in ("world_size", "batch_size"):
-            count(state, key, "loader", lo=1)
         if state["n"] != self.order.n or state["seed"] != self.seed or state["shuffle"] != self.order.shuffle:
             raise ValueError(
                 f"the checkpoint's data order (n={state['n']}, seed={state['seed']}, shuffle={state['shuffle']}) "
