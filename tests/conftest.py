@@ -24,6 +24,8 @@ from repo_guard import changes, snapshot, tracked  # noqa: E402
 from s3_server import S3Server  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+REAL_PYTHON = sys.executable
+"""The virtual environment's interpreter (``sys.executable`` is the zygote's launcher in some files)."""
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # pytest-xdist's workers get COLUMNS=80 and LINES=24 (set for their terminal reporting), which a
@@ -269,6 +271,97 @@ def _no_process_left_running() -> Iterator[None]:
                     + ("; its abandoned objects raised while collected: " + "; ".join(raised) if raised else "")
                     + " (a DataLoader iterator kept alive by a raised exception's frame: drop it in a finally)",
                     pytrace=False)
+
+
+ZYGOTE = os.environ.get("UNBROKEN_TEST_ZYGOTE", "1") != "0"
+ZYGOTE_MODULES: set[str] = {
+    "test_zygote", "test_e2e_kill",
+}
+"""The test files whose processes start from the fork server (:mod:`zygote`, docs/testing.md): each was read
+for what a forked child does not give (a SIGSTOP of ``proc.pid``, its ``/proc`` read through
+``proc.pid``). ``UNBROKEN_TEST_ZYGOTE=0`` starts every process plainly."""
+
+
+@pytest.fixture(scope="session")
+def _zygote_bin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A folder like the virtual environment's ``bin`` whose ``python`` is the zygote's launcher: the zygote
+    is started now (about 3 s of CPU, ``import torch``); until it listens, the launcher starts plain
+    interpreters. Its children are signalled directly by ``Popen.send_signal`` (:func:`_zygote_child`)."""
+    import random
+    import zygote
+
+    here = tmp_path_factory.mktemp("zygote")
+    sock, pids, bin_dir = here / "sock", here / "pids", here / "bin"
+    pids.mkdir()
+    bin_dir.mkdir()
+    real = sys.executable
+    launcher = bin_dir / "python"
+    for entry in Path(real).parent.iterdir():  # console scripts (unbroken, torchrun) start from the zygote too
+        if entry.name == "python":
+            continue
+        head = entry.read_bytes()[:200] if entry.is_file() and not entry.is_symlink() else b""
+        if head.startswith(f"#!{real}\n".encode()):
+            (bin_dir / entry.name).write_bytes(f"#!{launcher}".encode() + entry.read_bytes()[len(real) + 2:])
+            (bin_dir / entry.name).chmod(0o755)
+        else:
+            (bin_dir / entry.name).symlink_to(entry)
+    launcher.write_text(f"#!{real} -SI\nimport sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+                        f"import zygote\nzygote.launch({str(sock)!r}, {real!r}, {str(pids)!r})\n")
+    launcher.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONHASHSEED"] = str(random.randrange(1, 2**32 - 1))
+    with open(here / "log", "w") as log:
+        proc = subprocess.Popen([real, zygote.__file__, "--serve", str(sock), str(pids)], env=env,
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+    original = subprocess.Popen.send_signal
+
+    def send_signal(self: subprocess.Popen, sig: int) -> None:
+        self.poll()
+        child = _zygote_child(pids, self.pid) if self.returncode is None else None
+        if child is None:
+            return original(self, sig)
+        try:
+            os.kill(child, sig)
+        except ProcessLookupError:
+            pass
+
+    subprocess.Popen.send_signal = send_signal  # type: ignore[method-assign]
+    try:
+        yield bin_dir
+    finally:
+        subprocess.Popen.send_signal = original  # type: ignore[method-assign]
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _zygote_child(pids: Path, launcher: int) -> int | None:
+    """The zygote's child that launcher ``launcher`` stands for (``None``: not a launcher, or its child
+    has not started or is gone): its file names it with its start time, checked against ``/proc``."""
+    try:
+        child, start = (pids / str(launcher)).read_text().split()
+        with open(f"/proc/{child}/stat", "rb") as f:
+            stat = f.read()
+    except (OSError, ValueError):
+        return None
+    return int(child) if stat[stat.rfind(b")") + 2:].split()[19].decode() == start else None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _zygote(request: pytest.FixtureRequest) -> Iterator[None]:
+    """In the files of :data:`ZYGOTE_MODULES`, ``sys.executable`` is the zygote's launcher."""
+    if not ZYGOTE or Path(str(request.node.path)).stem not in ZYGOTE_MODULES:
+        yield
+        return
+    real = sys.executable
+    sys.executable = str(request.getfixturevalue("_zygote_bin") / "python")
+    try:
+        yield
+    finally:
+        sys.executable = real
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -1,0 +1,189 @@
+"""The suite's fork server (:mod:`zygote`): a process it starts behaves as a plain interpreter would,
+as far as the tests that use it can see, and it starts a plain interpreter where it could not."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import zygote
+from conftest import REAL_PYTHON, ZYGOTE, _zygote_child
+
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not ZYGOTE, reason="UNBROKEN_TEST_ZYGOTE=0")]
+
+SHOW = """
+import os, sys, json, signal
+json.dump({"argv": sys.argv, "path0": sys.path[0], "file": globals().get("__file__"), "name": __name__,
+           "cwd": os.getcwd(), "env": os.environ.get("ZT"), "pid": os.getpid(), "umask": os.umask(0),
+           "ignored": signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN, "zygote": "torch" in sys.modules,
+           "path": sys.path[1:4]}, sys.stdout)
+"""
+
+
+def child_of(proc: subprocess.Popen, timeout: float = 60) -> int | None:
+    """The zygote's child standing behind launcher ``proc`` once it runs (``None``: a plain start)."""
+    pids = Path(sys.executable).parent.parent / "pids"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        child = _zygote_child(pids, proc.pid)
+        if child is not None:
+            return child
+        time.sleep(0.05)
+    return None
+
+
+def wait_ready() -> None:
+    """Until the zygote listens (it imports torch first)."""
+    sock = Path(sys.executable).parent.parent / "sock"
+    deadline = time.monotonic() + 120
+    while not sock.exists():
+        assert time.monotonic() < deadline, "the zygote never started listening"
+        time.sleep(0.1)
+
+
+@pytest.fixture(autouse=True)
+def _ready() -> None:
+    wait_ready()
+
+
+def show(tmp_path: Path, *args: str, **kw: object) -> dict:
+    import json
+    script = tmp_path / "show.py"
+    script.write_text(SHOW)
+    out = subprocess.run([sys.executable, *args, str(script), "a", "b"], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=120, **kw)  # type: ignore[call-overload]
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_a_script_sees_what_a_plain_interpreter_gives_it(tmp_path: Path) -> None:
+    real = Path(sys.executable).parent.parent / "bin" / "python"
+    assert real.exists() and sys.executable == str(real), "this file runs with the launcher"
+    got = show(tmp_path, env=dict(os.environ, ZT="x"))
+    assert got["argv"] == [str(tmp_path / "show.py"), "a", "b"] and got["name"] == "__main__"
+    assert got["file"] == str(tmp_path / "show.py") and got["path0"] == str(tmp_path)
+    assert got["cwd"] == str(tmp_path) and got["env"] == "x" and got["umask"] == 0o022
+    assert got["zygote"], "the child came from the zygote (torch imported before the script ran)"
+    old = os.umask(0o077)
+    try:
+        assert show(tmp_path)["umask"] == 0o077
+    finally:
+        os.umask(old)
+
+
+def test_a_module_and_code_and_exit_statuses(tmp_path: Path) -> None:
+    run = lambda *a, **kw: subprocess.run([sys.executable, *a], capture_output=True, text=True,  # noqa: E731
+                                          cwd=tmp_path, timeout=120, **kw)
+    out = run("-m", "json.tool", input='{"a": 1}')
+    assert out.returncode == 0 and '"a": 1' in out.stdout
+    out = run("-c", "import sys; print(sys.argv); sys.exit(3)", "x")
+    assert out.returncode == 3 and out.stdout.strip() == "['-c', 'x']"
+    out = run("-c", "def f():\n    raise ValueError('boom')\nf()")
+    assert out.returncode == 1
+    assert out.stderr.startswith("Traceback (most recent call last):\n  File \"<string>\", line 3"), out.stderr
+    assert "zygote" not in out.stderr and out.stderr.rstrip().endswith("ValueError: boom")
+    out = run("-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)")
+    assert out.returncode == -signal.SIGTERM
+
+
+def test_signals_reach_the_child_and_a_kill_leaves_nothing(tmp_path: Path) -> None:
+    code = ("import signal, sys, time\n"
+            "signal.signal(signal.SIGTERM, lambda *a: (print('term', flush=True), sys.exit(75)))\n"
+            "print('ready', flush=True)\nwhile True: time.sleep(0.1)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout and proc.stdout.readline() == "ready\n"
+    child = child_of(proc)
+    assert child and child != proc.pid
+    os.kill(proc.pid, signal.SIGTERM)  # to the launcher: forwarded
+    assert proc.wait(60) == 75 and proc.stdout.read() == "term\n"
+    assert not Path(f"/proc/{child}").exists()
+    for kill in (lambda p: p.kill(), lambda p: os.kill(p.pid, signal.SIGKILL)):  # the child, or the launcher
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout and proc.stdout.readline() == "ready\n"
+        child = child_of(proc)
+        kill(proc)
+        assert proc.wait(60) == -signal.SIGKILL
+        if kill.__code__.co_names == ("kill",):  # proc.kill(): the child itself, gone before wait returned
+            assert not Path(f"/proc/{child}").exists()
+        else:  # the launcher: the zygote kills the child before it starts the next process
+            subprocess.run([sys.executable, "-c", "pass"], timeout=120, check=True)
+            assert not Path(f"/proc/{child}").exists() or Path(f"/proc/{child}/stat").read_text().split()[2] == "Z"
+
+
+def test_a_stopped_child_stops_its_launcher(tmp_path: Path) -> None:
+    code = "import os, signal; print('a', flush=True); os.kill(os.getpid(), signal.SIGSTOP); print('b')"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout and proc.stdout.readline() == "a\n"
+    deadline = time.monotonic() + 60
+    while Path(f"/proc/{proc.pid}/stat").read_text().split(") ")[1][0] != "T":
+        assert time.monotonic() < deadline, "the launcher did not stop with its child"
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGCONT)
+    assert proc.wait(60) == 0 and proc.stdout.read() == "b\n"
+
+
+def test_descriptors_and_signal_dispositions_are_inherited(tmp_path: Path) -> None:
+    """A descriptor of ``pass_fds`` arrives under its number; the signal dispositions are those a plain
+    interpreter shows, with one ignored by the parent (SIGUSR2)."""
+    code = ("import os, signal, sys\nos.write(int(sys.argv[1]), b'through')\n"
+            "print([repr(signal.getsignal(s)) for s in signal.valid_signals() if s not in (9, 19)])")
+    got = []
+    for python in (sys.executable, REAL_PYTHON):
+        r, w = os.pipe()
+        out = subprocess.run([python, "-c", code, str(w)], capture_output=True, text=True, pass_fds=(w,),
+                             timeout=120, preexec_fn=lambda: signal.signal(signal.SIGUSR2, signal.SIG_IGN))
+        os.close(w)
+        assert os.read(r, 100) == b"through", out.stderr
+        os.close(r)
+        got.append(out.stdout)
+    assert got[0] == got[1]
+
+
+@pytest.mark.parametrize("case", ["option", "shadow", "hashseed", "torch-env"])
+def test_what_the_zygote_cannot_give_starts_plainly(tmp_path: Path, case: str) -> None:
+    """A plain start is an ``exec`` of the real interpreter: the same pid as the launcher."""
+    args, env = ["-c", "import os, sys; print(os.getpid(), 'torch' in sys.modules)"], dict(os.environ)
+    if case == "option":
+        args = ["-O", *args]
+    elif case == "shadow":  # a folder on the path with a module the zygote imported: it must win
+        (tmp_path / "numpy.py").write_text("")
+        env["PYTHONPATH"] = str(tmp_path)
+    elif case == "hashseed":
+        env["PYTHONHASHSEED"] = "12345"
+    else:
+        env["OMP_NUM_THREADS"] = "7" if env.get("OMP_NUM_THREADS") != "7" else "5"
+    proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, text=True, env=env)
+    out, _ = proc.communicate(timeout=120)
+    pid, torch_loaded = out.split()
+    assert int(pid) == proc.pid and torch_loaded == "False", out
+
+
+def test_parse() -> None:
+    assert zygote.parse(["-u", "x.py", "-m", "y"]) == ("script", "x.py", ["-u"], ["-m", "y"])
+    assert zygote.parse(["-X", "faulthandler", "-mpkg.mod", "a"]) == ("-m", "pkg.mod", ["faulthandler"], ["a"])
+    assert zygote.parse(["-c", "code", "-u"]) == ("-c", "code", [], ["-u"])
+    assert isinstance(zygote.parse(["-O", "x.py"]), str) and isinstance(zygote.parse([]), str)
+    assert isinstance(zygote.parse(["-"]), str) and isinstance(zygote.parse(["-X", "dev", "x.py"]), str)
+
+
+def test_the_refusals(tmp_path: Path) -> None:
+    """The rules, one by one, on a server that is not listening."""
+    z = zygote.Zygote.__new__(zygote.Zygote)
+    z.identity, z.top, z.env = zygote.identity(), {"torch", "numpy"}, dict(os.environ, PYTHONHASHSEED="1")
+    req = lambda args, **kw: dict(dict(args=args, env=z.env, cwd=str(tmp_path), identity=z.identity), **kw)  # noqa: E731
+    assert z._refuse(req(["x.py"])) is None
+    assert z._refuse(req(["x.py"], env=dict(z.env, PYTHONHASHSEED="2"))) == "PYTHONHASHSEED differs"
+    assert "depends on its parent" in z._refuse(req(["-m", "unbroken.filewriter", "3"]))
+    assert "namespace" in z._refuse(req(["x.py"], identity="Uid: 1000"))
+    assert z._refuse(req(["x.py"], env=dict(z.env, TORCH_LOGS="+dynamo"))) == "TORCH_LOGS differs"
+    assert z._refuse(req(["x.py"], env=dict(z.env, UNBROKEN_X="1"))) is None
+    (tmp_path / "torch").mkdir()
+    assert z._refuse(req(["x.py"])) is None, "a folder without __init__.py is not a package"
+    (tmp_path / "torch" / "__init__.py").write_text("")
+    assert "holds torch" in z._refuse(req(["x.py"]))
