@@ -275,7 +275,14 @@ def _no_process_left_running() -> Iterator[None]:
 
 ZYGOTE = os.environ.get("UNBROKEN_TEST_ZYGOTE", "1") != "0"
 ZYGOTE_MODULES: set[str] = {
-    "test_zygote", "test_e2e_kill",
+    "test_zygote", "test_e2e_kill", "test_async_save", "test_data_e2e", "test_e2e_s3", "test_emergency_exact",
+    "test_incremental_e2e", "test_preemption", "test_recovery", "test_never_fresh", "test_no_clobber",
+    "test_resumable_eval", "test_convert", "test_cli", "test_cli_diff", "test_cli_maintain", "test_cli_runlog",
+    "test_cli_start", "test_reader_tool", "test_traps", "test_index", "test_malicious", "test_manager_policies",
+    "test_tiered", "test_upstream_loops", "test_benchmarks_goodput", "test_benchmarks_incremental",
+    "test_distributed", "test_deepspeed_convert", "test_exithooks", "test_s3", "test_slurm",
+    "test_integration_hf", "test_integration_hf_builtelsewhere", "test_integration_hf_dist",
+    "test_integration_lightning_dist",
 }
 """The test files whose processes start from the fork server (:mod:`zygote`, docs/testing.md): each was read
 for what a forked child does not give (a SIGSTOP of ``proc.pid``, its ``/proc`` read through
@@ -288,7 +295,8 @@ def _zygote_bin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     is started now (about 3 s of CPU, ``import torch``); until it listens, the launcher starts plain
     interpreters. Its children are signalled directly by ``Popen.send_signal`` (:func:`_zygote_child`)."""
     import random
-    import zygote
+
+    import zygote_server
 
     here = tmp_path_factory.mktemp("zygote")
     sock, pids, bin_dir = here / "sock", here / "pids", here / "bin"
@@ -311,7 +319,7 @@ def _zygote_bin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONHASHSEED"] = str(random.randrange(1, 2**32 - 1))
     with open(here / "log", "w") as log:
-        proc = subprocess.Popen([real, zygote.__file__, "--serve", str(sock), str(pids)], env=env,
+        proc = subprocess.Popen([real, zygote_server.__file__, "--serve", str(sock), str(pids)], env=env,
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
     original = subprocess.Popen.send_signal
 

@@ -247,7 +247,7 @@ def run_child(paths: list[Path], run: Path, every: int, kill_after: int | None) 
                 done += 1
             if line.startswith("WAIT"):
                 if kill_after is not None and done == kill_after:
-                    os.kill(proc.pid, signal.SIGKILL)  # a real kill, no cleanup in the child
+                    proc.kill()  # a real SIGKILL, no cleanup in the child
                     break
                 proc.stdin.write("go\n")
                 proc.stdin.flush()

@@ -62,7 +62,7 @@ def attempt(base: Path, *extra: str, stop_at: int | None = None, sig: int = sign
         for line in proc.stdout:
             lines.append(line)
             if stop_at is not None and not sent and line.startswith("LOSS") and int(line.split()[3]) >= stop_at:
-                os.kill(proc.pid, sig)
+                proc.send_signal(sig)
                 sent = True
         rc = proc.wait(timeout=300)
     losses: dict[tuple[int, int], tuple[int, str]] = {}

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import zygote
+import zygote_server
 from conftest import REAL_PYTHON, ZYGOTE, _zygote_child
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not ZYGOTE, reason="UNBROKEN_TEST_ZYGOTE=0")]
@@ -157,7 +158,7 @@ def test_what_the_zygote_cannot_give_starts_plainly(tmp_path: Path, case: str) -
     elif case == "hashseed":
         env["PYTHONHASHSEED"] = "12345"
     else:
-        env["OMP_NUM_THREADS"] = "7" if env.get("OMP_NUM_THREADS") != "7" else "5"
+        env["OMP_SCHEDULE"] = "static,3"  # read by OpenMP when torch loaded it
     proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, text=True, env=env)
     out, _ = proc.communicate(timeout=120)
     pid, torch_loaded = out.split()
@@ -174,8 +175,9 @@ def test_parse() -> None:
 
 def test_the_refusals(tmp_path: Path) -> None:
     """The rules, one by one, on a server that is not listening."""
-    z = zygote.Zygote.__new__(zygote.Zygote)
+    z = zygote_server.Zygote.__new__(zygote_server.Zygote)
     z.identity, z.top, z.env = zygote.identity(), {"torch", "numpy"}, dict(os.environ, PYTHONHASHSEED="1")
+    z.strict = ()
     req = lambda args, **kw: dict(dict(args=args, env=z.env, cwd=str(tmp_path), identity=z.identity), **kw)  # noqa: E731
     assert z._refuse(req(["x.py"])) is None
     assert z._refuse(req(["x.py"], env=dict(z.env, PYTHONHASHSEED="2"))) == "PYTHONHASHSEED differs"
@@ -187,3 +189,63 @@ def test_the_refusals(tmp_path: Path) -> None:
     assert z._refuse(req(["x.py"])) is None, "a folder without __init__.py is not a package"
     (tmp_path / "torch" / "__init__.py").write_text("")
     assert "holds torch" in z._refuse(req(["x.py"]))
+
+
+def test_the_number_of_threads_is_what_the_environment_asks() -> None:
+    """``OMP_NUM_THREADS`` was read when the zygote loaded torch and numpy's OpenBLAS: the child sets both."""
+    code = ("import ctypes, os, torch, numpy\n"
+            "lib = [ln.split()[-1] for ln in open('/proc/self/maps') if 'openblas' in ln and ln.rstrip().endswith('.so')]\n"
+            "blas = ctypes.CDLL(lib[0]).scipy_openblas_get_num_threads64_()\n"
+            "print(os.getpid(), torch.get_num_threads(), torch.get_num_interop_threads(), blas)")
+    got = []
+    for python in (sys.executable, REAL_PYTHON):
+        proc = subprocess.Popen([python, "-c", code], stdout=subprocess.PIPE, text=True,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+        out, _ = proc.communicate(timeout=120)
+        pid, *threads = out.split()
+        assert (int(pid) != proc.pid) == (python == sys.executable), "the first from the zygote, the second plain"
+        got.append(threads)
+    assert got[0] == got[1] == [got[1][0], got[1][1], got[1][2]] and got[1][0] == "1" and got[1][2] == "1", got
+
+
+def test_a_child_s_children_start_from_the_zygote_too() -> None:
+    """``sys.executable`` is the launcher in the child as here: torchrun's ranks and a CLI's jobs fork too."""
+    code = ("import os, subprocess, sys\n"
+            "inner = subprocess.run([sys.executable, '-c', 'import os; print(os.getppid())'], capture_output=True,"
+            " text=True, check=True)\nprint(os.getppid(), inner.stdout.strip(), sys.executable)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    outer, inner, exe = out.stdout.split()
+    assert outer == inner and exe == sys.executable, out.stdout
+
+
+def test_which_scripts_go_to_a_framework_s_zygote(tmp_path: Path) -> None:
+    """The framework imports a script runs first thing, and only while nothing of its own ran before."""
+    def key(src: str, **env: str) -> tuple | None:
+        (tmp_path / "s.py").write_text(src)
+        return zygote_server.flavour({"args": ["s.py"], "cwd": str(tmp_path), "env": env}, {"os", "sys", "torch"})
+    assert key('"""doc"""\nimport os, sys\nimport torch\nimport transformers\nfrom transformers import Trainer\nx = 1\n'
+               "import lightning\n", HF_HOME="/h", PATH="/bin") == (
+        ("import transformers", "from transformers import Trainer"), (("HF_HOME", "/h"),))
+    assert key("import unbroken\nimport transformers\n") is None, "a module of its own first: nothing"
+    assert key("x = 1\nimport transformers\n") is None
+    assert key("import os\nos.environ.setdefault('DS_ACCELERATOR', 'cpu')\nimport deepspeed\n") is None
+    assert key("import os\nos.environ.setdefault('DS_ACCELERATOR', 'cpu')\nimport deepspeed\n",
+               DS_ACCELERATOR="cpu") == (("import deepspeed",), (("DS_ACCELERATOR", "cpu"),))
+    assert key("import os\nos.environ['X'] = '1'\nimport transformers\n") is None
+    assert key("import transformers, json\n") is None, "a module of its own in the same statement"
+
+
+def test_a_framework_s_zygote_serves_the_next_launches(tmp_path: Path) -> None:
+    script = tmp_path / "fw.py"
+    script.write_text("import os\nimport sys\nimport transformers\nprint(os.getppid(), 'tokenizers' in sys.modules)\n")
+    run = lambda: subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,  # noqa: E731
+                                 check=True).stdout.split()
+    first, _ = run()
+    socks = lambda: [p for p in Path(sys.executable).parent.parent.glob("sock-*")]  # noqa: E731
+    deadline = time.monotonic() + 300
+    while not socks():
+        assert time.monotonic() < deadline, "the framework's zygote never listened"
+        time.sleep(0.2)
+    second, _ = run()
+    assert second != first, "the second launch came from the framework's zygote, forked from the first zygote"
+    assert run()[0] == second

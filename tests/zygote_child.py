@@ -1,0 +1,170 @@
+"""The zygote's child: it takes the launcher's process state, then runs its command as the
+interpreter's main would (the whole: :mod:`zygote`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+from zygote import THREADS, _path0, parse
+
+_HERE = os.path.abspath(__file__)
+
+
+def become(req: dict, base_path: list[str]) -> None:
+    """In the forked child: take the launcher's process state, then run its command."""
+    import resource
+    for sig in signal.valid_signals():
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        default = {signal.SIGINT: signal.default_int_handler, signal.SIGPIPE: signal.SIG_IGN,
+                   signal.SIGXFSZ: signal.SIG_IGN}.get(sig, signal.SIG_DFL)
+        try:
+            signal.signal(sig, signal.SIG_IGN if sig in req["ignored"] else default)
+        except (OSError, ValueError):
+            pass
+    os.setsid()
+    _take_fds(req["fds"], req["received"])
+    env = req["env"]
+    os.environ.clear()
+    os.environ.update(env)
+    changed, removed = req.get("delta", ({}, []))
+    os.environ.update(changed)  # what the zygote's imports did to the environment, as they would have here
+    for k in removed:
+        os.environ.pop(k, None)
+    os.chdir(req["cwd"])
+    os.umask(req["umask"])
+    for name, (soft, hard) in req["limits"].items():
+        res = getattr(resource, name)
+        if resource.getrlimit(res) != (soft, hard):
+            resource.setrlimit(res, (soft, hard))
+    os.sched_setaffinity(0, req["affinity"])
+    if os.getpriority(os.PRIO_PROCESS, 0) != req["nice"]:
+        os.setpriority(os.PRIO_PROCESS, 0, req["nice"])
+    signal.pthread_sigmask(signal.SIG_SETMASK, req["mask"])
+    kind, what, opts, rest = parse(req["args"])  # type: ignore[misc]
+    unbuffered = "-u" in opts or bool(env.get("PYTHONUNBUFFERED"))
+    sys.dont_write_bytecode = "-B" in opts or bool(env.get("PYTHONDONTWRITEBYTECODE"))
+    _stdio(unbuffered)
+    if "faulthandler" in opts or env.get("PYTHONFAULTHANDLER"):
+        import faulthandler
+        faulthandler.enable()
+    sys.path[:] = [_path0(kind, what, req["cwd"]),
+                   *(os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p), *base_path]
+    import tempfile
+    import time
+    tempfile.tempdir = None
+    time.tzset()
+    import torch
+    torch.seed()  # a fresh process seeds its default generator from the OS
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    threads = next((int(env[k]) for k in THREADS if k in env), None)
+    if threads is not None:  # what the variable does at the start of a plain process
+        torch.set_num_threads(threads)
+        _openblas_threads(threads)
+    sys.executable = req.get("executable") or sys.executable  # its own children start from the zygote too
+    sys.orig_argv = [sys.executable, *req["args"]]
+    with open(os.path.join(req["pids"], str(req["launcher"])), "w") as f:
+        f.write(f"{os.getpid()} {_start_time(os.getpid())}\n")
+    _run(kind, what, rest)
+
+
+def _openblas_threads(n: int) -> None:
+    """Set the threads of numpy's OpenBLAS (it read ``OMP_NUM_THREADS`` when the zygote loaded it)."""
+    import ctypes
+    with open("/proc/self/maps") as f:
+        libs = {line.split()[-1] for line in f if "openblas" in line.lower() and line.rstrip().endswith(".so")}
+    for path in libs:
+        lib = ctypes.CDLL(path)
+        for name in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads", "openblas_set_num_threads"):
+            if hasattr(lib, name):
+                getattr(lib, name)(n)
+                break
+
+
+def _take_fds(numbers: list[int], received: list[int]) -> None:
+    """Make the launcher's descriptors this process's, under the same numbers, and close the rest."""
+    import fcntl
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1024) for fd in received]
+    keep = set(high)
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    for number, fd in zip(numbers, high):
+        os.dup2(fd, number, inheritable=True)
+    for fd in high:
+        if fd not in numbers:
+            os.close(fd)
+
+
+def _stdio(unbuffered: bool) -> None:
+    import io
+    enc, errors = sys.__stdout__.encoding, sys.__stdout__.errors  # type: ignore[union-attr]
+    for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
+        try:
+            os.fstat(fd)
+        except OSError:
+            setattr(sys, name, None)
+            setattr(sys, f"__{name}__", None)
+            continue
+        raw = io.FileIO(fd, "r" if fd == 0 else "w", closefd=False)
+        if fd == 0:
+            stream = io.TextIOWrapper(io.BufferedReader(raw), encoding=enc, errors=errors)
+        else:
+            buffered = raw if unbuffered else io.BufferedWriter(raw)
+            stream = io.TextIOWrapper(buffered, encoding=enc,  # type: ignore[arg-type]
+                                      errors="backslashreplace" if fd == 2 else errors,
+                                      line_buffering=fd == 2 or os.isatty(fd), write_through=unbuffered)
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+
+
+def _start_time(pid: int) -> str:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read()
+    return stat[stat.rfind(b")") + 2:].split()[19].decode()
+
+
+def _run(kind: str, what: str, rest: list[str]) -> None:
+    """Run the command as the interpreter's main would: ``__main__`` a fresh module, ``sys.argv[0]`` as
+    given, ``__file__`` absolute; an uncaught exception printed from the script's frames on (exit 1), a
+    KeyboardInterrupt left to the interpreter (it exits by SIGINT, as a plain one does)."""
+    import runpy
+    import types
+    main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = __builtins__
+    sys.modules["__main__"] = main
+    try:
+        if kind == "script" and os.path.isfile(what):
+            import importlib.machinery
+            path = os.path.abspath(what)
+            sys.argv = [what, *rest]
+            main.__file__ = path
+            main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
+            with open(path, "rb") as f:
+                code = compile(f.read(), path, "exec", dont_inherit=True)
+            exec(code, main.__dict__)
+        elif kind == "script":  # a folder or a zip file with __main__.py
+            sys.argv = [what, *rest]
+            runpy.run_path(what, run_name="__main__")
+        elif kind == "-m":
+            sys.argv = ["-m", *rest]
+            runpy._run_module_as_main(what, alter_argv=True)  # type: ignore[attr-defined]
+        else:
+            sys.argv = ["-c", *rest]
+            exec(compile(what, "<string>", "exec", dont_inherit=True), main.__dict__)
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as e:
+        here = _HERE
+        tb = e.__traceback__
+        while tb is not None and (tb.tb_frame.f_code.co_filename == here or "runpy" in tb.tb_frame.f_code.co_filename):
+            tb = tb.tb_next
+        sys.excepthook(type(e), e.with_traceback(tb), tb)
+        raise SystemExit(1) from None

@@ -1,0 +1,361 @@
+"""The zygote's server and the child it forks (the launcher and the protocol: :mod:`zygote`, which
+describes the whole)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+
+from zygote import EMULATED, FRAMEWORK_ENV, FRAMEWORKS, PLAIN_MODULES, RUNTIME, SENSITIVE, THREADS, _kill, _path0, _recv, _send, identity, parse
+
+MAX_FRAMEWORK_ZYGOTES = 4
+
+
+class Framework:
+    """A zygote forked from this one that has also imported a framework (see :func:`flavour`)."""
+
+    def __init__(self, pid: int, sock_path: str, control: socket.socket) -> None:
+        self.pid, self.sock_path, self.control = pid, sock_path, control
+
+
+class Zygote:
+    """The server: accepts launch requests on a Unix socket and forks a child for each."""
+
+    def __init__(self, sock_path: str, pids: str, control: socket.socket | None = None) -> None:
+        """``control``: for a framework's zygote, its end of the pair its parent syncs it with."""
+        import selectors
+        self.sock_path, self.pids, self.control = sock_path, pids, control
+        self.frameworks: dict[tuple, Framework] = {}
+        self.strict = FRAMEWORK_ENV if control is not None else ()
+        self.delta: tuple[dict[str, str], list[str]] = ({}, [])  # what the imports did to the environment
+        self.sel = selectors.DefaultSelector()
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(sock_path + ".new")
+        self.listener.listen(64)
+        self.children: dict[socket.socket, int] = {}  # a launcher's connection -> its child
+        self.leaders: dict[int, bool] = {}  # a child -> whether its launcher leads its process group
+        self.identity = identity()
+        self.env = dict(os.environ)
+        self.path0 = sys.path[0]
+        self.base_path = sys.path[1:]
+        self.top = {m.split(".")[0] for m in sys.modules} - {"zygote", "zygote_child", "__main__"}
+        self.wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.signal(signal.SIGTERM, self._stop)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        self.sel.register(self.listener, 1, "accept")
+        self.sel.register(self.wake_r, 1, "reap")
+        if control is not None:
+            self.sel.register(control, 1, "sync")
+        os.rename(sock_path + ".new", sock_path)  # ready: launchers connect from now on
+
+    def _stop(self, *_: object) -> None:
+        for pid in self.children.values():
+            _kill(pid, signal.SIGKILL)
+        for fw in self.frameworks.values():
+            _kill(fw.pid, signal.SIGTERM)  # it kills its own children
+        os._exit(0)
+
+    def serve(self) -> dict:
+        """Serve until this process is a child; return the child's request."""
+        while True:
+            events = self.sel.select()
+            # a launcher that went away is handled before any new launch: its child is killed and reaped
+            # first, so a test that killed the launcher and starts the next process finds the first gone
+            events.sort(key=lambda e: {"gone": 0, "reap": 1, "sync": 2}.get(e[0].data, 3))
+            for key, _ in events:
+                if key.data == "reap":
+                    os.read(self.wake_r, 4096)
+                    self._reap()
+                elif key.data == "sync":  # the parent zygote asks: every launcher gone before now is handled
+                    assert self.control is not None
+                    asked = self.control.recv(64)
+                    if not asked:
+                        self._stop()
+                    self.control.sendall(b"k" * len(asked))
+                elif key.data == "accept":
+                    conn, _ = self.listener.accept()
+                    req = self._start(conn)
+                    if req is not None:
+                        return req
+                else:
+                    self._gone(key.fileobj)  # type: ignore[arg-type]
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG | os.WUNTRACED | os.WCONTINUED)
+            except ChildProcessError:
+                return
+            if not pid:
+                return
+            conn = next((c for c, p in self.children.items() if p == pid), None)
+            if conn is None:
+                for key, fw in list(self.frameworks.items()):
+                    if fw.pid == pid and not os.WIFSTOPPED(status) and not os.WIFCONTINUED(status):
+                        fw.control.close()
+                        del self.frameworks[key]
+                continue
+            if os.WIFSTOPPED(status):
+                self._tell(conn, ("stop", os.WSTOPSIG(status)))
+            elif not os.WIFCONTINUED(status):
+                self._tell(conn, ("exit", status))
+                self._forget(conn)
+
+    def _tell(self, conn: socket.socket, msg: object) -> None:
+        try:
+            _send(conn, msg)
+        except OSError:
+            pass
+
+    def _forget(self, conn: socket.socket) -> None:
+        self.leaders.pop(self.children.pop(conn, -1), None)
+        try:
+            self.sel.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        conn.close()
+
+    def _gone(self, conn: socket.socket) -> None:
+        """The launcher's connection is readable: it only ever closes (the launcher died)."""
+        pid = self.children.get(conn)
+        if pid is not None:
+            if self.leaders.get(pid):  # killed with its process group (killpg): so is the child's
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            _kill(pid, signal.SIGKILL)
+            import time
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                try:
+                    done, _ = os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if done:
+                    break
+                time.sleep(0.002)
+        self._forget(conn)
+
+    def _start(self, conn: socket.socket) -> dict | None:
+        self._sync()
+        conn.settimeout(10)
+        try:
+            req, fds = _recv(conn, with_fds=True)
+        except OSError:
+            conn.close()
+            return None
+        why = self._refuse(req) if isinstance(req, dict) else "a bad request"
+        if why or len(fds) != len(req["fds"]):  # type: ignore[index]
+            sys.stderr.write(f"plain start of {req.get('args', [])[:3]}: {why or 'descriptors lost'}\n")  # type: ignore[union-attr]
+            for fd in fds:
+                os.close(fd)
+            self._tell(conn, 0)
+            conn.close()
+            return None
+        key = flavour(req, self.top) if self.control is None else None  # type: ignore[arg-type]
+        if key is not None:
+            fw = self.frameworks.get(key)
+            if fw is not None and os.path.exists(fw.sock_path):  # that framework's zygote serves it
+                for fd in fds:
+                    os.close(fd)
+                self._tell(conn, fw.sock_path)
+                conn.close()
+                return None
+            if fw is None and len(self.frameworks) < MAX_FRAMEWORK_ZYGOTES:
+                served = self._fork_framework(key, conn, fds)
+                if served is not None:  # this process is the framework's zygote's child
+                    return served
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the child: nothing of the server stays open in it
+            req["received"] = fds  # type: ignore[index]
+            req["delta"] = self.delta  # type: ignore[index]
+            self._close_all(conn)
+            return req  # type: ignore[return-value]
+        for fd in fds:
+            os.close(fd)
+        conn.settimeout(None)
+        self.children[conn] = pid
+        self.leaders[pid] = bool(req.get("leader"))  # type: ignore[union-attr]
+        self.sel.register(conn, 1, "gone")
+        self._tell(conn, pid)
+        return None
+
+    def _close_all(self, conn: socket.socket) -> None:
+        """In a forked process: close what is this server's."""
+        for c in (conn, self.listener, *self.children, *(fw.control for fw in self.frameworks.values())):
+            c.close()
+        if self.control is not None:
+            self.control.close()
+        self.sel.close()
+        os.close(self.wake_r)
+        os.close(signal.set_wakeup_fd(-1))
+
+    def _sync(self) -> None:
+        """Before a launch: every framework's zygote has handled the launchers gone before it (their
+        children killed and reaped), as this one has."""
+        for key, fw in list(self.frameworks.items()):
+            if not os.path.exists(fw.sock_path):  # still importing: no children yet
+                continue
+            try:
+                fw.control.settimeout(10)
+                fw.control.sendall(b"s")
+                if fw.control.recv(1) != b"k":
+                    raise OSError("no answer")
+            except OSError:
+                fw.control.close()
+                _kill(fw.pid, signal.SIGTERM)
+                del self.frameworks[key]
+
+    def _fork_framework(self, key: tuple, conn: socket.socket, fds: list[int]) -> dict | None:
+        """Start the zygote of ``key`` (it imports the framework for later launches; this one is served
+        here). In that zygote's children, return their request; here, ``None``."""
+        ours, theirs = socket.socketpair()
+        path = f"{self.sock_path}-{os.getpid()}-{len(self.frameworks)}-{abs(hash(key))}"
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid:
+            theirs.close()
+            self.frameworks[key] = Framework(pid, path, ours)
+            return None
+        ours.close()
+        for fd in fds:
+            os.close(fd)
+        self._close_all(conn)
+        import ctypes
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: ends with the zygote it came from
+        statements, env = key
+        for k in [k for k in os.environ if k.startswith(FRAMEWORK_ENV)]:
+            del os.environ[k]
+        os.environ.update(dict(env))
+        before = dict(os.environ)
+        try:
+            scratch: dict = {}
+            for statement in statements:
+                exec(statement, scratch)
+        except BaseException as e:  # the launches that would have come here are served by the first zygote
+            sys.stderr.write(f"the zygote of {statements} could not import them: {e!r}\n")
+            os._exit(1)
+        after = dict(os.environ)  # an import may set variables (transformers: TORCHINDUCTOR_CACHE_DIR), as it would
+        os.environ.clear()        # in the script: compared as they were before it, set in the children after
+        os.environ.update(before)
+        zygote = Zygote(path, self.pids, control=theirs)
+        os.environ.update(after)
+        zygote.delta = ({k: v for k, v in after.items() if before.get(k) != v}, [k for k in before if k not in after])
+        return zygote.serve()
+
+    def _refuse(self, req: dict) -> str | None:
+        """Why this request must start a plain interpreter (``None``: it need not)."""
+        if req.get("identity") != self.identity:
+            return "another user, capability set, namespace or cgroup"
+        env, mine = req["env"], self.env
+        for k in set(env) | set(mine):
+            if ((k.startswith(SENSITIVE) and not k.startswith(RUNTIME) and k not in EMULATED)
+                    or (self.strict and k.startswith(self.strict))) and env.get(k) != mine.get(k):
+                return f"{k} differs"
+        wanted = {env[k] for k in THREADS if k in env}
+        if any(k in mine for k in THREADS) or len(wanted) > 1 or not all(v.isdigit() and int(v) > 0 for v in wanted):
+            return "a number of threads the zygote cannot set"
+        if env.get("PYTHONHASHSEED", mine["PYTHONHASHSEED"]) != mine["PYTHONHASHSEED"]:
+            return "PYTHONHASHSEED differs"
+        target = parse(req["args"])
+        if isinstance(target, str):
+            return target
+        kind, what, _, _ = target
+        if kind == "-m" and what in PLAIN_MODULES:
+            return f"{what} depends on its parent"
+        path0 = _path0(kind, what, req["cwd"])
+        for folder in [path0, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]:
+            try:
+                names = os.listdir(os.path.join(req["cwd"], folder) if folder else req["cwd"])
+            except OSError:
+                continue
+            shadow = _shadows(os.path.join(req["cwd"], folder), names, self.top)
+            if shadow:
+                return f"{folder} holds {shadow}, which the zygote imported"
+        return None
+
+
+def flavour(req: dict, imported: set[str]) -> tuple | None:
+    """Which framework zygote a script's launch goes to: ``(statements, environment)``, the statements
+    that import a framework (:data:`zygote.FRAMEWORKS`) that the script runs first thing, and the variables
+    those frameworks read at import (:data:`zygote.FRAMEWORK_ENV`), or ``None``. The script's statements
+    are read from its start while they can run in the zygote without changing what the script would
+    see: a docstring, the imports of modules already imported (the standard library, torch), the
+    frameworks' imports, and ``os.environ.setdefault(name, value)`` of a variable already set. At the
+    first other statement the reading stops, so the frameworks are imported in the script's order, and
+    before anything of its own."""
+    import ast
+    kind, what, _, _ = parse(req["args"])  # type: ignore[misc]
+    path = os.path.join(req["cwd"], what)
+    if kind != "script" or not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(1 << 20))
+    except (OSError, SyntaxError, ValueError):
+        return None
+    statements: list[str] = []
+    for node in tree.body:
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue
+        if isinstance(node, ast.Expr) and _is_setdefault(node.value, req["env"]):
+            continue
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            tops = {node.module.split(".")[0]}
+        elif isinstance(node, ast.Import):
+            tops = {a.name.split(".")[0] for a in node.names}
+        else:
+            break
+        if tops <= FRAMEWORKS:
+            statements.append(ast.unparse(node))
+        elif not tops <= imported | {"__future__"}:
+            break
+    if not statements:
+        return None
+    env = tuple(sorted((k, v) for k, v in req["env"].items() if k.startswith(FRAMEWORK_ENV)))
+    return tuple(statements), env
+
+
+def _is_setdefault(call: object, env: dict) -> bool:
+    import ast
+    return (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "setdefault"
+            and ast.unparse(call.func.value) == "os.environ" and len(call.args) == 2
+            and isinstance(call.args[0], ast.Constant) and call.args[0].value in env)
+
+
+def _shadows(folder: str, names: list[str], imported: set[str]) -> str | None:
+    """The first module of ``imported`` that ``folder`` (listing ``names``) would provide before the
+    folders after it: a source or compiled module, an extension module, or a regular package."""
+    for entry in names:
+        stem = entry.split(".")[0]
+        if stem not in imported:
+            continue
+        if entry.endswith((".py", ".pyc", ".so")) or os.path.isfile(os.path.join(folder, entry, "__init__.py")):
+            return stem
+    return None
+
+
+if __name__ == "__main__":
+    from zygote_child import become
+
+    if len(sys.argv) > 1 and sys.argv[1] == "--serve":
+        _sock, _pids = sys.argv[2], sys.argv[3]
+        import ctypes
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: ends with its pytest worker
+        import numpy  # noqa: F401
+        import torch  # noqa: F401
+        _zygote = Zygote(_sock, _pids)
+        _req = _zygote.serve()
+        _req["pids"] = _pids
+        _base = _zygote.base_path
+        del _zygote
+        become(_req, _base)
