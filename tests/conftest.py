@@ -282,7 +282,9 @@ ZYGOTE_MODULES: set[str] = {
     "test_tiered", "test_upstream_loops", "test_benchmarks_goodput", "test_benchmarks_incremental",
     "test_distributed", "test_deepspeed_convert", "test_exithooks", "test_s3", "test_slurm",
     "test_integration_hf", "test_integration_hf_builtelsewhere", "test_integration_hf_dist",
-    "test_integration_lightning_dist",
+    "test_integration_lightning_dist", "test_deepspeed", "test_ram_tier_dist", "test_integration_hf_ddp4",
+    "test_integration_lightning_ddp4", "test_ddp_align", "test_integration_accelerate", "test_integration_lightning",
+    "test_data_stream", "test_selftest", "test_selftest_trust", "test_signals_exit",
 }
 """The test files whose processes start from the fork server (:mod:`zygote`, docs/testing.md): each was read
 for what a forked child does not give (a SIGSTOP of ``proc.pid``, its ``/proc`` read through
