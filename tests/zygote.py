@@ -64,7 +64,8 @@ SENSITIVE = ("TORCH", "PYTORCH", "OMP_", "MKL", "KMP_", "GOMP_", "OPENBLAS", "NU
              "LC_", "CUDA", "HIP_", "ROCM", "MALLOC", "GLIBC")
 EMULATED = {"PYTHONPATH", "PYTHONHASHSEED", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "PYTHONFAULTHANDLER",
             "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCH_EXTENSIONS_DIR"}
-RUNTIME = ("TORCHELASTIC_", "TORCH_NCCL_")  # read when used, not at import: torchrun's variables for its ranks
+# read when used, not at import: torchrun's variables for its ranks, inductor's cache (set once it is used)
+RUNTIME = ("TORCHELASTIC_", "TORCH_NCCL_", "TORCHINDUCTOR_CACHE_DIR")
 THREADS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # set in the child: torch's threads and numpy's OpenBLAS
 # frameworks a zygote of their own imports (when a script imports them first thing), and the variables they
 # read at import, which must then be the same

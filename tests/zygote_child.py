@@ -30,7 +30,8 @@ def become(req: dict, base_path: list[str]) -> None:
     os.environ.clear()
     os.environ.update(env)
     changed, removed = req.get("delta", ({}, []))
-    os.environ.update(changed)  # what the zygote's imports did to the environment, as they would have here
+    os.environ.update({k: v for k, v in changed.items() if k not in env})  # what the zygote's imports set (as a
+    # default: inductor's cache folder) they would have set here
     for k in removed:
         os.environ.pop(k, None)
     os.chdir(req["cwd"])
