@@ -509,6 +509,7 @@ def test_no_room_for_the_staging_folder_is_a_storage_error_and_earlier_checkpoin
         ckpt.close()  # a filesystem with files open for writing cannot become read-only
         subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)
         ckpt = unbroken.Checkpointer(run, keep_last=None)
+        ckpt.restore(state)  # the restarted training resumes (a read of a read-only run works)
     train(model, state)
     with pytest.raises(StorageError, match="filesystem is full" if fault == "full" else "read-only") as err:
         ckpt.save(state)

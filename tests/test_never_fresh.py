@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import unbroken
+from unbroken.index import RunIndex
 from unbroken.chunks import chunk_id
 from unbroken.reader import read_manifest
 from unbroken.store import open_store
@@ -256,6 +257,7 @@ def test_a_user_object_that_refuses_leaves_every_part_as_it_was(tmp_path: Path) 
     c = unbroken.Checkpointer(run, preemption=None, strict=False)
     newer = {**small_state(), "refuses": Refuses()}
     newer["refuses"].value = 5
+    c.start_fresh()  # this process writes a newer checkpoint on purpose, without resuming
     c.save(newer)  # a newer checkpoint, with a value the object refuses
     live["refuses"] = Refuses()
     with pytest.raises(unbroken.StateMismatchError, match="refuses.*load_state_dict"):
@@ -289,7 +291,7 @@ def test_every_rank_refuses_when_every_checkpoint_is_damaged(tmp_path: Path) -> 
         assert "step-000000004" in out and "step-000000008" in out
 
 
-# ------------------------------------------- progress that vanished (issue 33 §4)
+# ------------------------------------------- a relaunch that never called restore() (issue 33 §4)
 def _linear() -> dict:
     torch.manual_seed(0)
     return {"w": torch.nn.Linear(4, 4, bias=False)}
@@ -297,6 +299,56 @@ def _linear() -> dict:
 
 def _committed(run: Path) -> list[str]:
     return sorted(p.name for p in run.iterdir() if p.name.startswith("step-"))
+
+
+def test_a_relaunch_that_forgot_restore_is_refused_before_anything_is_written_or_deleted(tmp_path: Path) -> None:
+    """A script that does not call ``restore()`` on a run with checkpoints (a forgotten call, an ``if
+    args.resume:`` without the flag) would start at step 0 under newer sequence numbers, and retention
+    (keep_last=2) would delete the run's real checkpoints: refused at its first save, naming the way."""
+    run = tmp_path / "run"
+    with unbroken.Checkpointer(run, save_every=2, keep_last=2) as c:
+        state = _linear()
+        c.restore(state)
+        for _ in range(6):
+            c.step(state)
+    before = {p.name: (p / "manifest.json").read_bytes() for p in run.iterdir() if p.name.startswith("step-")}
+    assert sorted(before) == ["step-000000004", "step-000000006"]
+    with unbroken.Checkpointer(run, save_every=2, keep_last=2) as c:  # the relaunch, no restore()
+        state = _linear()
+        c.step(state)
+        with pytest.raises(unbroken.errors.ConfigurationError,
+                           match=r"already has 2 checkpoint\(s\), the newest at step 6.*without having called "
+                                 r"restore\(\).*ckpt\.restore\(state\).*UNBROKEN_START_FRESH=1"):
+            c.step(state)  # step 2 is due
+        with pytest.raises(unbroken.errors.ConfigurationError, match="without having called restore"):
+            c.save(state)  # every save, not only the scheduled ones
+    after = {p.name: (p / "manifest.json").read_bytes() for p in run.iterdir() if p.name.startswith("step-")}
+    assert after == before  # nothing written, nothing deleted
+
+
+def test_starting_over_on_purpose_and_a_new_run_need_no_restore(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    run = tmp_path / "run"
+    with unbroken.Checkpointer(run, save_every=1) as c:  # a new run: nothing to resume, no restore() needed
+        state = _linear()
+        c.step(state)
+    assert _committed(run) == ["step-000000001"]
+    monkeypatch.setenv("UNBROKEN_START_FRESH", "1")
+    with unbroken.Checkpointer(run, save_every=1, keep_last=1) as c:
+        c.step(_linear())
+    assert "starts over without restoring" in caplog.text
+    assert len(_committed(run)) == 1  # the old one replaced as retention went on: asked for
+    with RunIndex(run, readonly=True) as index:  # recorded, not only a log line
+        [event] = index.events("started_over")
+    assert event["step"] == 1 and event["data"] == {"checkpoints": 1, "newest_step": 1}
+    assert event["message"] == "UNBROKEN_START_FRESH=1", event
+    monkeypatch.delenv("UNBROKEN_START_FRESH")
+    with unbroken.Checkpointer(run, save_every=1, keep_last=1) as c:  # in the script: start_fresh()
+        c.start_fresh()
+        c.step(_linear())
+    with RunIndex(run, readonly=True) as index:
+        events = index.events("started_over")
+    assert len(events) == 2 and events[1]["step"] == 0 and events[1]["message"] == "start_fresh()", events
 
 
 def test_checkpoints_that_vanished_while_the_index_remembers_them_are_not_a_fresh_start(

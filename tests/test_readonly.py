@@ -112,6 +112,7 @@ TRAIN_ON = textwrap.dedent("""
     import sys, torch, unbroken
     # a live training run commits step 8; its retention (keep_last=1) deletes every older checkpoint
     with unbroken.Checkpointer(sys.argv[1], keep_last=1, preemption=None) as ck:
+        ck.start_fresh()  # it stands for the training that went on: it writes without resuming, on purpose
         ck.progress.step = 8
         ck.save({"a": torch.zeros(4), "b": torch.ones(4)})
 """)

@@ -31,6 +31,18 @@ class Started(Event):
 
 
 @dataclass(frozen=True)
+class StartedOver(Event):
+    """A process started over on purpose at ``step``, without restoring, in a run that had
+    ``checkpoints`` committed, the newest at ``newest_step``; ``how``: ``"start_fresh()"`` or
+    ``"UNBROKEN_START_FRESH=1"``."""
+
+    step: int
+    checkpoints: int
+    newest_step: int
+    how: str = "UNBROKEN_START_FRESH=1"
+
+
+@dataclass(frozen=True)
 class StepEnded(Event):
     """An optimizer step completed (``Checkpointer.step``), with the metrics passed to it."""
 

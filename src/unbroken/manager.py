@@ -164,6 +164,7 @@ class Checkpointer(Saving, Stepping):
         self._agreement = StepAgreement(self.comm, self.schedule.trigger.triggers if self.schedule.trigger else (),
                                         watches_signals=bool(self.preemption.signals))
         self._guard: StepGuard | None = None
+        self._started = False  # restore() ran (a resume or a fresh start), or a save found the run empty
         self._recovery: recovery.Policy | None = None  # inside recover(): its loss-spike predicate
         self._environment: dict[str, Any] | None = None
         self._recorder: Recorder | None = None
@@ -290,6 +291,18 @@ class Checkpointer(Saving, Stepping):
         return self._environment
 
     # -------------------------------------------------------------------- restore
+    def start_fresh(self) -> None:
+        """Start over on purpose instead of resuming: what a script that deliberately does not resume
+        (the HF Trainer's ``resume_from_checkpoint=False``, the ``else`` of an ``if args.resume:``)
+        calls instead of :meth:`restore`. On a run that has checkpoints, the start-over is logged and
+        recorded in the run index (a ``started_over`` event), and retention replaces the old
+        checkpoints as new ones commit. Without it (or ``UNBROKEN_START_FRESH=1``), the first save of a
+        process that never called :meth:`restore` on a run with checkpoints is refused, before
+        anything is written or deleted. Collective, as :meth:`restore`."""
+        self._begin()
+        if not self._started:
+            self._refuse_starting_over("regular", on_purpose=True)
+
     def restore(self, state: MutableMapping[str, Any], path: str | os.PathLike[str] | None = None, *,
                 tag: str | None = None,
                 if_unrestorable: Literal["raise", "start_fresh"] = "raise") -> CheckpointInfo | None:
@@ -321,6 +334,7 @@ class Checkpointer(Saving, Stepping):
             self._selftest.watch(state)  # fingerprints the state once restored (on Restored / Started)
         self.flush()  # a save in flight commits (and stops reading the live state) first
         info = restore_into(self, state, path, tag, if_unrestorable)
+        self._started = True
         if info is not None and self.comm.world > 2:
             align_after_restore(state)  # DDP's first step summed as without the restart (unbroken.dist.ddpalign)
         return info

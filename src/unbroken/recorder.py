@@ -31,6 +31,9 @@ class Recorder:
         """Translate one run event into index rows (see :mod:`unbroken.events`)."""
         if isinstance(e, ev.Started):
             self.segment(e.resumed_from, e.step)
+        elif isinstance(e, ev.StartedOver):  # on purpose (UNBROKEN_START_FRESH=1): never only a log line
+            self.event("started_over", e.how, step=e.step,
+                       data={"checkpoints": e.checkpoints, "newest_step": e.newest_step})
         elif isinstance(e, ev.Restored):
             self.segment(e.name, e.step, e.tier)
         elif isinstance(e, ev.StepEnded):

@@ -9,13 +9,15 @@ recorder), which :mod:`unbroken.manager` sets up.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Mapping
 from typing import Any
 
 from .api import CheckpointInfo
 from .dist.comm import Comm
-from .events import Saved
+from .errors import ConfigurationError
+from .events import Saved, StartedOver
 from .format.manifest import Manifest
 from .lazy import StepGate, step_only_storages
 from .probe import run_probe
@@ -31,6 +33,46 @@ log = logging.getLogger("unbroken")
 class Saving:
     """The save path of :class:`~unbroken.Checkpointer` (see the module docstring)."""
 
+    def _refuse_starting_over(self, kind: str, on_purpose: bool = False) -> None:
+        """The first save of a process that never called ``restore()``: refused, before anything is
+        written or deleted, if the run already has checkpoints (a forgotten ``restore()``, an ``if
+        args.resume:`` without the flag): it would start again at step 0 under newer sequence numbers,
+        and retention would delete the run's real checkpoints. ``start_fresh()`` (``on_purpose``) or
+        ``UNBROKEN_START_FRESH=1`` starts over on purpose (logged, and recorded in the run index as a
+        ``started_over`` event). The coordinator
+        lists the run (every tier) and tells the other ranks, so every rank decides alike (the first
+        save is collective: nothing else is in flight on the group)."""
+        if kind == "imported":  # ``unbroken import`` writes the run's first checkpoint itself
+            self._started = True
+            return
+        found: list[Any] | str | None = None
+        if self.comm.coordinator:
+            try:
+                listed = self.run.checkpoints()
+                found = [len(listed), max(c.step for c in listed)] if listed else None
+            except Exception as e:  # noqa: BLE001 - said on every rank below, never a hang of the others
+                found = f"{type(e).__name__}: {e}"
+        found = self.comm.broadcast(found)
+        if isinstance(found, str):
+            raise ConfigurationError(f"cannot tell whether {self.location} already has checkpoints before this "
+                                     f"process's first save (it never called restore()): {found}")
+        if found is None:
+            self._started = True
+            return
+        count, newest = found
+        why = "start_fresh()" if on_purpose else "UNBROKEN_START_FRESH=1"
+        if not on_purpose and os.environ.get("UNBROKEN_START_FRESH") != "1":
+            raise ConfigurationError(
+                f"{self.location} already has {count} checkpoint(s), the newest at step {newest}, and this "
+                f"process is saving without having called restore(): it would start over (it is at step "
+                f"{self.progress.step}) and retention would delete those checkpoints. Call ckpt.restore(state) "
+                f"before training (it resumes from step {newest}); to start over on purpose, call "
+                "ckpt.start_fresh() instead, use a new run location, or set UNBROKEN_START_FRESH=1.")
+        log.warning("%s: %s starts over without restoring (at step %d); its %d checkpoint(s) (newest at step %d) "
+                    "go as retention replaces them", why, self.location, self.progress.step, count, newest)
+        self.events.publish(StartedOver(self.progress.step, count, newest, why))
+        self._started = True
+
     def save(self, state: Mapping[str, Any], metrics: dict[str, Any] | None = None, *, kind: str = "regular",
              tag: str | None = None, progress: Mapping[str, int] | None = None,
              rng: Mapping[str, Any] | None = None) -> CheckpointInfo | None:
@@ -45,6 +87,8 @@ class Saving:
         state = adapt(state)
         self.rules.check_reserved(state)
         self._begin()
+        if not self._started:
+            self._refuse_starting_over(kind)
         self.flush(raise_errors=kind == "regular")  # backpressure: at most one save in flight
         if metrics:
             self.metrics.update(metrics)

@@ -115,7 +115,8 @@ class UnbrokenCallback(TrainerCallback):
             raise RuntimeError("unbroken: train() did not go through enable()'s wrappers")
         st = dict(training_state(t), data=self.loader, trainer=TrainerCounters(t),
                   trainer_rank=unbroken.PerRank(RankCounters(t)))
-        if self._resume is _FRESH:
+        if self._resume is _FRESH:  # on purpose: recorded, and the first save is not refused
+            ckpt.start_fresh()
             self.restored = None
         elif self._resume is None:
             self.restored = ckpt.restore(st)
