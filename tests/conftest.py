@@ -284,7 +284,7 @@ ZYGOTE_MODULES: set[str] = {
     "test_integration_hf", "test_integration_hf_builtelsewhere", "test_integration_hf_dist",
     "test_integration_lightning_dist", "test_deepspeed", "test_ram_tier_dist", "test_integration_hf_ddp4",
     "test_integration_lightning_ddp4", "test_ddp_align", "test_integration_accelerate", "test_integration_lightning",
-    "test_data_stream", "test_selftest", "test_selftest_trust", "test_signals_exit",
+    "test_data_stream", "test_selftest", "test_selftest_trust", "test_signals_exit", "test_ram_tier",
 }
 """The test files whose processes start from the fork server (:mod:`zygote`, docs/testing.md): each was read
 for what a forked child does not give (a SIGSTOP of ``proc.pid``, its ``/proc`` read through
@@ -304,6 +304,7 @@ def _zygote_bin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     sock, pids, bin_dir = here / "sock", here / "pids", here / "bin"
     pids.mkdir()
     bin_dir.mkdir()
+    _ZYGOTE_PIDS[:] = [pids]
     real = sys.executable
     launcher = bin_dir / "python"
     for entry in Path(real).parent.iterdir():  # console scripts (unbroken, torchrun) start from the zygote too
@@ -346,6 +347,16 @@ def _zygote_bin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+_ZYGOTE_PIDS: list[Path] = []  # the pids folder of this worker's zygote, once started
+
+
+def real_pid(proc: subprocess.Popen) -> int:
+    """The pid of the process ``proc`` stands for: the zygote's child behind a launcher, else ``proc.pid``
+    (for a test that reads the process's ``/proc``)."""
+    child = _zygote_child(_ZYGOTE_PIDS[0], proc.pid) if _ZYGOTE_PIDS else None
+    return child if child is not None else proc.pid
 
 
 def _zygote_child(pids: Path, launcher: int) -> int | None:

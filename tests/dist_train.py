@@ -47,12 +47,12 @@ class Data(Dataset):
         return self.x[i] + noise, self.y[i], int(i)
 
 
-def model_and_optimizer(mode: str):
+def model_and_optimizer(mode: str, ddp_options: dict | None = None):
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(D, 64), torch.nn.ReLU(), torch.nn.Dropout(0.1),
                                 torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, C))
     if mode == "ddp" and dist.is_initialized():
-        model = torch.nn.parallel.DistributedDataParallel(model)
+        model = torch.nn.parallel.DistributedDataParallel(model, **(ddp_options or {}))
     elif mode == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -100,6 +100,8 @@ def main() -> int:
     p.add_argument("--requeue", action="store_true", help="requeue the SLURM job after a preemption save")
     p.add_argument("--every-seconds", type=float, default=None,
                    help="a time trigger too: rank r saves every S*(r+1) s (EveryMinutes), so the ranks' clocks disagree")
+    p.add_argument("--ddp-options", type=json.loads, default=None, metavar="JSON",
+                   help="keyword arguments of DistributedDataParallel")
     p.add_argument("--plain-init", action="store_true",
                    help="torch.distributed.init_process_group() instead of unbroken.init_distributed()")
     args = p.parse_args()
@@ -121,7 +123,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"pid-r{rank}").write_text(str(os.getpid()))  # for the tests that kill one rank
 
-    model, opt, sched = model_and_optimizer(args.mode)
+    model, opt, sched = model_and_optimizer(args.mode, args.ddp_options)
     loader = unbroken.data.ResumableLoader(Data(), batch_size=args.batch, seed=5)
     ckpt = unbroken.Checkpointer(args.run_dir, save_every=args.save_every, keep_last=3,
                                  preemption=unbroken.Preemption(requeue=args.requeue),

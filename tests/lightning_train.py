@@ -31,10 +31,15 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import lightning.pytorch as lightning_pytorch
+import pytorch_lightning
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 import unbroken.data
+
+# both Lightning packages imported first thing, as unbroken's integration imports every one installed: the
+# suite's fork server then starts this script with them imported (tests/zygote.py)
 
 N, DIM, CLASSES, BATCH, ACC = 100, 16, 4, 8, 2  # 13 batches per epoch: 7 optimizer steps
 
@@ -54,11 +59,7 @@ class Data(Dataset):
 
 def lightning(flavour: str) -> ModuleType:
     """The Lightning package of the Trainer, the LightningModule and the callbacks."""
-    if flavour == "lightning":
-        import lightning.pytorch as pl
-    else:
-        import pytorch_lightning as pl
-    return pl
+    return lightning_pytorch if flavour == "lightning" else pytorch_lightning
 
 
 class Training:

@@ -28,6 +28,8 @@ from unbroken.demo import compare, run_attempt
 from unbroken.errors import InsufficientSpaceError
 from unbroken.index import RunIndex
 
+from conftest import real_pid
+
 pytestmark = pytest.mark.e2e
 
 STEPS, HIDDEN, PERSIST = 40, 128, 5
@@ -163,7 +165,7 @@ def test_the_writer_outlives_the_trainer_and_commits_its_copy(reference: Path, t
         for line in proc.stdout:
             if line.strip() == f"step {PERSIST + 2}":
                 break
-        writer = _writer_pid(proc.pid)
+        writer = _writer_pid(real_pid(proc))  # the trainer itself, when it was forked by the zygote
         assert writer is not None and _stopped(writer), "the writer did not stop before its manifest"
         assert on_disk(tmp_path / "run") == []  # not committed yet: only a staging folder
         proc.kill()

@@ -177,7 +177,7 @@ def test_the_refusals(tmp_path: Path) -> None:
     """The rules, one by one, on a server that is not listening."""
     z = zygote_server.Zygote.__new__(zygote_server.Zygote)
     z.identity, z.top, z.env = zygote.identity(), {"torch", "numpy"}, dict(os.environ, PYTHONHASHSEED="1")
-    z.strict = ()
+    z.strict = False
     req = lambda args, **kw: dict(dict(args=args, env=z.env, cwd=str(tmp_path), identity=z.identity), **kw)  # noqa: E731
     assert z._refuse(req(["x.py"])) is None
     assert z._refuse(req(["x.py"], env=dict(z.env, PYTHONHASHSEED="2"))) == "PYTHONHASHSEED differs"
@@ -233,6 +233,10 @@ def test_which_scripts_go_to_a_framework_s_zygote(tmp_path: Path) -> None:
                DS_ACCELERATOR="cpu") == (("import deepspeed",), (("DS_ACCELERATOR", "cpu"),))
     assert key("import os\nos.environ['X'] = '1'\nimport transformers\n") is None
     assert key("import transformers, json\n") is None, "a module of its own in the same statement"
+    guarded = "import os\nif 'LOCAL_RANK' in os.environ and 'TORCHELASTIC_RUN_ID' not in os.environ:\n" \
+              "    os.environ['RANK'] = os.environ['LOCAL_RANK']\nimport pytorch_lightning\n"
+    assert key(guarded, LOCAL_RANK="1", TORCHELASTIC_RUN_ID="x") == (("import pytorch_lightning",), (("LOCAL_RANK", "1"),))
+    assert key(guarded, LOCAL_RANK="1") is None, "the if changes the environment here: nothing"
 
 
 def test_a_framework_s_zygote_serves_the_next_launches(tmp_path: Path) -> None:

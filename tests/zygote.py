@@ -70,6 +70,14 @@ THREADS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # set in the child: torch's th
 # frameworks a zygote of their own imports (when a script imports them first thing), and the variables they
 # read at import, which must then be the same
 FRAMEWORKS = {"transformers", "lightning", "pytorch_lightning", "deepspeed", "accelerate", "datasets", "peft"}
+def framework_env(name: str) -> bool:
+    """Whether the frameworks may read variable ``name`` at import: their own, and the rank (Lightning's
+    ``rank_zero_only`` takes it from the environment then)."""
+    return name.startswith(FRAMEWORK_ENV) or name in RANK_ENV
+
+
+RANK_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "SLURM_PROCID",
+            "SLURM_LOCALID", "SLURM_NODEID", "JSM_NAMESPACE_RANK", "JSM_NAMESPACE_LOCAL_RANK"}
 FRAMEWORK_ENV = ("HF_", "TRANSFORMERS", "TOKENIZERS", "HUGGINGFACE", "SAFETENSORS", "ACCELERATE", "DS_", "DEEPSPEED",
                  "LIGHTNING", "PL_", "WANDB", "USE_", "MLFLOW", "COMET", "TENSORBOARD", "NEPTUNE", "DISABLE_", "TQDM",
                  "NCCL", "KINETO", "DATASETS", "PEFT", "XDG_", "HOME")

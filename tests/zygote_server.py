@@ -8,9 +8,10 @@ import signal
 import socket
 import sys
 
-from zygote import EMULATED, FRAMEWORK_ENV, FRAMEWORKS, PLAIN_MODULES, RUNTIME, SENSITIVE, THREADS, _kill, _path0, _recv, _send, identity, parse
+from zygote import (EMULATED, FRAMEWORKS, PLAIN_MODULES, RUNTIME, SENSITIVE, THREADS, _kill, _path0, _recv, _send,
+                    framework_env, identity, parse)
 
-MAX_FRAMEWORK_ZYGOTES = 4
+MAX_FRAMEWORK_ZYGOTES = 6  # per worker: each rank of a job has its own (RANK is in the key)
 
 
 class Framework:
@@ -28,7 +29,7 @@ class Zygote:
         import selectors
         self.sock_path, self.pids, self.control = sock_path, pids, control
         self.frameworks: dict[tuple, Framework] = {}
-        self.strict = FRAMEWORK_ENV if control is not None else ()
+        self.strict = control is not None  # a framework's zygote: the frameworks' variables must match too
         self.delta: tuple[dict[str, str], list[str]] = ({}, [])  # what the imports did to the environment
         self.sel = selectors.DefaultSelector()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -233,7 +234,7 @@ class Zygote:
         import ctypes
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: ends with the zygote it came from
         statements, env = key
-        for k in [k for k in os.environ if k.startswith(FRAMEWORK_ENV)]:
+        for k in [k for k in os.environ if framework_env(k)]:
             del os.environ[k]
         os.environ.update(dict(env))
         before = dict(os.environ)
@@ -259,7 +260,7 @@ class Zygote:
         env, mine = req["env"], self.env
         for k in set(env) | set(mine):
             if ((k.startswith(SENSITIVE) and not k.startswith(RUNTIME) and k not in EMULATED)
-                    or (self.strict and k.startswith(self.strict))) and env.get(k) != mine.get(k):
+                    or (self.strict and framework_env(k))) and env.get(k) != mine.get(k):
                 return f"{k} differs"
         wanted = {env[k] for k in THREADS if k in env}
         if any(k in mine for k in THREADS) or len(wanted) > 1 or not all(v.isdigit() and int(v) > 0 for v in wanted):
@@ -287,7 +288,7 @@ class Zygote:
 def flavour(req: dict, imported: set[str]) -> tuple | None:
     """Which framework zygote a script's launch goes to: ``(statements, environment)``, the statements
     that import a framework (:data:`zygote.FRAMEWORKS`) that the script runs first thing, and the variables
-    those frameworks read at import (:data:`zygote.FRAMEWORK_ENV`), or ``None``. The script's statements
+    those frameworks read at import (:func:`zygote.framework_env`), or ``None``. The script's statements
     are read from its start while they can run in the zygote without changing what the script would
     see: a docstring, the imports of modules already imported (the standard library, torch), the
     frameworks' imports, and ``os.environ.setdefault(name, value)`` of a variable already set. At the
@@ -309,6 +310,8 @@ def flavour(req: dict, imported: set[str]) -> tuple | None:
             continue
         if isinstance(node, ast.Expr) and _is_setdefault(node.value, req["env"]):
             continue
+        if isinstance(node, ast.If) and not node.orelse and _environ_test(node.test, req["env"]) is False:
+            continue  # an ``if`` on the environment that does nothing in this one
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             tops = {node.module.split(".")[0]}
         elif isinstance(node, ast.Import):
@@ -321,8 +324,26 @@ def flavour(req: dict, imported: set[str]) -> tuple | None:
             break
     if not statements:
         return None
-    env = tuple(sorted((k, v) for k, v in req["env"].items() if k.startswith(FRAMEWORK_ENV)))
+    env = tuple(sorted((k, v) for k, v in req["env"].items() if framework_env(k)))
     return tuple(statements), env
+
+
+def _environ_test(test: object, env: dict) -> bool | None:
+    """The value of a condition made only of ``"NAME" in os.environ`` (``not in``), ``not``, ``and``,
+    ``or``, in ``env``; ``None`` for any other condition."""
+    import ast
+    if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.In, ast.NotIn)) \
+            and isinstance(test.left, ast.Constant) and ast.unparse(test.comparators[0]) == "os.environ":
+        return (test.left.value in env) == isinstance(test.ops[0], ast.In)
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        inner = _environ_test(test.operand, env)
+        return None if inner is None else not inner
+    if isinstance(test, ast.BoolOp):
+        values = [_environ_test(v, env) for v in test.values]
+        if None in values:
+            return None
+        return all(values) if isinstance(test.op, ast.And) else any(values)
+    return None
 
 
 def _is_setdefault(call: object, env: dict) -> bool:
