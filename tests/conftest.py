@@ -284,7 +284,8 @@ ZYGOTE_MODULES: set[str] = {
     "test_integration_hf", "test_integration_hf_builtelsewhere", "test_integration_hf_dist",
     "test_integration_lightning_dist", "test_deepspeed", "test_ram_tier_dist", "test_integration_hf_ddp4",
     "test_integration_lightning_ddp4", "test_ddp_align", "test_integration_accelerate", "test_integration_lightning",
-    "test_data_stream", "test_selftest", "test_selftest_trust", "test_signals_exit", "test_ram_tier",
+    "test_data_stream", "test_selftest", "test_selftest_trust", "test_signals_exit", "test_ram_tier", "test_examples",
+    "test_readonly", "test_lock", "test_boundary",
 }
 """The test files whose processes start from the fork server (:mod:`zygote`, docs/testing.md): each was read
 for what a forked child does not give (a SIGSTOP of ``proc.pid``, its ``/proc`` read through
@@ -352,11 +353,12 @@ def _zygote_bin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 _ZYGOTE_PIDS: list[Path] = []  # the pids folder of this worker's zygote, once started
 
 
-def real_pid(proc: subprocess.Popen) -> int:
-    """The pid of the process ``proc`` stands for: the zygote's child behind a launcher, else ``proc.pid``
-    (for a test that reads the process's ``/proc``)."""
-    child = _zygote_child(_ZYGOTE_PIDS[0], proc.pid) if _ZYGOTE_PIDS else None
-    return child if child is not None else proc.pid
+def real_pid(proc: subprocess.Popen | int) -> int:
+    """The pid of the process ``proc`` (a Popen or a pid) stands for: the zygote's child behind a launcher,
+    else ``proc``'s own (for a test that reads the process's ``/proc``)."""
+    pid = proc if isinstance(proc, int) else proc.pid
+    child = _zygote_child(_ZYGOTE_PIDS[0], pid) if _ZYGOTE_PIDS else None
+    return child if child is not None else pid
 
 
 def _zygote_child(pids: Path, launcher: int) -> int | None:

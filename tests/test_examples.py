@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 import unbroken
+from conftest import real_pid
 from slurm_cluster import CRED_EXPIRE
 from test_slurm import cluster, wait_job  # noqa: F401 - the SLURM tests' cluster fixture, reused
 
@@ -223,9 +224,9 @@ def test_torchrun_ddp_rank_killed_torchrun_restarts_and_both_ranks_resume_bitwis
         def kill_rank_1(line: str, proc: subprocess.Popen) -> bool:
             m = STEP.fullmatch(line)
             if m and m.group(1) == "1" and int(m.group(2)) >= 15:
-                pid = rank_pid(proc.pid, 1)
+                pid = rank_pid(real_pid(proc), 1)
                 assert pid is not None, "rank 1's process not found among torchrun's children"
-                os.kill(pid, signal.SIGKILL)
+                os.kill(real_pid(pid), signal.SIGKILL)  # the rank itself, when the zygote forked it
                 killed_pid.append(pid)
                 return True
             return False

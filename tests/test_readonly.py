@@ -37,6 +37,8 @@ import unbroken
 from unbroken.cli import app
 from unbroken.errors import StorageError
 
+from conftest import real_pid
+
 runner = CliRunner()
 PY = sys.executable
 BIG = 6 * 1024 * 1024  # float32 elements per tensor file of a "large" checkpoint (24 MB)
@@ -91,9 +93,10 @@ def env(**extra: str) -> dict[str, str]:
 
 def freeze_while_reading(proc: subprocess.Popen[str], file: Path) -> bool:
     """SIGSTOP ``proc`` while it has ``file`` open; False if it exited before opening it."""
-    fds = f"/proc/{proc.pid}/fd"
     target = str(file)
     while proc.poll() is None:
+        pid = real_pid(proc)  # the process itself, when the suite's zygote forked it
+        fds = f"/proc/{pid}/fd"
         try:
             names = os.listdir(fds)
         except OSError:
@@ -101,7 +104,7 @@ def freeze_while_reading(proc: subprocess.Popen[str], file: Path) -> bool:
         for fd in names:
             try:
                 if os.readlink(f"{fds}/{fd}") == target:
-                    os.kill(proc.pid, signal.SIGSTOP)
+                    os.kill(pid, signal.SIGSTOP)
                     return True
             except OSError:
                 continue

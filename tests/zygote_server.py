@@ -11,6 +11,11 @@ import sys
 from zygote import (EMULATED, FRAMEWORKS, PLAIN_MODULES, RUNTIME, SENSITIVE, THREADS, _kill, _path0, _recv, _send,
                     framework_env, identity, parse)
 
+PRELOAD = ("numpy", "torch", "torch._dynamo", "torch._inductor", "torch.distributed.run", "torch.distributed.tensor",
+           "torch.distributed.checkpoint", "torch.distributed.fsdp", "torch.utils.data", "safetensors.torch", "xxhash", "sqlite3")
+"""What the zygote imports: torch, and the parts of it that the tests' jobs import later as a matter of course
+(``torch.use_deterministic_algorithms`` imports inductor and dynamo: 2-3 s of CPU; unbroken imports the
+distributed packages; torchrun's agent is ``torch.distributed.run``). Third-party only: never unbroken."""
 MAX_FRAMEWORK_ZYGOTES = 6  # per worker: each rank of a job has its own (RANK is in the key)
 
 
@@ -37,6 +42,7 @@ class Zygote:
         self.listener.listen(64)
         self.children: dict[socket.socket, int] = {}  # a launcher's connection -> its child
         self.leaders: dict[int, bool] = {}  # a child -> whether its launcher leads its process group
+        self.launchers: dict[int, int] = {}  # a child -> its launcher's pid
         self.identity = identity()
         self.env = dict(os.environ)
         self.path0 = sys.path[0]
@@ -103,7 +109,11 @@ class Zygote:
                 continue
             if os.WIFSTOPPED(status):
                 self._tell(conn, ("stop", os.WSTOPSIG(status)))
-            elif not os.WIFCONTINUED(status):
+                continue
+            launcher = self.launchers.get(pid)  # stopped with its child: continued with it, and to hear its end
+            if launcher:
+                _kill(launcher, signal.SIGCONT)
+            if not os.WIFCONTINUED(status):
                 self._tell(conn, ("exit", status))
                 self._forget(conn)
 
@@ -114,7 +124,9 @@ class Zygote:
             pass
 
     def _forget(self, conn: socket.socket) -> None:
-        self.leaders.pop(self.children.pop(conn, -1), None)
+        pid = self.children.pop(conn, -1)
+        self.leaders.pop(pid, None)
+        self.launchers.pop(pid, None)
         try:
             self.sel.unregister(conn)
         except (KeyError, ValueError):
@@ -185,6 +197,7 @@ class Zygote:
         conn.settimeout(None)
         self.children[conn] = pid
         self.leaders[pid] = bool(req.get("leader"))  # type: ignore[union-attr]
+        self.launchers[pid] = int(req.get("launcher", 0))  # type: ignore[union-attr]
         self.sel.register(conn, 1, "gone")
         self._tell(conn, pid)
         return None
@@ -372,8 +385,15 @@ if __name__ == "__main__":
         _sock, _pids = sys.argv[2], sys.argv[3]
         import ctypes
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: ends with its pytest worker
-        import numpy  # noqa: F401
-        import torch  # noqa: F401
+        import importlib
+        _env = dict(os.environ)
+        for _name in PRELOAD:
+            try:
+                importlib.import_module(_name)
+            except ImportError:  # not installed here: imported by whoever needs it, as it would be
+                pass
+        os.environ.clear()  # what the imports set (inductor: TORCHINDUCTOR_CACHE_DIR, a default it sets again
+        os.environ.update(_env)  # when it needs it) is not the children's
         _zygote = Zygote(_sock, _pids)
         _req = _zygote.serve()
         _req["pids"] = _pids
