@@ -320,7 +320,7 @@ def _zygote_bin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     launcher.write_text(f"#!{real} -SI\nimport sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
                         f"import zygote\nzygote.launch({str(sock)!r}, {real!r}, {str(pids)!r})\n")
     launcher.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONWARNINGS")}
     env["PYTHONHASHSEED"] = str(random.randrange(1, 2**32 - 1))
     with open(here / "log", "w") as log:
         proc = subprocess.Popen([real, zygote_server.__file__, "--serve", str(sock), str(pids)], env=env,

@@ -253,3 +253,21 @@ def test_a_framework_s_zygote_serves_the_next_launches(tmp_path: Path) -> None:
     second, _ = run()
     assert second != first, "the second launch came from the framework's zygote, forked from the first zygote"
     assert run()[0] == second
+
+
+def test_warning_filters_are_those_of_a_plain_interpreter() -> None:
+    """``PYTHONWARNINGS`` and ``-W`` were read at the zygote's start, without them: the child orders its
+    filters as a plain interpreter does (after what the imports added, before the interpreter's own)."""
+    code = ("import importlib, os, sys, warnings\nprint(os.getpid())\n"
+            f"for name in {zygote_server.PRELOAD!r}:\n    importlib.import_module(name)\n"
+            "print(sys.warnoptions)\nprint([(f[0], str(f[1]), f[2].__name__, str(f[3]), f[4]) for f in warnings.filters])")
+    got = []
+    for python in (sys.executable, REAL_PYTHON):
+        proc = subprocess.Popen([python, "-W", "error::UserWarning", "-c", code], stdout=subprocess.PIPE, text=True,
+                                env=dict(os.environ, PYTHONWARNINGS="ignore,default::DeprecationWarning"))
+        out, _ = proc.communicate(timeout=300)
+        pid, out = out.split("\n", 1)
+        assert proc.returncode == 0 and (int(pid) != proc.pid) == (python == sys.executable), "zygote, then plain"
+        got.append(out)
+    assert got[0] == got[1], got
+    assert "'ignore', 'default::DeprecationWarning', 'error::UserWarning'" in got[0]

@@ -30,7 +30,7 @@ environment (transformers sets ``TORCHINDUCTOR_CACHE_DIR``) is set in its childr
 would have set it (:func:`zygote_server.flavour`).
 
 The launcher starts a plain interpreter instead (``exec``, the same pid) whenever the child could
-differ from one: an option other than ``-u``, ``-B``, ``-X faulthandler``; another user, group,
+differ from one: an option other than ``-u``, ``-B``, ``-W``, ``-X faulthandler``; another user, group,
 capability set, namespace or cgroup (a SLURM job, a network namespace); an environment that differs
 from the zygote's in a variable read at import (``TORCH*``, ``OMP_*``, ``LD_*``, locale, ``PYTHON*``...);
 a folder on the path that would shadow a module the zygote imported; one of the library's helper
@@ -62,10 +62,11 @@ import sys
 # on their own.
 SENSITIVE = ("TORCH", "PYTORCH", "OMP_", "MKL", "KMP_", "GOMP_", "OPENBLAS", "NUMPY", "LD_", "PYTHON", "LANG",
              "LC_", "CUDA", "HIP_", "ROCM", "MALLOC", "GLIBC")
-EMULATED = {"PYTHONPATH", "PYTHONHASHSEED", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "PYTHONFAULTHANDLER",
+EMULATED = {"PYTHONPATH", "PYTHONHASHSEED", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "PYTHONFAULTHANDLER", "PYTHONWARNINGS",
             "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCH_EXTENSIONS_DIR"}
-# read when used, not at import: torchrun's variables for its ranks, inductor's cache (set once it is used)
-RUNTIME = ("TORCHELASTIC_", "TORCH_NCCL_", "TORCHINDUCTOR_CACHE_DIR")
+# read when used, not at import: torchrun's variables for its ranks, inductor's cache (set once it is used),
+# torch.cuda's way to count devices (Lightning sets it when imported)
+RUNTIME = ("TORCHELASTIC_", "TORCH_NCCL_", "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK")
 THREADS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # set in the child: torch's threads and numpy's OpenBLAS
 # frameworks a zygote of their own imports (when a script imports them first thing), and the variables they
 # read at import, which must then be the same
@@ -126,7 +127,7 @@ def identity() -> str:
 
 def parse(args: list[str]) -> tuple[str, str, list[str], list[str]] | str:
     """``(kind, what, options, rest)`` of an interpreter command line (kind ``"script"``, ``"-m"`` or
-    ``"-c"``; ``options``: the emulated ones, ``-u``, ``-B``, ``faulthandler``; ``rest``: what follows
+    ``"-c"``; ``options``: the emulated ones, ``-u``, ``-B``, ``faulthandler``, ``W:<filter>``; ``rest``: what follows
     the script, module or code), or why it is not served."""
     opts: list[str] = []
     i = 0
@@ -141,6 +142,14 @@ def parse(args: list[str]) -> tuple[str, str, list[str], list[str]] | str:
         if a == "-X" and i + 1 < len(args) and args[i + 1] == "faulthandler":
             opts.append("faulthandler")
             i += 2
+            continue
+        if a == "-W" and i + 1 < len(args):
+            opts.append("W:" + args[i + 1])
+            i += 2
+            continue
+        if a.startswith("-W") and len(a) > 2:
+            opts.append("W:" + a[2:])
+            i += 1
             continue
         if a in ("-u", "-B"):
             opts.append(a)

@@ -48,6 +48,8 @@ def become(req: dict, base_path: list[str]) -> None:
     unbuffered = "-u" in opts or bool(env.get("PYTHONUNBUFFERED"))
     sys.dont_write_bytecode = "-B" in opts or bool(env.get("PYTHONDONTWRITEBYTECODE"))
     _stdio(unbuffered)
+    _warnings([*filter(None, env.get("PYTHONWARNINGS", "").split(",")), *(o[2:] for o in opts if o.startswith("W:"))],
+              req.get("default_filters", 0))
     if "faulthandler" in opts or env.get("PYTHONFAULTHANDLER"):
         import faulthandler
         faulthandler.enable()
@@ -83,6 +85,21 @@ def _openblas_threads(n: int) -> None:
             if hasattr(lib, name):
                 getattr(lib, name)(n)
                 break
+
+
+def _warnings(options: list[str], defaults: int) -> None:
+    """The warning filters of ``PYTHONWARNINGS`` and ``-W``, as a plain interpreter orders them: after
+    what the imports added (those come first: they were added later), before the interpreter's own
+    ``defaults`` (the last ones of the list, there when the zygote started)."""
+    import warnings
+    sys.warnoptions[:] = options
+    if not options:
+        return
+    head, tail = warnings.filters[:len(warnings.filters) - defaults], warnings.filters[len(warnings.filters) - defaults:]
+    warnings.filters[:] = tail
+    warnings._processoptions(options)  # type: ignore[attr-defined]
+    warnings.filters[:0] = head
+    warnings._filters_mutated()  # type: ignore[attr-defined]
 
 
 def _take_fds(numbers: list[int], received: list[int]) -> None:

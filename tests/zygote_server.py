@@ -386,6 +386,8 @@ if __name__ == "__main__":
         import ctypes
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: ends with its pytest worker
         import importlib
+        import warnings
+        _defaults = len(warnings.filters)  # the interpreter's own filters (PYTHONWARNINGS unset here)
         _env = dict(os.environ)
         for _name in PRELOAD:
             try:
@@ -397,6 +399,7 @@ if __name__ == "__main__":
         _zygote = Zygote(_sock, _pids)
         _req = _zygote.serve()
         _req["pids"] = _pids
+        _req["default_filters"] = _defaults
         _base = _zygote.base_path
         del _zygote
         become(_req, _base)
