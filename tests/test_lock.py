@@ -31,6 +31,8 @@ from unbroken.store.lease import LEASE_FILE, LeaseLock
 from unbroken.store.local import LocalStore
 from unbroken.store.s3 import S3Store
 
+from conftest import real_pid
+
 CLI = [sys.executable, "-m", "unbroken.cli"]
 
 # A writer in its own process: takes the run's lock, then obeys one command a line on stdin.
@@ -91,7 +93,7 @@ def test_every_spelling_of_a_run_folder_shares_one_lock(named: dict[str, str], h
     try:
         for what, location in named.items():
             ckpt = unbroken.Checkpointer(location, preemption=None)
-            with pytest.raises(RunLockedError, match=rf"another process \(host \S+ pid {writer.pid}\)"):
+            with pytest.raises(RunLockedError, match=rf"another process \(host \S+ pid {real_pid(writer)}\)"):
                 ckpt.restore({"w": torch.zeros(2)})
             ckpt.close()
         # the maintenance CLI through another spelling is refused too (it would prune beside the training)

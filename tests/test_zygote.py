@@ -271,3 +271,22 @@ def test_warning_filters_are_those_of_a_plain_interpreter() -> None:
         got.append(out)
     assert got[0] == got[1], got
     assert "'ignore', 'default::DeprecationWarning', 'error::UserWarning'" in got[0]
+
+
+def test_a_pinned_hash_seed_gets_a_zygote_of_its_own() -> None:
+    """``PYTHONHASHSEED`` is fixed when an interpreter starts: the first launch that pins another seed
+    starts plainly and has a zygote started with it, which serves the next ones (the same hashes)."""
+    code = "import os; print(os.getpid(), hash('unbroken'))"
+    env = dict(os.environ, PYTHONHASHSEED="4242")
+    plain = subprocess.run([REAL_PYTHON, "-c", code], capture_output=True, text=True, env=env, check=True)
+    subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True, timeout=300)
+    sock = Path(sys.executable).parent.parent / "sock-hash4242"
+    deadline = time.monotonic() + 300
+    while not sock.exists():
+        assert time.monotonic() < deadline, "the zygote of that seed never listened"
+        time.sleep(0.2)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+    out, _ = proc.communicate(timeout=300)
+    pid, value = out.split()
+    assert int(pid) != proc.pid, "served by a zygote"
+    assert value == plain.stdout.split()[1], "the hashes of that seed"

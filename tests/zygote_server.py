@@ -29,12 +29,13 @@ class Framework:
 class Zygote:
     """The server: accepts launch requests on a Unix socket and forks a child for each."""
 
-    def __init__(self, sock_path: str, pids: str, control: socket.socket | None = None) -> None:
-        """``control``: for a framework's zygote, its end of the pair its parent syncs it with."""
+    def __init__(self, sock_path: str, pids: str, control: socket.socket | None = None, strict: bool = False) -> None:
+        """``control``: for a zygote another one started, its end of the pair that one syncs it with;
+        ``strict``: a framework's zygote (the frameworks' variables must match too)."""
         import selectors
         self.sock_path, self.pids, self.control = sock_path, pids, control
         self.frameworks: dict[tuple, Framework] = {}
-        self.strict = control is not None  # a framework's zygote: the frameworks' variables must match too
+        self.strict = strict
         self.delta: tuple[dict[str, str], list[str]] = ({}, [])  # what the imports did to the environment
         self.sel = selectors.DefaultSelector()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -164,6 +165,14 @@ class Zygote:
             conn.close()
             return None
         why = self._refuse(req) if isinstance(req, dict) else "a bad request"
+        if why == "PYTHONHASHSEED differs" and self.control is None and len(fds) == len(req["fds"]):  # type: ignore[index]
+            other = self._hash_seed(req["env"]["PYTHONHASHSEED"])  # type: ignore[index]
+            if other is not None and os.path.exists(other.sock_path):  # a zygote started with that seed serves it
+                for fd in fds:
+                    os.close(fd)
+                self._tell(conn, other.sock_path)
+                conn.close()
+                return None
         if why or len(fds) != len(req["fds"]):  # type: ignore[index]
             sys.stderr.write(f"plain start of {req.get('args', [])[:3]}: {why or 'descriptors lost'}\n")  # type: ignore[union-attr]
             for fd in fds:
@@ -228,6 +237,25 @@ class Zygote:
                 _kill(fw.pid, signal.SIGTERM)
                 del self.frameworks[key]
 
+    def _hash_seed(self, seed: str) -> Framework | None:
+        """The zygote whose interpreter started with ``PYTHONHASHSEED=seed`` (a seed is fixed at an
+        interpreter's start: a new one, not a fork), started now if there is none (``None`` then: this
+        launch starts plainly, the next ones go there)."""
+        key = ("PYTHONHASHSEED", seed)
+        if key in self.frameworks:
+            return self.frameworks[key]
+        if len(self.frameworks) >= MAX_FRAMEWORK_ZYGOTES or not seed.isdigit():
+            return None
+        import subprocess
+        ours, theirs = socket.socketpair()
+        path = f"{self.sock_path}-hash{seed}"
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", path, self.pids, "--control",
+                                 str(theirs.fileno())], env=dict(self.env, PYTHONHASHSEED=seed),
+                                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+        theirs.close()
+        self.frameworks[key] = Framework(proc.pid, path, ours)
+        return None
+
     def _fork_framework(self, key: tuple, conn: socket.socket, fds: list[int]) -> dict | None:
         """Start the zygote of ``key`` (it imports the framework for later launches; this one is served
         here). In that zygote's children, return their request; here, ``None``."""
@@ -261,7 +289,7 @@ class Zygote:
         after = dict(os.environ)  # an import may set variables (transformers: TORCHINDUCTOR_CACHE_DIR), as it would
         os.environ.clear()        # in the script: compared as they were before it, set in the children after
         os.environ.update(before)
-        zygote = Zygote(path, self.pids, control=theirs)
+        zygote = Zygote(path, self.pids, control=theirs, strict=True)
         os.environ.update(after)
         zygote.delta = ({k: v for k, v in after.items() if before.get(k) != v}, [k for k in before if k not in after])
         return zygote.serve()
@@ -396,7 +424,8 @@ if __name__ == "__main__":
                 pass
         os.environ.clear()  # what the imports set (inductor: TORCHINDUCTOR_CACHE_DIR, a default it sets again
         os.environ.update(_env)  # when it needs it) is not the children's
-        _zygote = Zygote(_sock, _pids)
+        _control = socket.socket(fileno=int(sys.argv[5])) if sys.argv[4:5] == ["--control"] else None
+        _zygote = Zygote(_sock, _pids, control=_control)
         _req = _zygote.serve()
         _req["pids"] = _pids
         _req["default_filters"] = _defaults
