@@ -173,6 +173,7 @@ def _run(kind: str, what: str, rest: list[str]) -> None:
             runpy.run_path(what, run_name="__main__")
         elif kind == "-m":
             sys.argv = ["-m", *rest]
+            sys.modules.pop(what, None)  # the zygote imported it (torchrun's agent): run anew, as python -m does
             runpy._run_module_as_main(what, alter_argv=True)  # type: ignore[attr-defined]
         else:
             sys.argv = ["-c", *rest]
@@ -184,5 +185,6 @@ def _run(kind: str, what: str, rest: list[str]) -> None:
         tb = e.__traceback__
         while tb is not None and (tb.tb_frame.f_code.co_filename == here or "runpy" in tb.tb_frame.f_code.co_filename):
             tb = tb.tb_next
-        sys.excepthook(type(e), e.with_traceback(tb), tb)
+        sys.last_type, sys.last_value, sys.last_traceback = type(e), e.with_traceback(tb), tb  # as PyErr_Print sets
+        sys.excepthook(type(e), e, tb)  # them (an atexit hook may read them: unbroken's signal handling does)
         raise SystemExit(1) from None

@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import sys
+import time
 
 from zygote import (EMULATED, FRAMEWORKS, PLAIN_MODULES, RUNTIME, SENSITIVE, THREADS, _kill, _path0, _recv, _send,
                     framework_env, identity, parse)
@@ -16,7 +17,8 @@ PRELOAD = ("numpy", "torch", "torch._dynamo", "torch._inductor", "torch.distribu
 """What the zygote imports: torch, and the parts of it that the tests' jobs import later as a matter of course
 (``torch.use_deterministic_algorithms`` imports inductor and dynamo: 2-3 s of CPU; unbroken imports the
 distributed packages; torchrun's agent is ``torch.distributed.run``). Third-party only: never unbroken."""
-MAX_FRAMEWORK_ZYGOTES = 6  # per worker: each rank of a job has its own (RANK is in the key)
+MAX_FRAMEWORK_ZYGOTES = 6  # per worker (each rank of a job has its own: RANK is in the key); the least
+# recently used without a running child leaves to make room
 
 
 class Framework:
@@ -24,6 +26,7 @@ class Framework:
 
     def __init__(self, pid: int, sock_path: str, control: socket.socket) -> None:
         self.pid, self.sock_path, self.control = pid, sock_path, control
+        self.used = time.monotonic()
 
 
 class Zygote:
@@ -84,7 +87,13 @@ class Zygote:
                     asked = self.control.recv(64)
                     if not asked:
                         self._stop()
-                    self.control.sendall(b"k" * len(asked))
+                    for byte in asked:
+                        if byte == ord("q"):  # asked to make room: leave if no child of ours is running
+                            self.control.sendall(b"n" if self.children else b"y")
+                            if not self.children:
+                                self._stop()
+                        else:
+                            self.control.sendall(b"k")
                 elif key.data == "accept":
                     conn, _ = self.listener.accept()
                     req = self._start(conn)
@@ -144,7 +153,6 @@ class Zygote:
                 except OSError:
                     pass
             _kill(pid, signal.SIGKILL)
-            import time
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
                 try:
@@ -168,6 +176,7 @@ class Zygote:
         if why == "PYTHONHASHSEED differs" and self.control is None and len(fds) == len(req["fds"]):  # type: ignore[index]
             other = self._hash_seed(req["env"]["PYTHONHASHSEED"])  # type: ignore[index]
             if other is not None and os.path.exists(other.sock_path):  # a zygote started with that seed serves it
+                other.used = time.monotonic()
                 for fd in fds:
                     os.close(fd)
                 self._tell(conn, other.sock_path)
@@ -184,12 +193,13 @@ class Zygote:
         if key is not None:
             fw = self.frameworks.get(key)
             if fw is not None and os.path.exists(fw.sock_path):  # that framework's zygote serves it
+                fw.used = time.monotonic()
                 for fd in fds:
                     os.close(fd)
                 self._tell(conn, fw.sock_path)
                 conn.close()
                 return None
-            if fw is None and len(self.frameworks) < MAX_FRAMEWORK_ZYGOTES:
+            if fw is None and self._room():
                 served = self._fork_framework(key, conn, fds)
                 if served is not None:  # this process is the framework's zygote's child
                     return served
@@ -237,6 +247,26 @@ class Zygote:
                 _kill(fw.pid, signal.SIGTERM)
                 del self.frameworks[key]
 
+    def _room(self) -> bool:
+        """Whether another zygote may start: under the cap, or once the least recently used one without
+        a running child has left (asked on its control pair)."""
+        if len(self.frameworks) < MAX_FRAMEWORK_ZYGOTES:
+            return True
+        for key, fw in sorted(self.frameworks.items(), key=lambda kv: kv[1].used):
+            if not os.path.exists(fw.sock_path):
+                continue  # still importing
+            try:
+                fw.control.settimeout(10)
+                fw.control.sendall(b"q")
+                answer = fw.control.recv(1)
+            except OSError:
+                answer = b"y"
+            if answer == b"y":
+                fw.control.close()
+                del self.frameworks[key]
+                return True
+        return False
+
     def _hash_seed(self, seed: str) -> Framework | None:
         """The zygote whose interpreter started with ``PYTHONHASHSEED=seed`` (a seed is fixed at an
         interpreter's start: a new one, not a fork), started now if there is none (``None`` then: this
@@ -244,7 +274,7 @@ class Zygote:
         key = ("PYTHONHASHSEED", seed)
         if key in self.frameworks:
             return self.frameworks[key]
-        if len(self.frameworks) >= MAX_FRAMEWORK_ZYGOTES or not seed.isdigit():
+        if not seed.isdigit() or not self._room():
             return None
         import subprocess
         ours, theirs = socket.socketpair()
@@ -357,6 +387,8 @@ def flavour(req: dict, imported: set[str]) -> tuple | None:
             tops = {node.module.split(".")[0]}
         elif isinstance(node, ast.Import):
             tops = {a.name.split(".")[0] for a in node.names}
+        elif _optional_imports(node):  # try: import lightning ... except ImportError: lightning = None
+            tops = {n for stmt in node.body for n in _tops(stmt)}  # type: ignore[attr-defined]
         else:
             break
         if tops <= FRAMEWORKS:
@@ -367,6 +399,26 @@ def flavour(req: dict, imported: set[str]) -> tuple | None:
         return None
     env = tuple(sorted((k, v) for k, v in req["env"].items() if framework_env(k)))
     return tuple(statements), env
+
+
+def _tops(node: object) -> set[str]:
+    import ast
+    if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        return {node.module.split(".")[0]}
+    if isinstance(node, ast.Import):
+        return {a.name.split(".")[0] for a in node.names}
+    return set()
+
+
+def _optional_imports(node: object) -> bool:
+    """``try:`` of framework imports only, ``except ImportError:`` (or ``ModuleNotFoundError``) of plain
+    assignments: run whole in the zygote (the imports succeed there, or the names get their fallback)."""
+    import ast
+    return (isinstance(node, ast.Try) and not node.orelse and not node.finalbody and bool(node.body)
+            and all(isinstance(b, (ast.Import, ast.ImportFrom)) and _tops(b) and _tops(b) <= FRAMEWORKS
+                    for b in node.body)
+            and all(h.type is not None and ast.unparse(h.type) in ("ImportError", "ModuleNotFoundError")
+                    and all(isinstance(b, ast.Assign) for b in h.body) for h in node.handlers))
 
 
 def _environ_test(test: object, env: dict) -> bool | None:
