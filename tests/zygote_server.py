@@ -38,6 +38,7 @@ class Zygote:
         import selectors
         self.sock_path, self.pids, self.control = sock_path, pids, control
         self.frameworks: dict[tuple, Framework] = {}
+        self.started = 0  # framework zygotes started (their sockets' numbers)
         self.strict = strict
         self.delta: tuple[dict[str, str], list[str]] = ({}, [])  # what the imports did to the environment
         self.sel = selectors.DefaultSelector()
@@ -290,7 +291,8 @@ class Zygote:
         """Start the zygote of ``key`` (it imports the framework for later launches; this one is served
         here). In that zygote's children, return their request; here, ``None``."""
         ours, theirs = socket.socketpair()
-        path = f"{self.sock_path}-{os.getpid()}-{len(self.frameworks)}-{abs(hash(key))}"
+        self.started += 1
+        path = f"{self.sock_path}-f{self.started}"  # short: a Unix socket's path has at most 107 bytes
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
