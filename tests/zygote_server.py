@@ -177,29 +177,15 @@ class Zygote:
         if why == "PYTHONHASHSEED differs" and self.control is None and len(fds) == len(req["fds"]):  # type: ignore[index]
             other = self._hash_seed(req["env"]["PYTHONHASHSEED"])  # type: ignore[index]
             if other is not None and os.path.exists(other.sock_path):  # a zygote started with that seed serves it
-                other.used = time.monotonic()
-                for fd in fds:
-                    os.close(fd)
-                self._tell(conn, other.sock_path)
-                conn.close()
-                return None
+                return self._answer(conn, fds, other)
         if why or len(fds) != len(req["fds"]):  # type: ignore[index]
             sys.stderr.write(f"plain start of {req.get('args', [])[:3]}: {why or 'descriptors lost'}\n")  # type: ignore[union-attr]
-            for fd in fds:
-                os.close(fd)
-            self._tell(conn, 0)
-            conn.close()
-            return None
+            return self._answer(conn, fds, None)
         key = flavour(req, self.top) if self.control is None else None  # type: ignore[arg-type]
         if key is not None:
             fw = self.frameworks.get(key)
             if fw is not None and os.path.exists(fw.sock_path):  # that framework's zygote serves it
-                fw.used = time.monotonic()
-                for fd in fds:
-                    os.close(fd)
-                self._tell(conn, fw.sock_path)
-                conn.close()
-                return None
+                return self._answer(conn, fds, fw)
             if fw is None and self._room():
                 served = self._fork_framework(key, conn, fds)
                 if served is not None:  # this process is the framework's zygote's child
@@ -221,6 +207,16 @@ class Zygote:
         self.sel.register(conn, 1, "gone")
         self._tell(conn, pid)
         return None
+
+    def _answer(self, conn: socket.socket, fds: list[int], other: Framework | None) -> None:
+        """Answer a launch this zygote does not fork: another zygote's socket (the launcher asks there), or
+        a plain start (``other`` None)."""
+        for fd in fds:
+            os.close(fd)
+        if other is not None:
+            other.used = time.monotonic()
+        self._tell(conn, other.sock_path if other is not None else 0)
+        conn.close()
 
     def _close_all(self, conn: socket.socket) -> None:
         """In a forked process: close what is this server's."""
