@@ -361,13 +361,12 @@ def real_pid(proc: subprocess.Popen | int) -> int:
 def _zygote_child(pids: Path, launcher: int) -> int | None:
     """The zygote's child that launcher ``launcher`` stands for (``None``: not a launcher, or its child
     has not started or is gone): its file names it with its start time, checked against ``/proc``."""
+    from zygote_child import _start_time
     try:
         child, start = (pids / str(launcher)).read_text().split()
-        with open(f"/proc/{child}/stat", "rb") as f:
-            stat = f.read()
+        return int(child) if _start_time(int(child)) == start else None
     except (OSError, ValueError):
         return None
-    return int(child) if stat[stat.rfind(b")") + 2:].split()[19].decode() == start else None
 
 
 @pytest.fixture(autouse=True, scope="module")

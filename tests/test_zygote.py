@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import zygote
+import zygote_flavour
 import zygote_server
 from conftest import REAL_PYTHON, ZYGOTE, _zygote_child
 
@@ -222,7 +223,7 @@ def test_which_scripts_go_to_a_framework_s_zygote(tmp_path: Path) -> None:
     """The framework imports a script runs first thing, and only while nothing of its own ran before."""
     def key(src: str, **env: str) -> tuple | None:
         (tmp_path / "s.py").write_text(src)
-        return zygote_server.flavour({"args": ["s.py"], "cwd": str(tmp_path), "env": env}, {"os", "sys", "torch"})
+        return zygote_flavour.flavour({"args": ["s.py"], "cwd": str(tmp_path), "env": env}, {"os", "sys", "torch"})
     assert key('"""doc"""\nimport os, sys\nimport torch\nimport transformers\nfrom transformers import Trainer\nx = 1\n'
                "import lightning\n", HF_HOME="/h", PATH="/bin") == (
         ("import transformers", "from transformers import Trainer"), (("HF_HOME", "/h"),))

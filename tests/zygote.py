@@ -27,7 +27,7 @@ goes to a zygote of that framework: forked from the first one on the first such 
 import statements and serves the next launches with the same statements and the same values of the
 variables those frameworks read at import (``HF_*``, ``DS_*``...); what the imports set in the
 environment (transformers sets ``TORCHINDUCTOR_CACHE_DIR``) is set in its children as the imports
-would have set it (:func:`zygote_server.flavour`).
+would have set it (:func:`zygote_flavour.flavour`).
 
 The launcher starts a plain interpreter instead (``exec``, the same pid) whenever the child could
 differ from one: an option other than ``-u``, ``-B``, ``-W``, ``-X faulthandler``; another user, group,
@@ -208,7 +208,7 @@ def launch(sock_path: str, real: str, pids: str) -> None:
 def _request(sock_path: str, args: list[str]) -> tuple[int, socket.socket | None]:
     """Ask the zygote to start ``args``: the child's pid and the connection its end comes on, or
     ``(0, None)`` for a plain start. The zygote may send the request on to another (a zygote that has
-    also imported the framework the script imports: :func:`zygote_server.flavour`)."""
+    also imported the framework the script imports: :func:`zygote_flavour.flavour`)."""
     fds = sorted(int(n) for n in os.listdir("/proc/self/fd"))
     fds = [fd for fd in fds if _valid(fd)]
     old_umask = os.umask(0o022)
