@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import struct
 import threading
@@ -568,9 +569,10 @@ def test_all_checkpoints_damaged_raises_instead_of_starting_at_step_0(run: Path,
     with pytest.raises(unbroken.NoValidCheckpointError) as err:
         ckpt.restore(state)
     message = str(err.value)
-    assert "step-000000010: t00-model.safetensors: checksum mismatch" in message
-    assert "step-000000020: manifest.json is missing" in message
-    assert f"step-000000030: {MODEL_FILE} has" in message
+    # each named with what tells it from a later checkpoint of its name (seq and creation time)
+    assert re.search(r"step-000000010 \(seq \d+, created [^)]+\): t00-model.safetensors: checksum mismatch", message)
+    assert re.search(r"step-000000020 \((inode|seq) [^)]+\): manifest.json is missing", message)
+    assert re.search(rf"step-000000030 \(seq [^)]+\): {re.escape(MODEL_FILE)} has", message)
     assert 'if_unrestorable="start_fresh"' in message and "UNBROKEN_START_FRESH=1" in message
     assert ckpt.progress.step == 0
     assert_bitwise(values(model, opt), before)
@@ -613,6 +615,47 @@ def test_all_checkpoints_damaged_raises_instead_of_starting_at_step_0(run: Path,
     assert last.restore(state) is not None
     last.close()
     assert sorted(p.name for p in q.iterdir() if p.is_dir()) == sorted(names + ["step-000000000"])  # all kept
+
+
+@pytest.mark.parametrize("index", ["index kept", "index lost"])
+@pytest.mark.parametrize("left", ["in place", "in quarantine"])
+def test_a_fresh_start_acknowledges_checkpoints_not_names(tmp_path: Path, left: str, index: str) -> None:
+    """A fresh start on purpose records the damaged checkpoints it started past by what they are
+    (sequence number and creation time, else the folder's inode), not by name: a fresh start
+    numbers its saves from 0 again, so once the old one is gone (deleted by hand, quarantine/
+    emptied), a new damaged checkpoint of the same name must raise, never pass as acknowledged
+    (with or without the run index remembering it)."""
+    run = tmp_path / "run"
+    model, opt, state = fresh_state()
+    name = "step-000000000"
+    first = unbroken.Checkpointer(run, save_every=10, keep_last=None)
+    assert first.restore(state) is None
+    first.save(state)
+    first.close()
+    if left == "in place":  # a file where quarantine/ should be: the damaged one cannot be moved
+        (run / "quarantine").write_text("not a folder\n")
+    DAMAGES["flipped_byte_in_tensor_data"](run / name, run.parent)
+    refused = unbroken.Checkpointer(run, save_every=10, keep_last=None)
+    with pytest.raises(unbroken.NoValidCheckpointError, match=name):
+        refused.restore(state)
+    refused.close()
+
+    fresh = unbroken.Checkpointer(run, save_every=10, keep_last=None)
+    assert fresh.restore(state, if_unrestorable="start_fresh") is None  # on purpose: recorded
+    assert "identity unknown" not in (run / "fresh-starts.json").read_text()
+    shutil.rmtree(run / name if left == "in place" else run / "quarantine" / name)  # the old one is gone
+    if left == "in quarantine":
+        (run / "quarantine" / f"{name}.reason.txt").unlink()
+    fresh.save(state)  # takes the old name again
+    fresh.close()
+    assert (run / name).is_dir()
+    if index == "index lost":
+        (run / "index.sqlite").unlink()
+    DAMAGES["flipped_byte_in_tensor_data"](run / name, run.parent)  # the new run's only one, damaged too
+    again = unbroken.Checkpointer(run, save_every=10, keep_last=None)
+    with pytest.raises(unbroken.NoValidCheckpointError, match=name):
+        again.restore(state)  # new damage is never covered by the old acknowledgement
+    again.close()
 
 
 # ------------------------------------------------------- files that can block

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from datetime import datetime, timezone
 from typing import Any, Callable
 
 from .events import CorruptionFound, Event, Quarantined
 from .index import INDEX_FILE, RunIndex
+from .manifests import read_manifest
 from .reader import vanished
 from .store.local import LocalStore
 
@@ -31,6 +33,7 @@ class Damage:
     def __init__(self, publish: Callable[[Event], None]) -> None:
         self.publish = publish
         self.unmoved: list[tuple[str, str]] = []  # found invalid, left in place: (checkpoint, reason)
+        self.unnamed: set[str] = set()  # of these and the quarantined, those with no identity (never acknowledged)
         self.vanished = False  # a checkpoint was deleted while it was read
 
     def invalid(self, store: Any, name: str, reason: str, tier: str = "primary", readonly: bool = False) -> None:
@@ -42,7 +45,7 @@ class Damage:
             return
         self.publish(CorruptionFound(name, reason, tier))
         if readonly:
-            self.unmoved.append((where, reason))
+            self.unmoved.append((self._identified(store, name), reason))
             log.warning("checkpoint %s is invalid (left in place: the run is read-only): %s", where, reason)
             return
         for cid in sorted(set(_DAMAGED_CHUNK.findall(reason))):  # the next save writes it again
@@ -54,7 +57,7 @@ class Damage:
             self.publish(Quarantined(name, reason, moved, tier))
             log.warning("checkpoint %s is invalid and was quarantined to %s: %s", where, moved, reason)
         else:
-            self.unmoved.append((where, reason))
+            self.unmoved.append((self._identified(store, name), reason))
             log.warning("checkpoint %s is invalid (and could not be moved to quarantine/): %s", where, reason)
 
     def unrestorable(self, stores: list[Any], unknown: str | None = None) -> list[tuple[str, str]]:
@@ -64,7 +67,17 @@ class Damage:
         (:func:`acknowledge`), and ``unknown`` (a tier that could not be listed, never
         acknowledged: it is not known what it holds). Empty for a new run."""
         seen = acknowledged(stores[0]) if stores else set()
-        return [x for x in self._found(stores, unknown) if x[0] not in seen or x[0] == unknown]
+        return [x for x in self._found(stores, unknown) if x[0] not in seen or x[0] == unknown or x[0] in self.unnamed]
+
+    def _identified(self, store: Any, name: str) -> str:
+        """Where checkpoint ``name`` of ``store`` is, with what tells it from a later checkpoint
+        that takes the same name (a fresh start numbers its saves from 0 again): see
+        :func:`identity`. One without an identity is never taken as acknowledged."""
+        found = identity(store, name)
+        where = f"{store.describe(name)} ({found or 'identity unknown'})"
+        if found is None:
+            self.unnamed.add(where)
+        return where
 
     def _found(self, stores: list[Any], unknown: str | None) -> list[tuple[str, str]]:
         found = list(self.unmoved) + (remembered(stores[0]) if stores else [])
@@ -84,7 +97,7 @@ class Damage:
                     raw = None
                 reason = raw.decode("utf-8", "replace").strip() if raw else "quarantined (no reason recorded)"
                 head, sep, rest = reason.partition(": ")
-                found.append((q.describe(name), rest if sep and "/" in head else reason))  # not the old path
+                found.append((self._identified(q, name), rest if sep and "/" in head else reason))  # not the old path
         return found
 
 
@@ -107,6 +120,27 @@ def remembered(store: Any) -> list[tuple[str, str]]:
     return [(f"{store.describe(str(r['name']))} (seq {r['seq']}, created {_when(r['created'])})",
              f"committed at step {r['step']} (the run index {INDEX_FILE} records it) and now absent")
             for r in rows]
+
+
+def identity(store: Any, name: str) -> str | None:
+    """What tells checkpoint ``name`` of ``store`` apart from a later one of the same name: the
+    sequence number and creation time its manifest records, else (a manifest too damaged to
+    read) the folder's inode and modification time on a filesystem; ``None`` if neither can be
+    read. A name alone is not enough: after a fresh start, a new checkpoint can take the name of
+    one that was acknowledged (once the old one was deleted or moved out of quarantine/)."""
+    try:
+        m = read_manifest(store, name)
+        return f"seq {m.seq}, created {_when(m.created)}"
+    except Exception:  # noqa: BLE001 - damaged: the folder itself may still tell
+        pass
+    st = None
+    if isinstance(store, LocalStore):
+        try:
+            with store.folder.open() as rfd:
+                st = os.stat(name, dir_fd=rfd, follow_symlinks=False) if rfd is not None else None
+        except OSError:
+            st = None
+    return None if st is None else f"inode {st.st_ino}, modified {_when(st.st_mtime_ns / 1e9)}"
 
 
 def _when(created: Any) -> str:
