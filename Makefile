@@ -15,7 +15,7 @@ TEST_JOBS ?= 3
 # machine that ran the suite before reuses them, a changed pin rebuilds.
 export UNBROKEN_TEST_CACHE ?= $(HOME)/.cache/unbroken-test
 
-.PHONY: demo test test-fast install bench bench-peers clean system-deps test-slurm
+.PHONY: demo test test-fast lint install bench bench-peers clean system-deps test-slurm
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -31,7 +31,11 @@ demo: $(STAMP)
 system-deps:
 	sh scripts/install_system_deps.sh
 
-test: $(STAMP) system-deps
+# The gates (docs/architecture.md, "Gates"): the linter over the repository, the type checker over src/.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test: $(STAMP) system-deps lint
 	$(PY) -m pytest -q -ra -n $(TEST_JOBS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 # The inner loop: every module, unit tests and single-process end-to-end runs (no several ranks, no

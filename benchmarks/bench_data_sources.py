@@ -68,12 +68,15 @@ def median(fn, reps: int = 5) -> float:
 
 
 def bench_streams(n: int) -> list[str]:
-    rows = ["| workers | shuffle buffer | DataLoader (examples/s) | StreamLoader (examples/s) | ratio |", "|---|---|---|---|---|"]
+    rows = ["| workers | shuffle buffer | DataLoader (examples/s) | StreamLoader (examples/s) | ratio |",
+            "|---|---|---|---|---|"]
     for workers in (0, 2):
         for buffer in (0, 1000):
             ds = stream(n, buffer)
-            plain = rate(lambda: DataLoader(ds, batch_size=32, num_workers=workers, collate_fn=collate), n)
-            ours = rate(lambda: ud.StreamLoader(ds, batch_size=32, num_workers=workers, collate_fn=collate), n)
+            plain = rate(lambda ds=ds, workers=workers: DataLoader(ds, batch_size=32, num_workers=workers,
+                                                                   collate_fn=collate), n)
+            ours = rate(lambda ds=ds, workers=workers: ud.StreamLoader(ds, batch_size=32, num_workers=workers,
+                                                                       collate_fn=collate), n)
             rows.append(f"| {workers} | {buffer or '-'} | {plain:,.0f} | {ours:,.0f} | {ours / plain:.2f} |")
     return rows
 
@@ -116,12 +119,13 @@ def bench_mixture() -> list[str]:
     for g in range(100_000):
         mix.locate(g)
     per = (time.perf_counter() - t) / 100_000
-    out = [f"- `Mixture.locate`: {per * 1e6:.1f} µs per sample (3 sources of 10^6, block 1024, amortized over the block)"]
+    out = [f"- `Mixture.locate`: {per * 1e6:.1f} µs per sample "
+           "(3 sources of 10^6, block 1024, amortized over the block)"]
     for pos in (10**3, 10**9):
         loader = mix.loader(batch_size=32)
         state = {**loader.state_dict(), "position": pos, "samples_seen": pos}
 
-        def first():
+        def first(state=state):
             fresh = ud.Mixture(sources, schedule, seed=0).loader(batch_size=32)
             fresh.load_state_dict(copy.deepcopy(state))
             next(iter(fresh))
@@ -137,13 +141,15 @@ def bench_mixture() -> list[str]:
     import logging
 
     logging.getLogger("unbroken").setLevel(logging.ERROR)
-    out.append(f"- the same with other weights at resume (a new phase from the next block): {median(changed) * 1e3:.1f} ms")
+    out.append("- the same with other weights at resume (a new phase from the next block): "
+               f"{median(changed) * 1e3:.1f} ms")
     return out
 
 
 def bench_packer() -> list[str]:
     g = torch.Generator().manual_seed(0)
-    docs = [torch.randint(0, 32000, (int(n),), generator=g).tolist() for n in torch.randint(50, 2000, (2000,), generator=g)]
+    docs = [torch.randint(0, 32000, (int(n),), generator=g).tolist()
+            for n in torch.randint(50, 2000, (2000,), generator=g)]
     packer = ud.Packer(seq_len=2048, batch_size=8)
     t = time.perf_counter()
     for i in range(0, len(docs), 16):
@@ -165,7 +171,8 @@ def main() -> None:
     head = [f"Measured on {platform.machine()} with {os.cpu_count()} CPUs, Python {platform.python_version()}, "
             f"torch {torch.__version__}, datasets {datasets.__version__}.", ""]
     with tempfile.TemporaryDirectory() as tmp:
-        lines = head + ["Streams:", ""] + bench_streams(args.examples) + [""] + bench_stream_resume(args.examples, Path(tmp))
+        lines = (head + ["Streams:", ""] + bench_streams(args.examples) + [""]
+                 + bench_stream_resume(args.examples, Path(tmp)))
     lines += ["", "Mixtures:", ""] + bench_mixture() + ["", "Packing:", ""] + bench_packer()
     text = "\n".join(lines)
     print(text)

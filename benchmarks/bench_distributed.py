@@ -72,6 +72,7 @@ page cache can be dropped.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -269,15 +270,16 @@ def worker(args: argparse.Namespace) -> None:
                 ckpt.environment()
                 state = {"model": fresh_model, "optimizer": fresh_opt}
                 prepare(drop)
-                rec[phase] = measure(lambda: ckpt.restore(state))
+                rec[phase] = measure(functools.partial(ckpt.restore, state))
                 ckpt.close()
+                del state  # it holds the fresh model and optimizer, freed below
             else:
-                def load_dcp() -> None:
+                def load_dcp(fresh_model, fresh_opt) -> None:
                     msd, osd = get_state_dict(fresh_model, fresh_opt)
                     dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(where))
                     set_state_dict(fresh_model, fresh_opt, model_state_dict=msd, optim_state_dict=osd)
                 prepare(drop)
-                rec[phase] = measure(load_dcp)
+                rec[phase] = measure(functools.partial(load_dcp, fresh_model, fresh_opt))
             got = digests(fresh_model, fresh_opt)
             bad = [k for k in expected if got.get(k) != expected[k]] + [k for k in got if k not in expected]
             if bad:
@@ -373,7 +375,7 @@ def summarise(case: str, world: int, ranks: list[dict]) -> dict:
         for ph, moved in (("save", e["per_rank"]["save"]["write_bytes"]), ("load", held)):
             cpu = e["per_rank"][ph]["cpu_s"]
             e[f"{ph}_cpu_s_per_GB"] = [c / (b / 1e9) if b > 0 and b >= 0.05 * max(moved) else None
-                                       for c, b in zip(cpu, moved)]
+                                       for c, b in zip(cpu, moved, strict=True)]
         out["methods"][m] = e
     u, d = out["methods"]["unbroken"], out["methods"]["dcp"]
     for ph in PHASES:
@@ -387,8 +389,9 @@ def tables(results: list[dict], md: bool) -> str:
             lines = ["| " + " | ".join(head) + " |",
                      "|" + "|".join("---" if i < 3 else "---:" for i in range(len(head))) + "|"]
             return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-        w = [max(len(x) for x in col) for col in zip(head, *rows)]
-        return "\n".join("  ".join(c.ljust(n) if i < 3 else c.rjust(n) for i, (c, n) in enumerate(zip(r, w)))
+        w = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
+        return "\n".join("  ".join(c.ljust(n) if i < 3 else c.rjust(n)
+                                  for i, (c, n) in enumerate(zip(r, w, strict=True)))
                          for r in [head, *rows])
 
     def span(xs: list[float], scale: float = 1.0, nd: int = 0) -> str:
@@ -418,7 +421,8 @@ def tables(results: list[dict], md: bool) -> str:
             e = res["methods"][m]
             pr = e["per_rank"]
             rows2.append([res["case"], str(res["world"]), m, span(pr["save"]["write_bytes"], 1e6),
-                          span(e["save_MBps_per_rank"]), span([c for c in e["save_cpu_s_per_GB"] if c is not None], 1, 2),
+                          span(e["save_MBps_per_rank"]),
+                          span([c for c in e["save_cpu_s_per_GB"] if c is not None], 1, 2),
                           span(res["local_state_bytes"], 1e6), span(pr["load"]["rchar"], 1e6),
                           span(pr["load"]["read_bytes"], 1e6),
                           span(e["load_MBps_per_rank"]),

@@ -172,7 +172,8 @@ def main() -> None:
         base = med[f"{phase} unbroken"]
         for m in methods:
             k = f"{phase} {m}"
-            print(f"  {k:<38} {med[k]:6.3f} s   {med[k] / base:5.2f} x unbroken   runs {[round(x, 3) for x in runs[k]]}")
+            print(f"  {k:<38} {med[k]:6.3f} s   {med[k] / base:5.2f} x unbroken   "
+                  f"runs {[round(x, 3) for x in runs[k]]}")
     if args.json:
         Path(args.json).write_text(json.dumps({"mb": args.mb, "median_s": med, "runs": runs}, indent=1))
 

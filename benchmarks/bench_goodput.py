@@ -21,8 +21,8 @@ the same step; the process exits and torchrun restarts it, or ``recover`` restor
 ``node`` (two torchrun agents in two network namespaces, one rank each; every process of node 1
 SIGKILLed at once and its shared memory wiped (each node's RAM tier has its own folder in
 /dev/shm: a lost machine's memory is gone), the survivor fails, and the job is launched again on
-both nodes, as a scheduler requeues it: needs root and iproute2, else skipped with the reason). A failure is injected every
-``--interval`` seconds of wall time (the first one ``--interval`` after the launch), once the job
+both nodes, as a scheduler requeues it: needs root and iproute2, else skipped with the reason). A failure is injected
+every ``--interval`` seconds of wall time (the first one ``--interval`` after the launch), once the job
 has made a new step since the previous one, and not in the last 3 steps. Every run trains
 ``--steps`` steps; a run's numbers come from the ranks' event records (goodput_report.py says how).
 
@@ -148,8 +148,8 @@ class Job:
     def __init__(self, a: argparse.Namespace, config: str, base: Path, cluster: Any, log: Any) -> None:
         self.a, self.base, self.cluster, self.log = a, base, cluster, log
         model = [f"--{k}={getattr(a, k)}" for k, _ in MODEL]
-        self.argv = [WORKER, "--config", config.removesuffix(BASE), "--run-dir", str(base / "run"), "--out", str(base / "out"),
-                     "--steps", str(a.steps), "--save-every", str(a.save_every), *model]
+        self.argv = [WORKER, "--config", config.removesuffix(BASE), "--run-dir", str(base / "run"),
+                     "--out", str(base / "out"), "--steps", str(a.steps), "--save-every", str(a.save_every), *model]
         self.env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         if config.endswith(BASE):  # the same configuration on the unbroken of --base-src
             self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [a.base_src, os.environ.get("PYTHONPATH")]))
@@ -237,7 +237,7 @@ def run_one(a: argparse.Namespace, config: str, kind: str, tmp: Path, cluster: A
                 steps = [e for e in events if e["ev"] == "step"]
                 now = time.time()
                 if cluster is not None and None in codes and any(c is not None for c in codes):
-                    survivor = next(p for p, c in zip(job.procs, codes) if c is None)
+                    survivor = next(p for p, c in zip(job.procs, codes, strict=True) if c is None)
                     if survivor.wait(60) is None:  # the survivor must notice by itself; else it is stuck
                         raise RuntimeError(f"the surviving agent did not end within 60 s:\n{job.log}")
                     codes = job.codes()
@@ -327,7 +327,8 @@ def main() -> None:
         if not (Path(a.base_src) / "unbroken" / "__init__.py").is_file():
             ap.error(f"--base-src {a.base_src}: no unbroken package there (pass the folder that holds unbroken/)")
         a.base_src = str(Path(a.base_src).resolve())
-        configs = [c for config in configs for c in ((config,) if config.startswith("dcp") else (config + BASE, config))]
+        configs = [c for config in configs
+                   for c in ((config,) if config.startswith("dcp") else (config + BASE, config))]
     if a.ranks < 2 or a.ranks % 2:
         ap.error("--ranks must be even and at least 2 (a rank is killed; 'node' splits them over 2 nodes)")
     if "none" not in kinds:

@@ -215,7 +215,7 @@ def render(head: list[str], rows: list[list[str]], md: bool) -> str:
     if md:
         lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
         return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-    w = [max(len(x) for x in col) for col in zip(head, *rows)]
+    w = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
     fmt = lambda r: "  ".join(c.ljust(w[0]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(r))  # noqa: E731
     return "\n".join([fmt(head), "  ".join("-" * x for x in w)] + [fmt(r) for r in rows])
 
@@ -327,8 +327,10 @@ def main() -> None:
          "bytes_per_save_full": med(full["bytes"][later]), "save_s_incremental": med(inc["save_s"][later]),
          "save_s_full": med(full["save_s"][later]), "chunk_bytes_per_save_incremental": med(inc["chunk_bytes"][later]),
          "alloc_per_save_incremental": med(inc["alloc"][later]), "alloc_per_save_full": med(full["alloc"][later])}
-    overhead = [b - c for b, c in zip(inc["bytes"][later], changed[later])]  # written beyond the changed tensors
-    meta = [b - c for b, c in zip(inc["bytes"][later], inc["chunk_bytes"][later])]  # checkpoint folder: metadata
+    # written beyond the changed tensors
+    overhead = [b - c for b, c in zip(inc["bytes"][later], changed[later], strict=True)]
+    # checkpoint folder: metadata
+    meta = [b - c for b, c in zip(inc["bytes"][later], inc["chunk_bytes"][later], strict=True)]
     m["overhead_per_save_incremental"] = med(overhead)
     m["metadata_per_save_incremental"] = med(meta)
 
@@ -358,7 +360,8 @@ def main() -> None:
     goal = {"goal": "incremental bytes written per save <= 1.1 x changed bytes (median, saves 2..N)",
             "ratio": ratio, "met": ratio <= 1.1}
     h = res["hashing"]
-    title = (f"Model: {res['layers']} {'trained' if args.full_finetune else 'frozen'} Linear({args.dim}, {args.dim}) layers + rank-{args.rank} LoRA adapters: "
+    title = (f"Model: {res['layers']} {'trained' if args.full_finetune else 'frozen'} "
+             f"Linear({args.dim}, {args.dim}) layers + rank-{args.rank} LoRA adapters: "
              f"{res['params'] / 1e6:.1f} M parameters, {res['trainable'] / 1e6:.3f} M trainable "
              f"({100 * res['trainable'] / res['params']:.2f} %), AdamW over "
              f"{'everything' if args.full_finetune else 'the adapters'}; state "

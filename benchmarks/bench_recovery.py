@@ -73,6 +73,7 @@ MODEL_ARGS = ("layers", "dim", "seq", "batch", "vocab")
 def setup(a: argparse.Namespace, run_dir: Path, pt: Path) -> dict[str, Any]:
     """Make the checkpoint at step ``--resume-step`` and the baseline's torch.save file."""
     import torch
+
     import unbroken
     from bench_train_overhead import build, state_bytes, train_step
     from unbroken.data import ResumableLoader
@@ -105,6 +106,7 @@ def setup(a: argparse.Namespace, run_dir: Path, pt: Path) -> dict[str, Any]:
 def resume(a: argparse.Namespace, run_dir: Path, launch: float) -> dict[str, Any]:
     """A restarted training process: restore the newest checkpoint and take one step."""
     import torch
+
     import unbroken
     import unbroken.manager
     from bench_train_overhead import build, train_step
@@ -150,8 +152,9 @@ def resume(a: argparse.Namespace, run_dir: Path, launch: float) -> dict[str, Any
 def baseline(a: argparse.Namespace, pt: Path, launch: float) -> dict[str, Any]:
     """The same restart with torch.load + load_state_dict + a replayed plain DataLoader."""
     import torch
-    from bench_train_overhead import build, train_step
     from torch.utils.data import DataLoader
+
+    from bench_train_overhead import build, train_step
 
     t = {"imported": time.time()}
     torch.set_num_threads(a.threads)
@@ -199,14 +202,14 @@ def render(head: list[str], rows: list[list[str]], md: bool) -> str:
     if md:
         lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
         return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-    w = [max(len(x) for x in col) for col in zip(head, *rows)]
+    w = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
     fmt = lambda r: "  ".join(c.ljust(w[0]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(r))  # noqa: E731
     return "\n".join([fmt(head), "  ".join("-" * x for x in w)] + [fmt(r) for r in rows])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for k, v in zip(MODEL_ARGS, (4, 256, 64, 4, 8192)):
+    for k, v in zip(MODEL_ARGS, (4, 256, 64, 4, 8192), strict=True):
         ap.add_argument(f"--{k}", type=int, default=v, help=f"as in bench_train_overhead.py (default {v})")
     ap.add_argument("--resume-step", type=int, default=1000, help="the checkpoint's step (default 1000)")
     ap.add_argument("--reps", type=int, default=3, help="resumes (and baselines), round robin; medians (default 3)")

@@ -81,7 +81,7 @@ class Timed:
     def __init__(self, server_pid: int) -> None:
         self.pid = server_pid
 
-    def __enter__(self) -> "Timed":
+    def __enter__(self) -> Timed:
         gc.collect()
         try:
             Path("/proc/self/clear_refs").write_text("5\n")  # reset VmHWM
@@ -102,8 +102,8 @@ class Timed:
 
 
 def run_child(args: argparse.Namespace) -> dict:
-    import safetensors.torch
     import s3fs
+    import safetensors.torch
     import torch
     import xxhash
 
@@ -229,8 +229,11 @@ def render(head: list[str], rows: list[list[str]], md: bool) -> str:
     if md:
         lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * (len(head) - 2)) + "|"]
         return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-    w = [max(len(x) for x in col) for col in zip(head, *rows)]
-    fmt = lambda r: "  ".join(c.ljust(w[i]) if i < 2 else c.rjust(w[i]) for i, c in enumerate(r))
+    w = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
+
+    def fmt(r: list[str]) -> str:
+        return "  ".join(c.ljust(w[i]) if i < 2 else c.rjust(w[i]) for i, c in enumerate(r))
+
     return "\n".join([fmt(head), "  ".join("-" * x for x in w)] + [fmt(r) for r in rows])
 
 

@@ -154,7 +154,9 @@ def save_dcp(state, out):
 
 
 def load_dcp(out, like):
-    empty = lambda x: {k: empty(v) for k, v in x.items()} if isinstance(x, dict) else torch.empty_like(x)
+    def empty(x):
+        return {k: empty(v) for k, v in x.items()} if isinstance(x, dict) else torch.empty_like(x)
+
     dest = empty(like)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -205,7 +207,8 @@ METHODS = {
     "unbroken_async": (save_unbroken_async, load_unbroken_run),
     "unbroken_lazy": (save_unbroken_async, load_unbroken_run),
 }
-STALLS = {"unbroken_async", "unbroken_lazy"}  # the mark a save returns is when the loop could go on, not a no-fsync time
+# the mark a save returns is when the loop could go on, not a no-fsync time
+STALLS = {"unbroken_async", "unbroken_lazy"}
 
 
 def proc_kib(key: str) -> int:
@@ -287,7 +290,10 @@ def machine(root: Path) -> str:
 def table(results: dict) -> tuple[list[str], list[list[str]]]:
     head = ["method", "save s", "save GB/s", "load s", "load GB/s", "save time / unbroken's",
             "load time / unbroken's", "peak extra RSS save / load MB", "stall s"]
-    med = lambda name, phase: statistics.median(results[name][phase])
+
+    def med(name: str, phase: str) -> float:
+        return statistics.median(results[name][phase])
+
     gb, ub_save, ub_load = results["unbroken"]["nbytes"] / 1e9, med("unbroken", "save"), med("unbroken", "load")
     rows = []
     for key, label in ROWS.items():
@@ -335,8 +341,11 @@ def render(head: list[str], rows: list[list[str]], md: bool) -> str:
     if md:
         lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
         return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-    w = [max(len(x) for x in col) for col in zip(head, *rows)]
-    fmt = lambda r: "  ".join(c.ljust(w[0]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(r))
+    w = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
+
+    def fmt(r: list[str]) -> str:
+        return "  ".join(c.ljust(w[0]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(r))
+
     return "\n".join([fmt(head), "  ".join("-" * x for x in w)] + [fmt(r) for r in rows])
 
 

@@ -39,8 +39,8 @@ configurations so that a noisy phase of the machine hits all of them): steps/s; 
 ``time / no_ckpt's time - 1``; the median time of the steps that did not save (robust to
 the spikes of a shared machine; shows a slowdown spread over all steps, e.g. the background
 writer competing for the cores); the mean time of the 3 steps after each save, which run beside
-its background write (the writer's interference with training); the stall per save = time inside the ``ckpt.step()`` calls
-that saved, divided by the saves; and the extra time of the ``optimizer.step()`` right after
+its background write (the writer's interference with training); the stall per save = time inside the ``ckpt.step()``
+calls that saved, divided by the saves; and the extra time of the ``optimizer.step()`` right after
 a save over the median ``optimizer.step()`` (where ``lazy`` waits for its deferred copies);
 and the **blocked overhead**: (stall + that wait) per save over the time of ``--every``
 median ``no_ckpt`` steps, the share of the loop's time checkpointing blocks it, which other
@@ -240,7 +240,8 @@ def run_child(cfg: str, a: argparse.Namespace, out: Path) -> dict[str, Any]:
     return {"config": cfg, "steps": a.steps, **persist, "elapsed_s": elapsed, "steps_per_s": a.steps / elapsed,
             "saves": saves, "stall_s": stall, "stall_per_save_s": stall / saves if saves else 0.0,
             "median_step_s": statistics.median(step_times), "opt_step_s": base,
-            "during_write_step_s": statistics.mean(during) if during else statistics.median(step_times), "next_step_wait_per_save_s":
+            "during_write_step_s": statistics.mean(during) if during else statistics.median(step_times),
+            "next_step_wait_per_save_s":
                 sum(t - base for t in after_times) / len(after_times) if after_times else 0.0,
             "final_loss": loss.item(), "params_sha256": params_sha256(model), "state_bytes": state_bytes(model, opt)}
 
@@ -259,7 +260,7 @@ def render(head: list[str], rows: list[list[str]], md: bool) -> str:
     if md:
         lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
         return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-    w = [max(len(x) for x in col) for col in zip(head, *rows)]
+    w = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
     fmt = lambda r: "  ".join(c.ljust(w[0]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(r))  # noqa: E731
     return "\n".join([fmt(head), "  ".join("-" * x for x in w)] + [fmt(r) for r in rows])
 
@@ -323,7 +324,8 @@ def main() -> None:
     ref = next(r for r in runs if r["config"] == "no_ckpt")
     for r in runs:  # exactness: checkpointing must not change a single bit of training
         if r["final_loss"] != ref["final_loss"] or r["params_sha256"] != ref["params_sha256"]:
-            (print if a.device != "cpu" else sys.exit)(f"NOT EXACT: {r['config']} (rep {r['rep']}) trained differently from no_ckpt: final loss "
+            (print if a.device != "cpu" else sys.exit)(
+                     f"NOT EXACT: {r['config']} (rep {r['rep']}) trained differently from no_ckpt: final loss "
                      f"{r['final_loss']!r} vs {ref['final_loss']!r}, parameters {r['params_sha256'][:16]} vs "
                      f"{ref['params_sha256'][:16]}")
     med = {c: {k: statistics.median(r[k] for r in runs if r["config"] == c)
@@ -333,7 +335,8 @@ def main() -> None:
     # blocked time per save (the stall plus the next step's extra wait) over the time of `every`
     # median no_ckpt steps: what checkpointing costs the loop, robust to other work on the machine
     step0 = med["no_ckpt"]["median_step_s"]
-    for c in (c for c in RAM_CONFIGS if c in CONFIGS):  # every step follows a save: the wait is the optimizer step's excess over no_ckpt's
+    # every step follows a save: the wait is the optimizer step's excess over no_ckpt's
+    for c in (c for c in RAM_CONFIGS if c in CONFIGS):
         med[c]["next_step_wait_per_save_s"] = med[c]["opt_step_s"] - med["no_ckpt"]["opt_step_s"]
     blocked = {c: (max(0.0, med[c]["stall_per_save_s"]) + max(0.0, med[c]["next_step_wait_per_save_s"]))
                / ((1 if c in RAM_CONFIGS else a.every) * step0) * 100 for c in CONFIGS if c != "no_ckpt"}

@@ -31,8 +31,9 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -68,7 +69,8 @@ def complete(run: Path) -> list[Path]:
 
 class Loop:
     def __init__(self, model: Any, opt: Any, ds: Any, a: Any, events: Any, faults: Any, async_save: bool) -> None:
-        self.model, self.opt, self.a, self.events, self.faults, self.async_save = model, opt, a, events, faults, async_save
+        self.model, self.opt, self.a = model, opt, a
+        self.events, self.faults, self.async_save = events, faults, async_save
         self.rank = dist.get_rank()
         self.sampler = DistributedSampler(ds, shuffle=True, seed=0, drop_last=True)
         self.loader = DataLoader(ds, batch_size=a.batch, sampler=self.sampler, num_workers=0, drop_last=True)

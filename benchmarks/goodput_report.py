@@ -101,7 +101,7 @@ def table(rows: list[dict[str, Any]], md: bool) -> str:
     if md:
         lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * (len(head) - 2)) + "|"]
         return "\n".join(lines + ["| " + " | ".join(b) + " |" for b in body])
-    w = [max(len(x) for x in col) for col in zip(head, *[b for b in body if b[3] != ""])]
+    w = [max(len(x) for x in col) for col in zip(head, *[b for b in body if b[3] != ""], strict=True)]
     fmt = lambda b: "  ".join(c.ljust(w[i]) if i < 2 else c.rjust(w[i]) for i, c in enumerate(b))  # noqa: E731
     return "\n".join([fmt(head), "  ".join("-" * x for x in w)] +
                      [fmt(b) if b[3] != "" else "  ".join(b[:3]) for b in body])

@@ -26,8 +26,8 @@ from typing import Any
 
 AGENT = (("noticed", "closing signal"), ("failed", "Worker group FAILED"),
          ("rendezvous", "Rendezvous'ing worker group"), ("starting", "Starting worker group"))
-SEGMENTS = (("agent: notices, stops the survivor", "failed"), ("agent: rendezvous, start", "starting"), ("process spawn (fork/exec)", "spawned"),
-            ("interpreter start", "launch"), ("import torch", "import torch"),
+SEGMENTS = (("agent: notices, stops the survivor", "failed"), ("agent: rendezvous, start", "starting"),
+            ("process spawn (fork/exec)", "spawned"), ("interpreter start", "launch"), ("import torch", "import torch"),
             ("import unbroken + model module", "import unbroken"), ("process group", "process group"),
             ("model + DDP", "model"), ("Checkpointer / loop setup", "ready"), ("restore", "restored"))
 
@@ -70,7 +70,8 @@ def marks(kill: float, until: float, events: list[dict[str, Any]], lines: list[t
     return m
 
 
-INFO = (("(kill to the agent's SIGTERM to the survivor)", "noticed"), ("(kill to the survivor's exit)", "survivor_gone"))
+INFO = (("(kill to the agent's SIGTERM to the survivor)", "noticed"),
+        ("(kill to the survivor's exit)", "survivor_gone"))
 
 
 def segments(m: dict[str, float]) -> dict[str, float]:
@@ -120,6 +121,6 @@ def median_table(rows: list[dict[str, Any]], md: bool = True) -> str:
     if md:
         lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * len(cols)]
         return "\n".join(lines + ["| " + " | ".join(b) + " |" for b in body])
-    w = [max(len(x) for x in col) for col in zip(head, *body)]
+    w = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
     return "\n".join("  ".join(c.ljust(w[0]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(b))
                      for b in [head, *body])

@@ -29,7 +29,8 @@ def train_step(model: Any, opt: Any, batch: torch.Tensor) -> None:
 
 class Loop:
     def __init__(self, model: Any, opt: Any, ds: Any, a: Any, events: Any, faults: Any, fault_type: type) -> None:
-        self.model, self.opt, self.a, self.events, self.faults, self.fault_type = model, opt, a, events, faults, fault_type
+        self.model, self.opt, self.a = model, opt, a
+        self.events, self.faults, self.fault_type = events, faults, fault_type
         self.loader = ResumableLoader(ds, batch_size=a.batch, seed=0, num_workers=0)
         if a.config == "ram":
             self.ckpt = unbroken.Checkpointer(a.run_dir, save_every=1, keep_last=2, ram=unbroken.RamTier(

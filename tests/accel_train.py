@@ -144,7 +144,7 @@ def main(args) -> int:
         ckpt = Checkpointer(accelerator, args.run_dir, save_every=args.save_every, keep_last=3,
                             resume=args.resume_from or True, eval_loaders=[eval_loader])
         step = ckpt.progress.step
-        print(f"rank {rank}: {'resumed from step %d' % step if ckpt.restored else 'fresh start'}", flush=True)
+        print(f"rank {rank}: {f'resumed from step {step}' if ckpt.restored else 'fresh start'}", flush=True)
     else:
         train = DataLoader(data, batch_size=args.batch, shuffle=True)
         model, opt, train, eval_loader, sched = accelerator.prepare(model, opt, train, eval_loader, sched)

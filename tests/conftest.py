@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-import buildcache  # noqa: E402
-import timeline  # noqa: E402
-from repo_guard import changes, snapshot, tracked  # noqa: E402
-from s3_server import S3Server  # noqa: E402
+import buildcache
+import timeline
+from repo_guard import changes, snapshot, tracked
+from s3_server import S3Server
 
 REPO = Path(__file__).resolve().parent.parent
 REAL_PYTHON = sys.executable

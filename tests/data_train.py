@@ -75,7 +75,8 @@ def tokens(n: int):
     from datasets import Dataset
 
     g = torch.Generator().manual_seed(5)
-    seqs = [torch.randint(1, V, (int(torch.randint(3, 14, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+    seqs = [torch.randint(1, V, (int(torch.randint(3, 14, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
     return Dataset.from_dict({"input_ids": seqs, "id": list(range(n))})
 
 

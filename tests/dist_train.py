@@ -99,7 +99,8 @@ def main() -> int:
                    help="every K ranks a RAM root of their own (a node's memory, as on several nodes)")
     p.add_argument("--requeue", action="store_true", help="requeue the SLURM job after a preemption save")
     p.add_argument("--every-seconds", type=float, default=None,
-                   help="a time trigger too: rank r saves every S*(r+1) s (EveryMinutes), so the ranks' clocks disagree")
+                   help="a time trigger too: rank r saves every S*(r+1) s (EveryMinutes), "
+                        "so the ranks' clocks disagree")
     p.add_argument("--ddp-options", type=json.loads, default=None, metavar="JSON",
                    help="keyword arguments of DistributedDataParallel")
     p.add_argument("--plain-init", action="store_true",
@@ -135,7 +136,7 @@ def main() -> int:
     if args.fail_save_on_rank == rank:
         _make_writes_fail()
     info = ckpt.restore(state)
-    print(f"rank {rank}: {'resumed from step %d' % info.step if info else 'fresh start'}", flush=True)
+    print(f"rank {rank}: {f'resumed from step {info.step}' if info else 'fresh start'}", flush=True)
     if args.dump_restored:
         restored = full_state(model, opt)  # a collective in FSDP mode
         if rank == 0:
@@ -184,7 +185,7 @@ def main() -> int:
     return 0
 
 
-def ram_tier(args: argparse.Namespace, rank: int) -> "unbroken.RamTier | None":
+def ram_tier(args: argparse.Namespace, rank: int) -> unbroken.RamTier | None:
     if not args.ram:
         return None
     root = os.environ["UNBROKEN_RAM_ROOT"] + (f"/node{rank // args.ranks_per_node}" if args.ranks_per_node else "")

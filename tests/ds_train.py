@@ -31,15 +31,15 @@ from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-import deepspeed  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
-from torch.utils.data import Dataset  # noqa: E402
+import deepspeed
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+from torch.utils.data import Dataset
 
-import unbroken  # noqa: E402
-import unbroken.data  # noqa: E402
+import unbroken
+import unbroken.data
 
 N, D, C, MICRO, GLOBAL = 512, 16, 4, 4, 16
 
@@ -138,7 +138,7 @@ def main() -> int:
                                  strict=not args.restore_nonstrict)
     state = {"engine": engine, "data": loader}
     info = ckpt.restore(state)
-    print(f"rank {rank}: {'resumed from step %d' % info.step if info else 'fresh start'}", flush=True)
+    print(f"rank {rank}: {f'resumed from step {info.step}' if info else 'fresh start'}", flush=True)
     if args.dump_restored:
         dump(engine, rank, out / "restored.safetensors")
     stop = args.stop_at or args.steps

@@ -105,7 +105,7 @@ def main() -> int:
                 at("after optimizer.step")
                 if args.loop == "ema":
                     with torch.no_grad():
-                        for e, q in zip(state["ema"].parameters(), model.parameters()):
+                        for e, q in zip(state["ema"].parameters(), model.parameters(), strict=True):
                             e.lerp_(q, 0.1)
                 sched.step()
             else:

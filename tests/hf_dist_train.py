@@ -48,19 +48,19 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed on CPU (the ZeRO sta
 
 # torch and transformers first thing: the suite's fork server starts this script with them imported
 # (tests/zygote.py)
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import transformers  # noqa: E402
-from transformers import (GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback,  # noqa: E402
+import torch
+import torch.distributed as dist
+import transformers
+from transformers import (GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback,
                           TrainingArguments, set_seed)
-from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
+from transformers.trainer_utils import get_last_checkpoint
 
 if "--faults-in-round" in sys.argv:  # before unbroken is imported: it reads UNBROKEN_FAULTS once
     _round = sys.argv[sys.argv.index("--faults-in-round") + 1]
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != _round:
         os.environ.pop("UNBROKEN_FAULTS", None)
 
-import unbroken  # noqa: E402
+import unbroken
 
 N, SEQ, VOCAB, BATCH, GLOBAL = 80, 16, 64, 4, 16
 TIMING = ("runtime", "per_second")

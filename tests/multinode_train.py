@@ -24,9 +24,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-import dist_train  # noqa: E402
+import dist_train
 
-import unbroken  # noqa: E402
+import unbroken
 
 
 def _take(argv: list[str], flag: str) -> str | None:

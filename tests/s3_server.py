@@ -107,7 +107,7 @@ class S3Server:
                     fs.mkdir(bucket)
                 fs.pipe(f"{bucket}/probe", b"ok")
                 return
-            except Exception as e:  # noqa: BLE001 - any failure means "not yet"
+            except Exception as e:
                 last = e
                 fs.invalidate_cache()
                 time.sleep(0.2)

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-import dist_train  # noqa: E402
+import dist_train
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -27,7 +27,7 @@ class TwoRanks:
     def start_max(self, values: list[int]) -> Any:
         self.calls.append("start_max")
         peer = [1 if self.peer & f else 0 for f in (SAVE, SIGNAL, SPIKE, LONG)]
-        agreed = [max(a, b) for a, b in zip(values, peer)]
+        agreed = [max(a, b) for a, b in zip(values, peer, strict=True)]
 
         class Pending:
             def result(self) -> list[int]:

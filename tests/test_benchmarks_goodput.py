@@ -7,9 +7,9 @@ its uninterrupted run, that goodput is a share of the wall time, that every conf
 (the RAM tier and in-process recovery included: "not available" would be a regression), and
 that the RAM tier left no shared memory behind (its root is this test's folder, not /dev/shm),
 and that each kill's restart timeline has every mark (torchrun's agent lines, the survivor's exit,
-the new process's phases) and adds up to the measured restart + restore. The node-loss kind (network namespaces, root) is left to the full
-benchmark: it adds two relaunches per configuration. It takes 90-110 s on the 2 shared cores
-(11 jobs of a few seconds each, most of it process start-up).
+the new process's phases) and adds up to the measured restart + restore. The node-loss kind (network
+namespaces, root) is left to the full benchmark: it adds two relaunches per configuration. It takes 90-110 s on
+the 2 shared cores (11 jobs of a few seconds each, most of it process start-up).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from goodput_timeline import INFO, SEGMENTS  # noqa: E402
+from goodput_timeline import INFO, SEGMENTS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 REPO = Path(__file__).resolve().parent.parent

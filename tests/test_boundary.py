@@ -12,7 +12,6 @@ processes with real resource limits.
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import shutil
 import signal
@@ -20,7 +19,8 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 import pytest
 import torch

@@ -26,7 +26,8 @@ def test_config_and_data_are_recorded(tmp_path: Path) -> None:
 def test_strict_refuses_a_changed_config_and_loads_nothing(tmp_path: Path) -> None:
     _save(tmp_path / "run", config={"lr": 0.001})
     w = torch.zeros(2)
-    ckpt = unbroken.Checkpointer(tmp_path / "run", preemption=None, env=unbroken.EnvCheck(config={"lr": 0.002}, policy="strict"))
+    ckpt = unbroken.Checkpointer(tmp_path / "run", preemption=None,
+                                 env=unbroken.EnvCheck(config={"lr": 0.002}, policy="strict"))
     with pytest.raises(unbroken.EnvironmentMismatchError, match=r"config\.lr.*0\.001.*0\.002"):
         ckpt.restore({"w": w})
     assert torch.equal(w, torch.zeros(2))
@@ -45,7 +46,8 @@ def test_warn_logs_the_diff_and_restores(tmp_path: Path, caplog: pytest.LogCaptu
 def test_same_environment_is_silent_under_strict(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     _save(tmp_path / "run", config={"lr": 0.001})
     caplog.set_level(logging.INFO, logger="unbroken")
-    with unbroken.Checkpointer(tmp_path / "run", preemption=None, env=unbroken.EnvCheck(config={"lr": 0.001}, policy="strict")) as c:
+    with unbroken.Checkpointer(tmp_path / "run", preemption=None,
+                               env=unbroken.EnvCheck(config={"lr": 0.001}, policy="strict")) as c:
         assert c.restore({"w": torch.zeros(2)}) is not None
     assert not any("config" in r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING)
 

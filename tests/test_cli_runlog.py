@@ -301,7 +301,7 @@ def test_the_demo_draws_both_runs_and_the_kills(tmp_path: Path) -> None:
     got.mkdir(parents=True)
     losses = {s: 2.0 / s for s in range(1, 13)}
     (ref / "losses.jsonl").write_text("".join(json.dumps({"step": s, "loss": v}) + "\n" for s, v in losses.items()))
-    lines = [s for s in range(1, 7)] + [s for s in range(5, 13)]
+    lines = list(range(1, 7)) + list(range(5, 13))
     (got / "losses.jsonl").write_text("".join(json.dumps({"step": s, "loss": losses[s]}) + "\n" for s in lines))
     attempts = [Attempt("SIGKILL after step 6", started="fresh start", ended="killed after step 6", logged=6),
                 Attempt("run to the end", started="resumed from step 4", ended="finished", logged=14)]

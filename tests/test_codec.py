@@ -52,10 +52,10 @@ def same(a, b) -> bool:
     if isinstance(a, complex):
         return same(a.real, b.real) and same(a.imag, b.imag)
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, dict):
         return len(a) == len(b) and all(
-            same(ka, kb) and same(va, vb) for (ka, va), (kb, vb) in zip(a.items(), b.items())
+            same(ka, kb) and same(va, vb) for (ka, va), (kb, vb) in zip(a.items(), b.items(), strict=True)
         )
     return a == b
 
@@ -193,7 +193,7 @@ def test_numpy_scalars(tmp_path, typ):
             values.append(np.frombuffer(raw, dtype=typ)[0])
     out = roundtrip(tmp_path, values)
     assert len(out) == len(values)
-    for a, b in zip(values, out):
+    for a, b in zip(values, out, strict=True):
         assert type(b) is typ
         assert b.dtype == a.dtype
         assert b.tobytes() == a.tobytes()
@@ -203,7 +203,7 @@ def test_numpy_scalar_extremes(tmp_path):
     values = [np.uint64(2**64 - 1), np.int64(-(2**63)), np.float32("nan"), np.float16("-inf"),
               np.float64(-0.0), np.bool_(True), np.bool_(False)]
     out = roundtrip(tmp_path, values)
-    for a, b in zip(values, out):
+    for a, b in zip(values, out, strict=True):
         assert type(a) is type(b) and a.tobytes() == b.tobytes()
 
 
@@ -417,10 +417,10 @@ def same_nan_ok(a, b) -> bool:
     if isinstance(a, float):
         return (math.isnan(a) and math.isnan(b)) or fbits(a) == fbits(b)
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same_nan_ok(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same_nan_ok(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, dict):
         return len(a) == len(b) and all(
-            same_nan_ok(ka, kb) and same_nan_ok(va, vb) for (ka, va), (kb, vb) in zip(a.items(), b.items())
+            same_nan_ok(ka, kb) and same_nan_ok(va, vb) for (ka, va), (kb, vb) in zip(a.items(), b.items(), strict=True)
         )
     return a == b
 

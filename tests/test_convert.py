@@ -21,7 +21,7 @@ import pytorch_lightning as pl  # the test extra installs both: a missing one fa
 import transformers
 
 
-def _tiny_gpt2() -> "transformers.GPT2LMHeadModel":
+def _tiny_gpt2() -> transformers.GPT2LMHeadModel:
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=16)
     return transformers.GPT2LMHeadModel(config)
@@ -36,7 +36,7 @@ class _Tokens(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
-def _args(out: Path) -> "transformers.TrainingArguments":
+def _args(out: Path) -> transformers.TrainingArguments:
     return transformers.TrainingArguments(output_dir=str(out), max_steps=3, save_strategy="steps", save_steps=3,
                                           per_device_train_batch_size=4, learning_rate=1e-3, warmup_steps=1,
                                           report_to=[], use_cpu=True, disable_tqdm=True, logging_strategy="no")
@@ -68,7 +68,8 @@ def test_an_hf_trainer_folder_imports_verified_and_resumes(hf_folder: Path, tmp_
     model = _tiny_gpt2()
     for p in model.parameters():
         p.data.zero_()
-    trainer = transformers.Trainer(model=model, args=_args(tmp_path))  # the optimizer's parameter groups as HF builds them
+    # the optimizer's parameter groups as HF builds them
+    trainer = transformers.Trainer(model=model, args=_args(tmp_path))
     opt = trainer.create_optimizer()
     sched = trainer.create_scheduler(3, opt)
     state = {"model": model, "optimizer": opt, "scheduler": sched}
@@ -96,7 +97,7 @@ class _Tiny(pl.LightningModule):
         x, y = batch
         return torch.nn.functional.mse_loss(self.net(x), y)
 
-    def configure_optimizers(self):  # noqa: ANN201
+    def configure_optimizers(self):
         opt = torch.optim.Adam(self.parameters(), lr=1e-2)
         return [opt], [torch.optim.lr_scheduler.StepLR(opt, 2)]
 
@@ -309,7 +310,7 @@ def test_hostile_hf_metadata_gives_a_clear_error(hf_folder: Path, tmp_path: Path
     hostile metadata raised TypeError, AttributeError or RecursionError from deep inside."""
     if "=" in text and not text.startswith(("[", "{", '"')):
         key, value = text.split("=")
-        text = _gpt2_config(hf_folder, **{key: eval(value)})  # noqa: S307 - the test's own literals
+        text = _gpt2_config(hf_folder, **{key: eval(value)})
     folder = _hostile_hf(hf_folder, tmp_path, name, text)
     with pytest.raises(unbroken.errors.UnbrokenError, match=message) as e:
         import_checkpoint(folder, tmp_path / "run")

@@ -32,7 +32,8 @@ import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import pytest
 from sealing import load_doc, save_doc, write_text
@@ -122,7 +123,8 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> Template:
         if ckpt.step(state, loss=loss) is not None:
             saved[ckpt.progress.step] = values(model, opt)
     assert sorted(saved) == list(STEPS)
-    assert sorted(p.name for p in run.iterdir() if not p.name.startswith((".", "index.sqlite"))) == [f"step-{s:09d}" for s in STEPS]
+    assert sorted(p.name for p in run.iterdir() if not p.name.startswith((".", "index.sqlite"))) == [
+        f"step-{s:09d}" for s in STEPS]
     # The damages below rely on this layout.
     assert {MODEL_FILE, OPT_FILE, "state.json", "manifest.json"} <= {
         p.name for p in (run / "step-000000030").iterdir()}
@@ -541,7 +543,8 @@ def test_damaged_newest_checkpoint_is_refused_quarantined_and_skipped(
     assert (run / "quarantine" / bad.name).is_dir()
     reason = (run / "quarantine" / f"{bad.name}.reason.txt").read_text()
     assert_names(reason, bad, expected)
-    assert sorted(p.name for p in run.iterdir() if not p.name.startswith((".", "index.sqlite"))) == ["quarantine", "step-000000010", "step-000000020"]
+    assert sorted(p.name for p in run.iterdir() if not p.name.startswith((".", "index.sqlite"))) == [
+        "quarantine", "step-000000010", "step-000000020"]
     assert [c.step for c in ckpt.checkpoints()] == [20, 10]
 
     # a warning names the checkpoint and the problem.
@@ -666,7 +669,7 @@ def call_guarded(fn: Callable[[], Any], fifos: list[Path], timeout: float = 20.0
     def target() -> None:
         try:
             out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised below
+        except BaseException as e:
             out["error"] = e
 
     t = threading.Thread(target=target, daemon=True)

@@ -116,7 +116,8 @@ def test_carry_over_resumes_at_every_output_batch(collator: str) -> None:
         it = iter(first)
         head = [next(it) for _ in range(k)]
         state = copy.deepcopy(first.state_dict())
-        carried += bool(state["collator"]["tokens"].numel() if collator == "packer" else any(state["collator"].values()))
+        carried += bool(state["collator"]["tokens"].numel() if collator == "packer"
+                        else any(state["collator"].values()))
         second = make(2 if k % 2 else 0)
         second.load_state_dict(state)
         assert flat(head) + flat(second) == ref, k

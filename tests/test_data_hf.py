@@ -98,7 +98,7 @@ def test_random_transform_is_exact_with_seeded_and_not_without() -> None:
         second.load_state_dict(first.state_dict())
         del it
         got += xs(second)
-        equal = sum(torch.equal(a, b) for a, b in zip(ref, got))
+        equal = sum(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
         assert (equal == len(ref)) is expect, (wrap, equal, len(ref))
         if not expect:
             print(f"\nset_transform without Seeded, 2 workers, resumed after 5 of {len(ref)} batches: "
@@ -184,7 +184,7 @@ def test_split_by_node_each_rank_resumes_and_the_position_stays_with_its_rank() 
 def test_interleaved_streams_resume_exactly_and_a_changed_pipeline_is_refused() -> None:
     two = interleave_datasets([stream(), stream(off=1000)], probabilities=[0.5, 0.5], seed=1)
     for workers in (0, 2):
-        make = lambda: ud.StreamLoader(two, batch_size=4, num_workers=workers)  # noqa: E731
+        make = lambda workers=workers: ud.StreamLoader(two, batch_size=4, num_workers=workers)  # noqa: E731
         ref = ids(make())
         assert resumed(make, 5) == ref
     loader = make()
@@ -237,7 +237,7 @@ def test_any_stateful_iterable_and_an_own_shuffle_buffer(tmp_path: Path) -> None
         paths.append(p)
     make = lambda: ud.StreamLoader(ud.JsonlReader(paths), batch_size=4, shuffle_buffer=5, seed=2)  # noqa: E731
     ref = ids(make())
-    assert sorted(i for b in ref for i in b) == sorted([j for j in range(9)] + [100 + j for j in range(9)])
+    assert sorted(i for b in ref for i in b) == sorted(list(range(9)) + [100 + j for j in range(9)])
     assert ref != sorted(ref)
     for k in range(len(ref)):
         assert resumed(make, k) == ref

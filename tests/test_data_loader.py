@@ -80,7 +80,7 @@ def take(loader: ResumableLoader, k: int) -> list[tuple[torch.Tensor, torch.Tens
 
 def assert_same(a: list, b: list) -> None:
     assert len(a) == len(b)
-    for (ia, xa), (ib, xb) in zip(a, b):
+    for (ia, xa), (ib, xb) in zip(a, b, strict=True):
         assert torch.equal(ia, ib), (ia, ib)
         assert xa.dtype == xb.dtype and torch.equal(xa.view(torch.int32), xb.view(torch.int32))  # bitwise
 
@@ -95,7 +95,7 @@ def test_stream_is_global_order_with_keyed_augmentation() -> None:
         assert [len(i) for i, _ in batches] == [4] * 9 + [1]  # one process: a short last batch
         got = torch.cat([i for i, _ in batches]).tolist()
         assert got == order.indices(epoch, 0, N).tolist()
-        for idx, x in zip(got, torch.cat([x for _, x in batches])):
+        for idx, x in zip(got, torch.cat([x for _, x in batches]), strict=True):
             assert torch.equal(x, expected_sample(ds, idx, epoch))
         assert loader.state_dict()["epoch"] == epoch + 1 and loader.state_dict()["position"] == 0
     assert loader.samples_seen == 3 * N
@@ -294,7 +294,7 @@ def test_world_size_change_mid_epoch(before: tuple[int, int], after: tuple[int, 
             assert N <= end < N + g1  # fewer than one global batch padded
             assert sorted(stream[:N]) == list(range(N))  # nothing skipped, nothing repeated
             assert stream[N:] == stream[: end - N]  # padding wraps to the epoch's start
-        for idx, x in zip(stream, xs):
+        for idx, x in zip(stream, xs, strict=True):
             assert torch.equal(x, expected_sample(ds, idx, 0))
         if end <= p:  # restored at the epoch's end: the loaders end that epoch first (an empty pass)
             assert lockstep(new) == []
@@ -459,7 +459,7 @@ def test_checkpointer_saves_and_restores_the_data_position(tmp_path) -> None:
     assert second["data"].state_dict() == {**first["data"].state_dict(), "epoch": 1, "position": 12,
                                            "samples_seen": N + 12}
     assert_same(train(second, total - cut), reference[cut:])
-    for a, b in zip(ref_state["model"].parameters(), second["model"].parameters()):
+    for a, b in zip(ref_state["model"].parameters(), second["model"].parameters(), strict=True):
         assert torch.isfinite(a).all() and torch.equal(a, b)
 
 

@@ -84,7 +84,8 @@ def loader_batches(make, k: int | None = None, state=None):
     if state is not None:
         loader.load_state_dict(state)
     it = iter(loader)
-    out = [[(s, int(i)) for s, i in zip(b["src"], b["i"])] for b in (it if k is None else (next(it) for _ in range(k)))]
+    out = [[(s, int(i)) for s, i in zip(b["src"], b["i"], strict=True)]
+           for b in (it if k is None else (next(it) for _ in range(k)))]
     return out, loader
 
 
@@ -103,7 +104,8 @@ def test_a_mixture_loader_resumes_exactly_with_other_workers_and_world_sizes() -
     its = [iter(r) for r in ranks]
     two = []
     for _ in range(10):
-        two.append(sum(([(s, int(i)) for s, i in zip(b["src"], b["i"])] for b in (next(it) for it in its)), []))
+        two.append(sum(([(s, int(i)) for s, i in zip(b["src"], b["i"], strict=True)]
+                        for b in (next(it) for it in its)), []))
     assert two == ref[:10]
     tail, _ = loader_batches(make, 20, copy.deepcopy(ranks[0].state_dict()))
     assert two + tail == ref

@@ -17,7 +17,8 @@ import textwrap
 import warnings
 from itertools import islice
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 import pytest
 

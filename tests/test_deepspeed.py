@@ -39,7 +39,8 @@ def env(deepspeed_env: dict[str, str]) -> dict[str, str]:
 
 def torchrun(n: int, base: Path, stage: int, *extra: str, restarts: int = 0) -> list[str]:
     return jobs.torchrun(n, SCRIPT, "--run-dir", str(base / "run"), "--out", str(base / "out"), "--stage",
-                           str(stage), "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), *extra, restarts=restarts)
+                           str(stage), "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), *extra,
+                           restarts=restarts)
 
 
 def launch(cmd: list[str], env: dict[str, str], base: Path, on_line=None) -> tuple[int, str]:

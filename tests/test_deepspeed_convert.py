@@ -25,7 +25,7 @@ import unbroken
 from unbroken.convert import UntrustedPickleError, import_checkpoint, read_source
 
 assert importlib.util.find_spec("deepspeed"), "DeepSpeed is missing: `make test` installs it (the test extra)"
-import jobs
+import jobs  # noqa: E402 - the local test modules come after the DeepSpeed check
 from test_deepspeed import launch, same_tensors  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

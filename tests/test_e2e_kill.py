@@ -90,7 +90,7 @@ def test_many_kills_mixed_with_changing_worker_counts(reference: Path, tmp_path:
     rng = random.Random(7)
     plan = [("step", str(rng.randint(3, 15))), ("save", "save.mid_file=2"), ("step", str(rng.randint(30, 40))),
             ("save", "save.before_commit=1"), ("step", str(rng.randint(45, 55)))]
-    for (kind, arg), workers in zip(plan, [0, 2, 4, 0, 2]):
+    for (kind, arg), workers in zip(plan, [0, 2, 4, 0, 2], strict=True):
         att = run_attempt(cmd(tmp_path, "--workers", str(workers)), kind, arg, ENV)
         assert att.ended != "finished", (kind, arg, att)
     finish(tmp_path, "--workers", "1")

@@ -93,7 +93,7 @@ def test_sigkill_at_random_steps(reference: Path, s3, s3_url: str, tmp_path: Pat
     assert last.ended == "finished", last
     started.append(last.started)
     assert started[0] == "fresh start", started
-    for killed_at, line in zip(targets, started[1:]):
+    for killed_at, line in zip(targets, started[1:], strict=True):
         assert line.startswith("resumed from step "), (targets, started)
         # the newest checkpoint at the kill (the one of the kill's own step may or may not have committed)
         assert killed_at - SAVE_EVERY <= int(line.split()[-1]) <= killed_at, (targets, started)

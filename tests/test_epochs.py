@@ -199,7 +199,8 @@ def test_a_loader_restored_at_its_epochs_last_batch_ends_that_epoch_first() -> N
     train_set, _ = data()
     make = lambda: unbroken.data.ResumableLoader(train_set, batch_size=B, seed=2)  # noqa: E731
     loader = make()
-    served = [b for _, b in zip(range(N // B), loader)]  # the last batch handed out; the loop not ended
+    # strict=False: zip stops at the range, before it asks the loader for more (the loop not ended)
+    served = [b for _, b in zip(range(N // B), loader, strict=False)]  # the last batch handed out
     state = loader.state_dict()
     assert (state["epoch"], state["position"]) == (0, N) and len(served) == N // B
     # in this process, the loop broke out after the last batch: the next iterator is the next epoch
@@ -252,7 +253,7 @@ def wlm(run: Path, stop: int | None = None, log: dict | None = None) -> dict:
         for epoch in ckpt.epochs(state, range(1, 4)):
             model.train()
             hidden = loop.hidden if ckpt.progress.batch else torch.zeros(1, 2, 6)
-            for batch, i in ckpt.batches(enumerate(range(0, 60, 5))):
+            for _batch, i in ckpt.batches(enumerate(range(0, 60, 5))):
                 x, y = tokens[i:i + 5], tokens[i + 1:i + 6]
                 model.zero_grad()
                 output, hidden = forward(x, hidden.detach())

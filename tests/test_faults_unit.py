@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import unbroken
-from unbroken.errors import ConfigurationError  # noqa
+from unbroken.errors import ConfigurationError
 from unbroken.faults import EXIT_PREEMPTED, signals
 from unbroken.faults.signals import SAME_REQUEST_S, SignalWatcher
 
@@ -223,7 +223,8 @@ def test_sigterm_saves_at_the_step_boundary_and_exits(tmp_path: Path, instant_re
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     state = {"model": model, "optimizer": opt}
     before = signal.getsignal(signal.SIGTERM)
-    ckpt = unbroken.Checkpointer(tmp_path / "run", save_every=100, preemption=unbroken.Preemption(signals=(signal.SIGTERM,)))
+    ckpt = unbroken.Checkpointer(tmp_path / "run", save_every=100,
+                                 preemption=unbroken.Preemption(signals=(signal.SIGTERM,)))
     ckpt.restore(state)
     ckpt.step(state)
     os.kill(os.getpid(), signal.SIGTERM)  # arrives "mid-step": nothing happens yet
@@ -275,7 +276,7 @@ def test_guard_writes_an_exact_emergency_checkpoint(tmp_path: Path, fail: str) -
     assert info is not None
     assert info.step == (3 if fail == "before" else 4)  # start of the failed step, or its end
     model, opt, _ = run(None, tmp_path / "x")  # resume and finish
-    for a, b in zip(ref_model.state_dict().values(), model.state_dict().values()):
+    for a, b in zip(ref_model.state_dict().values(), model.state_dict().values(), strict=True):
         assert torch.equal(a, b)  # includes BatchNorm running stats
     assert torch.equal(ref_opt.state_dict()["state"][0]["momentum_buffer"],
                        opt.state_dict()["state"][0]["momentum_buffer"])
@@ -303,7 +304,7 @@ def test_an_exception_inside_a_step_closure_is_a_step_not_begun(tmp_path: Path, 
         with pytest.raises(RuntimeError, match="simulated"), ckpt.guard(state):
             for i in range(3):
                 fail = i == 2
-                opt.step(closure=lambda: closure(fail)) if as_keyword else opt.step(lambda: closure(fail))
+                opt.step(closure=lambda: closure(fail)) if as_keyword else opt.step(lambda: closure(fail))  # noqa: B023 - called within the iteration
                 ckpt.step(state)
         latest = ckpt.latest()
         assert latest is not None and latest.step == 2 and latest.kind == "emergency"

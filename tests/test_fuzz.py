@@ -39,7 +39,8 @@ import struct
 from collections import OrderedDict
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -111,7 +112,7 @@ def tagged(children: st.SearchStrategy[Any]) -> st.SearchStrategy[dict[str, Any]
     """A node of the state tree: a known (or unknown) tag and some of the fields tags use."""
     field_values = children | st.sampled_from(SPECIAL_STRS) | st.sampled_from(SPECIAL_INTS)
     return st.fixed_dictionaries({"@": st.sampled_from(TAGS)},
-                                 optional={f: field_values for f in FIELDS})
+                                 optional=dict.fromkeys(FIELDS, field_values))
 
 
 trees = st.recursive(leaves, lambda c: st.lists(c, max_size=4) | st.dictionaries(keys, c, max_size=3) | tagged(c),
@@ -120,7 +121,8 @@ trees = st.recursive(leaves, lambda c: st.lists(c, max_size=4) | st.dictionaries
 
 # Mostly ASCII (so that most mutations keep the text UTF-8 and reach the JSON parser and beyond).
 some_bytes = (st.text(string.printable, min_size=1, max_size=8).map(str.encode) | st.binary(min_size=1, max_size=8)
-              | st.sampled_from([b"{", b"}", b"[", b'"', b",", b":", b"\\", b"\xff", b"NaN", b"1e999", b"-", b"0" * 40]))
+              | st.sampled_from([b"{", b"}", b"[", b'"', b",", b":", b"\\", b"\xff", b"NaN", b"1e999", b"-",
+                                 b"0" * 40]))
 
 
 def mutate_bytes(data: st.DataObject, raw: bytes) -> bytes:
@@ -416,7 +418,8 @@ def test_tensor_file_headers(raw: bytes) -> None:
 def real_tensor_file(seed: int) -> bytes:
     g = torch.Generator().manual_seed(seed)
     tensors = {"w": torch.randn(3, 2, generator=g), "b": torch.zeros(0, 4, dtype=torch.int64),
-               "c": torch.randint(0, 255, (5,), dtype=torch.uint8, generator=g), "s": torch.tensor(7, dtype=torch.int16)}
+               "c": torch.randint(0, 255, (5,), dtype=torch.uint8, generator=g),
+               "s": torch.tensor(7, dtype=torch.int16)}
     chunks: list[bytes] = []
     import io
 
@@ -457,7 +460,8 @@ class MemStore:
 def live_state() -> dict[str, Any]:
     """A state with every kind of value the decoder builds, and the objects restore loads into."""
     return {
-        "model": {"w": torch.arange(6.0).reshape(2, 3), "empty": torch.zeros(0, 3), "half": torch.ones(2, dtype=torch.half)},
+        "model": {"w": torch.arange(6.0).reshape(2, 3), "empty": torch.zeros(0, 3),
+                  "half": torch.ones(2, dtype=torch.half)},
         "opt": {"state": {0: {"step": torch.tensor(3.0)}}, "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99)}]},
         "misc": [1, 2.5, float("nan"), -(2**70), "s", b"xy", bytearray(b"z"), {3, 4}, frozenset({5}), 1 + 2j,
                  None, True, OrderedDict(a=1), {(1, 2): "tuple key"}],
@@ -697,7 +701,8 @@ def test_global_rng_states(data: st.DataObject) -> None:
 
 @FUZZ
 @given(state=st.dictionaries(st.sampled_from(["step", "epoch", "micro_step", "samples", "other"]),
-                             leaves | st.sampled_from([np.int64(3), np.uint64(2**64 - 1), np.float32(1.0), np.bool_(True)]),
+                             leaves | st.sampled_from([np.int64(3), np.uint64(2**64 - 1), np.float32(1.0),
+                                                       np.bool_(True)]),
                              max_size=5) | jvalues)
 def test_progress_states(state: Any) -> None:
     with bounded():

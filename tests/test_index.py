@@ -114,7 +114,7 @@ def test_every_method_round_trips(tmp_path):
         idx.record_checkpoint(**r)
     rows = idx.checkpoints()
     assert [r["name"] for r in rows] == ["step-000000015", "step-000000020", "step-000000010"]  # by seq
-    for r, want in zip(rows, (c, b, a)):
+    for r, want in zip(rows, (c, b, a), strict=True):
         assert r == {**want, "status": "committed", "segment": seg}
     assert [e["kind"] for e in idx.events() if e["checkpoint"]] == ["saved", "emergency_save", "saved"]
     assert idx.events("emergency_save")[0]["data"] == {"kind": "emergency", "seq": 1, "size_bytes": 120}

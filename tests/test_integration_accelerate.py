@@ -332,7 +332,8 @@ def test_step_counts_optimizer_steps_and_a_restore_loads_every_part(accelerator,
 
 def test_import_without_accelerate_names_the_extra() -> None:
     code = ("import sys; sys.modules['accelerate'] = None\n"
-            "try:\n    import unbroken.integrations.accelerate\nexcept ImportError as e:\n    print('ImportError:', e)\n")
+            "try:\n    import unbroken.integrations.accelerate\n"
+            "except ImportError as e:\n    print('ImportError:', e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "ImportError:" in out.stdout and "pip install 'unbroken[accelerate]'" in out.stdout, out.stdout

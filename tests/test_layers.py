@@ -14,15 +14,19 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 
 LAYERS: dict[str, int] = {
     # 0: foundations, each package self-contained
-    "errors": 0, "console": 0, "exithooks": 0, "events": 0, "_faults": 0, "progress": 0, "policies": 0, "tags": 0, "probe": 0, "environment": 0,
+    "errors": 0, "console": 0, "exithooks": 0, "events": 0, "_faults": 0, "progress": 0, "policies": 0, "tags": 0,
+    "probe": 0, "environment": 0,
     "state": 0, "data": 0, "format": 0, "store": 0,
     # 1: capture, bytes on disk, reading, ranks
-    "snapshot": 1, "adapting": 1, "persist": 1, "chunks": 1, "reader": 1, "manifests": 1, "dist": 1, "background": 1, "lazy": 1,
+    "snapshot": 1, "adapting": 1, "persist": 1, "chunks": 1, "reader": 1, "manifests": 1, "dist": 1, "background": 1,
+    "lazy": 1,
     "shm": 1, "filewriter": 1, "runid": 1,
     # 2: single checkpoints, discovery, the index, tiers, the schedule
-    "api": 2, "targets": 2, "discovery": 2, "index": 2, "indexfile": 2, "continuity": 2, "tiers": 2, "scheduling": 2, "agreement": 2, "ram": 2, "ramfolder": 2, "ramwriter": 2, "rampeers": 2,
+    "api": 2, "targets": 2, "discovery": 2, "index": 2, "indexfile": 2, "continuity": 2, "tiers": 2, "scheduling": 2,
+    "agreement": 2, "ram": 2, "ramfolder": 2, "ramwriter": 2, "rampeers": 2,
     # 3: the run, plug-ins, collectives, restoring into the live state
-    "run": 3, "pruning": 3, "choosing": 3, "damage": 3, "recovery": 3, "saved_state": 3, "recorder": 3, "faults": 3, "collective": 3,
+    "run": 3, "pruning": 3, "choosing": 3, "damage": 3, "recovery": 3, "saved_state": 3, "recorder": 3, "faults": 3,
+    "collective": 3,
     "restoring": 3, "selftest": 3, "epochs": 3,
     # 4: the orchestrator
     "manager": 4, "saving": 4, "stepping": 4,

@@ -44,7 +44,7 @@ def test_restored_objects_own_their_memory_and_ignore_later_changes_to_the_file(
         with open(f, "r+b") as fh:
             fh.seek(64)
             fh.write(b"\xff" * (f.stat().st_size - 64))
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     assert torch.equal(fresh["model"].weight, state["model"].weight)
 
 

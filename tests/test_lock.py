@@ -91,7 +91,7 @@ def named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
 def test_every_spelling_of_a_run_folder_shares_one_lock(named: dict[str, str], holder: str) -> None:
     writer = start_writer(named[holder])
     try:
-        for what, location in named.items():
+        for location in named.values():
             ckpt = unbroken.Checkpointer(location, preemption=None)
             with pytest.raises(RunLockedError, match=rf"another process \(host \S+ pid {real_pid(writer)}\)"):
                 ckpt.restore({"w": torch.zeros(2)})
@@ -115,7 +115,7 @@ def test_every_spelling_opens_the_same_store(named: dict[str, str], tmp_path: Pa
 
 
 def test_the_remote_tier_must_be_another_location_in_any_spelling(named: dict[str, str], tmp_path: Path) -> None:
-    for what, location in named.items():
+    for location in named.values():
         with pytest.raises(StorageError, match="remote tier must be another location"):
             unbroken.Checkpointer(named["path"], remote=unbroken.Remote(location), preemption=None)
     assert list((tmp_path / "real" / "run").iterdir()) == []

@@ -23,7 +23,8 @@ import sys
 import tokenize
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import pytest
 from sealing import load_doc, save_doc
@@ -314,7 +315,8 @@ FORBIDDEN_CODE = [
     r"\bpickle\b", r"\b_pickle\b", r"\bcloudpickle\b", r"\bdill\b", r"\bjoblib\b", r"\bmarshal\b",
     r"\bshelve\b", r"\bcopyreg\b", r"\btorch\s*\.\s*load\b", r"\btorch\s*\.\s*serialization\b",
     r"\bweights_only\b", r"\ballow_pickle\b",
-    r"__import__", r"\bimportlib\b(?!\s*\.\s*metadata\b)", r"\bimport_module\b", r"\brunpy\b", r"\bpydoc\s*\.\s*locate\b",
+    r"__import__", r"\bimportlib\b(?!\s*\.\s*metadata\b)", r"\bimport_module\b", r"\brunpy\b",
+    r"\bpydoc\s*\.\s*locate\b",
 ]
 
 
@@ -420,7 +422,8 @@ def test_the_pickle_reader_is_safe_by_default_and_unreachable_from_checkpoint_re
             if isinstance(node, ast.ImportFrom) and node.module and (
                     node.module.endswith("convert") or node.module.endswith("pickles") or "convert." in node.module):
                 importers.add(str(f.relative_to(SRC)))
-    assert importers <= {"convert/__init__.py", "convert/importing.py", "convert/deepspeed.py", "cli/convert.py"}, importers
+    assert importers <= {"convert/__init__.py", "convert/importing.py", "convert/deepspeed.py",
+                         "cli/convert.py"}, importers
 
 
 # --------------------------------------------------------- symlinked folders

@@ -77,7 +77,9 @@ class Job:
 
     def first(self, text: str, after: float = 0.0) -> float:
         """When the first line containing ``text`` arrived after ``after`` (time.monotonic())."""
-        return next(t for t, line in zip(list(self.times), list(self.lines)) if t >= after and text in line)
+        # strict=False: the reader thread may append a line between the two copies
+        return next(t for t, line in zip(list(self.times), list(self.lines), strict=False)
+                    if t >= after and text in line)
 
     def until(self, what: str, found: Callable[[], T]) -> T:
         """Poll ``found()`` until it is true; past the deadline, end every process and fail."""
@@ -276,7 +278,7 @@ def test_nodes_lost_inside_saves_and_at_a_step_each_relaunch_resumes_and_the_job
         if not extra:
             assert open_store(tmp_path / "run").list_uncommitted(), "a save is under way"
         nodes.nodes[lost].kill_all()
-        by_node = dict(zip((1, 0), job.wait()))
+        by_node = dict(zip((1, 0), job.wait(), strict=True))
         assert by_node[lost] == -signal.SIGKILL and by_node[1 - lost] != 0, job.out
         assert nodes.nodes[1 - lost].pids() == [], job.out  # the other node's worker ended too
         if resumed:
@@ -315,7 +317,7 @@ def test_ram_tier_a_lost_node_resumes_from_the_other_nodes_memory_and_the_job_en
         job.until(f"node {lost}'s worker stopped after step {step}", nodes.nodes[lost].stopped)
         nodes.nodes[lost].kill_all()
         shutil.rmtree(tmp_path / f"shm{lost}")
-        by_node = dict(zip((1, 0), job.wait()))
+        by_node = dict(zip((1, 0), job.wait(), strict=True))
         assert by_node[lost] == -signal.SIGKILL and by_node[1 - lost] != 0, job.out
         if resumed:
             assert all(f"rank {r}: resumed from step {resumed}" in job.out for r in (0, 1)), job.out

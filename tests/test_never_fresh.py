@@ -367,7 +367,8 @@ def test_checkpoints_that_vanished_while_the_index_remembers_them_are_not_a_fres
         shutil.rmtree(run / name)
     with unbroken.Checkpointer(run) as c:
         with pytest.raises(unbroken.NoValidCheckpointError,
-                           match=r"(?s)step-000000004 \(seq \d+, created [^)]+\): committed at step 4.*step-000000002 \(seq "):
+                           match=r"(?s)step-000000004 \(seq \d+, created [^)]+\): committed at step 4"
+                                 r".*step-000000002 \(seq "):
             c.restore(_linear())
     monkeypatch.setenv("UNBROKEN_START_FRESH", "1")
     with unbroken.Checkpointer(run, save_every=2) as c:

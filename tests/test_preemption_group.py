@@ -72,7 +72,7 @@ def _drive(proc: subprocess.Popen, when: str) -> tuple[int, str]:
         out.append(line)
         if sent:
             continue
-        if when == "startup" and (line.startswith("fresh start") or line.startswith("resumed")):
+        if when == "startup" and line.startswith(("fresh start", "resumed")):
             os.killpg(proc.pid, signal.SIGTERM)  # the loader's workers are being started right now
             sent = True
         elif when == "step" and line.strip() == "step 8":

@@ -88,7 +88,7 @@ def test_probe_does_not_disturb_rng_or_state() -> None:
     after_probe = (torch.rand(1).item(), random.random(), np.random.rand())
     torch.manual_seed(5), random.seed(5), np.random.seed(5)
     assert after_probe == (torch.rand(1).item(), random.random(), np.random.rand())
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert sched.last_epoch == 0 and not opt.state
 
 

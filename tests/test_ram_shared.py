@@ -64,7 +64,8 @@ def run_folder_name(run: Path, shm: Path) -> str:
 def test_a_per_user_folder_made_by_another_user_is_never_used(shm: Path, tmp_path: Path) -> None:
     theirs = shm / f"unbroken-{os.getuid()}"
     as_other(shm, "mkdir", "-m", "0777", theirs.name)
-    with pytest.raises(StorageError, match=rf"belongs to (user \S+ )?\(?uid {OTHER}\)?.*never used.*RamTier\(root=") as e:
+    with pytest.raises(StorageError,
+                       match=rf"belongs to (user \S+ )?\(?uid {OTHER}\)?.*never used.*RamTier\(root=") as e:
         train(tmp_path / "run", shm)
     assert "not to you" in str(e.value)
     assert list(theirs.iterdir()) == []  # nothing written into it

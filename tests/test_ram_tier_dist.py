@@ -23,7 +23,7 @@ from test_distributed import (ENV, STEPS, all_rows, job, losses, reference,  # n
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-def test_ddp_rank_killed_resumes_from_ram_on_every_rank_bitwise(reference: Path, tmp_path: Path) -> None:
+def test_ddp_rank_killed_resumes_from_ram_on_every_rank_bitwise(reference: Path, tmp_path: Path) -> None:  # noqa: F811 - a pytest fixture
     env = dict(ENV, UNBROKEN_RAM_ROOT=str(tmp_path / "shm"))
     target, killed = 9, []
 
@@ -49,7 +49,7 @@ def test_ddp_rank_killed_resumes_from_ram_on_every_rank_bitwise(reference: Path,
 
 
 def test_on_two_nodes_each_keeps_every_ram_checkpoint_and_a_lost_nodes_memory_comes_from_the_other(
-        reference: Path, tmp_path: Path) -> None:
+        reference: Path, tmp_path: Path) -> None:  # noqa: F811 - a pytest fixture
     """Each rank with a RAM root of its own (``--ranks-per-node 1``): two nodes as far as the RAM
     tier can tell. Rank 1 is SIGKILLed after step 9 and its node's memory wiped (a lost node
     replaced by a fresh one): the job resumes from step 9 in node 0's memory, copied to the new
@@ -124,7 +124,7 @@ def test_two_nodes_of_two_ranks_background_lazy_saves_a_lost_node_resumes_from_t
 
 
 def test_a_node_killed_while_it_receives_the_other_nodes_files_commits_nothing_and_the_job_resumes_bitwise(
-        reference: Path, tmp_path: Path) -> None:
+        reference: Path, tmp_path: Path) -> None:  # noqa: F811 - a pytest fixture
     """Two nodes (a RAM root per rank). Rank 1 is SIGKILLed in the middle of a RAM save's copy
     between the nodes (after the 7th file it received): that save is committed on no node, the
     restarted job resumes on both ranks from the step before it, node 1's half-received copy is

@@ -128,7 +128,7 @@ def same(lib: Any, rd: Any, where: str = "state") -> None:
             same(lib._metadata, rd._metadata, where + "._metadata")
     elif isinstance(lib, (list, tuple)):
         assert type(rd) is type(lib) and len(rd) == len(lib), where
-        for i, (a, b) in enumerate(zip(lib, rd)):
+        for i, (a, b) in enumerate(zip(lib, rd, strict=True)):
             same(a, b, f"{where}[{i}]")
     else:  # None, bool, int, str, bytes, bytearray, complex, set, frozenset
         assert type(rd) is type(lib) and rd == lib, f"{where}: {lib!r} vs {rd!r}"
@@ -250,7 +250,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     state = {"model": model, "optimizer": opt, "scheduler": sched, "counter": unbroken.PerRank(Counter()),
              "np_rng": np.random.default_rng(1)}
     ck = unbroken.Checkpointer(base / "run", preemption=None, trigger=OnImprovement("loss"), keep_last=None)
-    for step in range(2):
+    for _ in range(2):
         loss = model(torch.randn(5, 4)).square().mean()
         loss.backward()
         opt.step()
@@ -456,7 +456,8 @@ HOSTILE_NODES = {
     "untagged object": {"a": 1},
     "unlisted file": {"@": "tensor", "file": "manifest.json", "key": "x", "device": "cpu"},
     "missing key": {"@": "tensor", "file": "t00-model.safetensors", "key": "nope", "device": "cpu"},
-    "ndarray dtype mismatch": {"@": "ndarray", "file": "t00-model.safetensors", "key": "model/0.weight", "dtype": "<f8"},
+    "ndarray dtype mismatch": {"@": "ndarray", "file": "t00-model.safetensors", "key": "model/0.weight",
+                               "dtype": "<f8"},
     "complex of a non-pair": {"@": "tensor", "file": "t00-model.safetensors", "key": "model/0.weight",
                               "device": "cpu", "complex": True},
     "object numpy dtype": {"@": "np_dtype", "v": "O"},
@@ -617,7 +618,7 @@ def test_sharded_tensors_assemble_like_the_library(sharded: tuple[Path, Path], t
     originals = unbroken.load(full)
     for key in "abcr":
         same(originals[key], rd["sh"][key], key)
-    assert [c for c in ck.sharded_metadata()["tensors"]["sh/a"]["chunks"]] == [((0, 0), (3, 3)), ((3, 0), (2, 3))]
+    assert list(ck.sharded_metadata()["tensors"]["sh/a"]["chunks"]) == [((0, 0), (3, 3)), ((3, 0), (2, 3))]
     assert len(ck.sharded_metadata()["tensors"]["sh/r"]["chunks"]) == 1  # replicated: written once
     for r in range(2):
         assert reader.unwrap(ck.rank_state(r)["state"]) == {"per": {"rank": r}}
@@ -702,7 +703,7 @@ def incremental(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     opt = torch.optim.AdamW(head.parameters(), lr=1e-2)
     state = {"frozen": frozen, "head": head, "optimizer": opt, "counter": unbroken.PerRank(Counter())}
     ck = unbroken.Checkpointer(base / "run", preemption=None, incremental=True, keep_last=None)
-    for step in range(3):
+    for _ in range(3):
         loss = head(frozen(torch.randn(4, 16))).square().mean()
         loss.backward()
         opt.step()
@@ -760,7 +761,7 @@ def test_cli_on_an_incremental_checkpoint(incremental: dict[str, Any]) -> None:
     assert f"weight: tensor F32 [16, 16] cpu  @ t00-frozen.safetensors:frozen/weight (chunk {cid[:16]})" in r.stdout
     r = cli(ckpt, "--verify")
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith(f"verified: manifest.json (self-checksum ok), ") and f" and {n} chunks " in r.stdout
+    assert r.stdout.startswith("verified: manifest.json (self-checksum ok), ") and f" and {n} chunks " in r.stdout
     r = cli(ckpt, "--tensor", "frozen/weight", "--values", 1000)
     assert r.returncode == 0, r.stderr
     v = values_of(r.stdout)

@@ -204,7 +204,8 @@ def test_restore_from_a_readonly_filesystem_reads_and_the_first_save_raises(tmp_
             assert torch.equal(state["a"], torch.zeros(4)) and torch.equal(state["b"], torch.ones(4))
             assert "the run is read-only" in caplog.text and "left in place" in caplog.text
             for attempt, what in ((lambda: ck.step(state), "train and save into"),  # the first step, not a save later
-                                  (lambda: ck.save(state), "save a checkpoint to"), (ck.prune, "prune"), (lambda: ck.tag("best", "step-000000004"), "tag")):
+                                  (lambda: ck.save(state), "save a checkpoint to"), (ck.prune, "prune"),
+                                  (lambda: ck.tag("best", "step-000000004"), "tag")):
                 with pytest.raises(StorageError, match=f"cannot {what} .*run.*cannot be written") as e:
                     attempt()
                 assert type(e.value).__name__ == "ReadOnlyRunError"
@@ -235,7 +236,7 @@ NO_DAC_SCRIPT = textwrap.dedent("""
         out["save"] = type(e).__name__ + ": " + str(e)
     ck.close()
     print(json.dumps(out))
-""")
+""")  # noqa: E501 - the script's text, as it runs
 
 
 def test_readonly_folder_for_a_user_who_may_not_write_it(tmp_path: Path) -> None:
@@ -256,7 +257,8 @@ def test_readonly_folder_for_a_user_who_may_not_write_it(tmp_path: Path) -> None
         assert out[name][0] == 0 and not out[name][2], (name, out[name])
     assert out["prune"][0] == 1 and "ReadOnlyRunError: cannot prune" in out["prune"][1], out["prune"]
     assert out["restored"] == "step-000000006"
-    assert out["save"].startswith("ReadOnlyRunError: cannot save a checkpoint to") and "Permission denied" in out["save"]
+    assert out["save"].startswith("ReadOnlyRunError: cannot save a checkpoint to")
+    assert "Permission denied" in out["save"]
     assert tree(run) == before
 
 

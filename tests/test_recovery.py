@@ -290,7 +290,7 @@ def test_an_iterator_started_before_the_rollback_is_refused(tmp_path: Path) -> N
         ckpt.restore(state)
 
         def fn() -> None:
-            for x, y in it:
+            for x, _ in it:
                 state["model"](x).sum().backward()
                 state["optimizer"].step()
                 ckpt.step(state)

@@ -202,7 +202,8 @@ def test_the_plan_is_seeded_and_cycles_the_kinds() -> None:
 def test_diagnosis_of_an_optimizer_that_does_not_round_trip() -> None:
     d = Divergence(8, 1, "step", 5, ["optimizer/moments:exp_avg"], ["optimizer/gradients", "batch/indices"])
     g = diagnose(d)
-    assert g.headline.startswith("step 8: state['optimizer']'s optimizer state 'exp_avg' differ after the resume at step 5")
+    assert g.headline.startswith("step 8: state['optimizer']'s optimizer state 'exp_avg' differ after the resume "
+                                 "at step 5")
     assert "optimizer does not continue exactly" in g.cause
     restored = Divergence(5, 1, "restore", 5, ["scheduler"], ["model/parameters"])
     assert "does not round-trip" in diagnose(restored).cause

@@ -102,8 +102,8 @@ def test_a_carried_value_the_records_cannot_see_is_a_plain_cannot_tell_with_the_
     assert a != b
     cause = next(x for x in out.splitlines() if x.startswith("  cause:  "))
     assert cause.startswith("  cause:  cannot tell: the state as restored, the training batch and the global RNG "
-                            "streams agree, no generator outside the state restarted, and no plain variable of the loop "
-                            "differs at the start of the step"), cause
+                            "streams agree, no generator outside the state restarted, and no plain variable of the "
+                            "loop differs at the start of the step"), cause
     assert cause.endswith(f"The first difference is state['optimizer']'s gradients before optimizer.step(): {a} in "
                           f"the uninterrupted run, {b} in the interrupted one"), cause
     assert "`running`" not in out and "`stats`" not in out  # no variable is blamed without evidence
@@ -164,7 +164,8 @@ def test_a_restore_is_checked_against_what_its_own_run_saved() -> None:
            _rec("restore", 1, 1, 1, **{"rng/torch": "b"}),
            _rec("step", 2, 1, 1, **{"rng/torch": "x", "batch/rng/torch": "x"}),
            _rec("step", 3, 1, 1, **{"rng/torch": "x", "batch/rng/torch": "x"}),
-           _rec("restore", 3, 2, 3, **{"rng/torch": "x"}), _rec("step", 4, 2, 3, **{"rng/torch": "x", "batch/rng/torch": "x"})]
+           _rec("restore", 3, 2, 3, **{"rng/torch": "x"}),
+           _rec("step", 4, 2, 3, **{"rng/torch": "x", "batch/rng/torch": "x"})]
     res = compare(ref, got, 4)
     assert res.divergence is None, res.divergence
     got[5]["c"]["rng/torch"] = "y"  # not restored as saved
@@ -200,7 +201,8 @@ def test_an_rng_that_differed_undrawn_since_an_earlier_resume_is_traced_back() -
              "side": [2, 0], "epoch_end": [True, False]}
     d = Divergence(12, 1, "step", 8, ["batch/rng/torch", "model/parameters"], ["batch/indices"],
                    {"batch/rng/torch": ("a", "b")}, [], None,
-                   {"drew_before": {"torch": [False, False]}, "previous": "step", "rng_differs_since": {"torch": since}})
+                   {"drew_before": {"torch": [False, False]}, "previous": "step",
+                    "rng_differs_since": {"torch": since}})
     g = diagnose(d)
     assert g.known and g.cause.startswith("the torch CPU RNG differs since step 9 (after the resume at step 8 (after "
                                           "the training data's epoch ended; 2 batches of another DataLoader")

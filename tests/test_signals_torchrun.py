@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 
@@ -125,7 +125,7 @@ def test_workers_whose_agent_was_sigkilled_save_exit_and_free_the_run(reference:
     assert code == 0 and killed, out
     statuses = {int(pid): status for pid, status in json.loads(ended.read_text()).items()}
     assert statuses.pop(killed[0]) == -signal.SIGKILL
-    assert statuses == {pid: EXIT_PREEMPTED for pid in worker_pids(tmp_path)}, out  # adopted, then reaped here
+    assert statuses == dict.fromkeys(worker_pids(tmp_path), EXIT_PREEMPTED), out  # adopted, then reaped here
     assert "the launcher died" in out, out
     check_one_preemption_and_resume(reference, tmp_path, out)
 

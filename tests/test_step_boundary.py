@@ -110,7 +110,7 @@ def train(run: Path, workers: int, point: str | None = None, losses: dict | None
                     os.kill(os.getpid(), signal.SIGUSR1)
                 ckpt.step(state, loss=loss.detach())
     finally:
-        batches = None  # noqa: F841 - the raised exception keeps this frame: its loader workers stop now
+        batches = None
         ckpt.close()
     return {k: v.clone() for k, v in model.state_dict().items()} | {
         f"opt/{i}/{k}": v.clone() for i, s in opt.state_dict()["state"].items() for k, v in s.items()}
@@ -146,7 +146,7 @@ def test_an_exception_at_every_point_of_a_step_resumes_bitwise(reference, tmp_pa
         train(run, workers, point, first)
     if point == "inside a signal-triggered save":
         assert isinstance(err.value, SystemExit) and err.value.code == EXIT_PREEMPTED
-    names = [c for c in unbroken.Checkpointer(run, preemption=None).checkpoints()]
+    names = list(unbroken.Checkpointer(run, preemption=None).checkpoints())
     emergency = [c for c in names if c.kind == "emergency"]
     for c in emergency:  # label, progress and content describe one instant
         assert c.name == f"step-{c.step:09d}" and c.progress["step"] == c.step

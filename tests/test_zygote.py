@@ -195,7 +195,8 @@ def test_the_refusals(tmp_path: Path) -> None:
 def test_the_number_of_threads_is_what_the_environment_asks() -> None:
     """``OMP_NUM_THREADS`` was read when the zygote loaded torch and numpy's OpenBLAS: the child sets both."""
     code = ("import ctypes, os, torch, numpy\n"
-            "lib = [ln.split()[-1] for ln in open('/proc/self/maps') if 'openblas' in ln and ln.rstrip().endswith('.so')]\n"
+            "lib = [ln.split()[-1] for ln in open('/proc/self/maps') "
+            "if 'openblas' in ln and ln.rstrip().endswith('.so')]\n"
             "blas = ctypes.CDLL(lib[0]).scipy_openblas_get_num_threads64_()\n"
             "print(os.getpid(), torch.get_num_threads(), torch.get_num_interop_threads(), blas)")
     got = []
@@ -236,7 +237,8 @@ def test_which_scripts_go_to_a_framework_s_zygote(tmp_path: Path) -> None:
     assert key("import transformers, json\n") is None, "a module of its own in the same statement"
     guarded = "import os\nif 'LOCAL_RANK' in os.environ and 'TORCHELASTIC_RUN_ID' not in os.environ:\n" \
               "    os.environ['RANK'] = os.environ['LOCAL_RANK']\nimport pytorch_lightning\n"
-    assert key(guarded, LOCAL_RANK="1", TORCHELASTIC_RUN_ID="x") == (("import pytorch_lightning",), (("LOCAL_RANK", "1"),))
+    assert key(guarded, LOCAL_RANK="1", TORCHELASTIC_RUN_ID="x") == (("import pytorch_lightning",),
+                                                                     (("LOCAL_RANK", "1"),))
     assert key(guarded, LOCAL_RANK="1") is None, "the if changes the environment here: nothing"
 
 
@@ -262,7 +264,8 @@ def test_warning_filters_are_those_of_a_plain_interpreter() -> None:
     filters as a plain interpreter does (after what the imports added, before the interpreter's own)."""
     code = ("import importlib, os, sys, warnings\nprint(os.getpid())\n"
             f"for name in {zygote_server.PRELOAD!r}:\n    importlib.import_module(name)\n"
-            "print(sys.warnoptions)\nprint([(f[0], str(f[1]), f[2].__name__, str(f[3]), f[4]) for f in warnings.filters])")
+            "print(sys.warnoptions)\n"
+            "print([(f[0], str(f[1]), f[2].__name__, str(f[3]), f[4]) for f in warnings.filters])")
     got = []
     for python in (sys.executable, REAL_PYTHON):
         proc = subprocess.Popen([python, "-W", "error::UserWarning", "-c", code], stdout=subprocess.PIPE, text=True,

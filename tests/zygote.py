@@ -5,9 +5,10 @@ CPU on this machine, ``import transformers.trainer`` or ``lightning.pytorch`` 7-
 of the demo 6-7 s in all. The zygote (:mod:`zygote_server`) is a Python process that has imported
 torch and what the jobs import of it as a matter of course (``zygote_server.PRELOAD``), numpy, and
 nothing of unbroken (a test may put another version of it on ``PYTHONPATH``), never ran an operator
-(no thread pool to break a fork), and forks a child for each launch. The test files of ``ZYGOTE_MODULES`` (``conftest.py``) see ``sys.executable`` replaced by a
-launcher, ``<dir>/bin/python``; the virtual environment's console scripts (``unbroken``, ``torchrun``)
-are copied beside it with the launcher as their interpreter, its other entries linked.
+(no thread pool to break a fork), and forks a child for each launch. The test files of ``ZYGOTE_MODULES``
+(``conftest.py``) see ``sys.executable`` replaced by a launcher, ``<dir>/bin/python``; the virtual
+environment's console scripts (``unbroken``, ``torchrun``) are copied beside it with the launcher as their
+interpreter, its other entries linked.
 
 The launcher (this module) is a small Python started with ``-S -I`` (about 20 ms). It sends the
 zygote what makes a process what it is: the command line, environment, working folder, umask,
@@ -64,8 +65,8 @@ import sys
 # on their own.
 SENSITIVE = ("TORCH", "PYTORCH", "OMP_", "MKL", "KMP_", "GOMP_", "OPENBLAS", "NUMPY", "LD_", "PYTHON", "LANG",
              "LC_", "CUDA", "HIP_", "ROCM", "MALLOC", "GLIBC")
-EMULATED = {"PYTHONPATH", "PYTHONHASHSEED", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "PYTHONFAULTHANDLER", "PYTHONWARNINGS",
-            "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCH_EXTENSIONS_DIR"}
+EMULATED = {"PYTHONPATH", "PYTHONHASHSEED", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "PYTHONFAULTHANDLER",
+            "PYTHONWARNINGS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCH_EXTENSIONS_DIR"}
 # read when used, not at import: torchrun's variables for its ranks, inductor's cache (set once it is used),
 # torch.cuda's way to count devices (Lightning sets it when imported)
 RUNTIME = ("TORCHELASTIC_", "TORCH_NCCL_", "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK")

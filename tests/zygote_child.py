@@ -95,7 +95,8 @@ def _warnings(options: list[str], defaults: int) -> None:
     sys.warnoptions[:] = options
     if not options:
         return
-    head, tail = warnings.filters[:len(warnings.filters) - defaults], warnings.filters[len(warnings.filters) - defaults:]
+    cut = len(warnings.filters) - defaults
+    head, tail = warnings.filters[:cut], warnings.filters[cut:]
     warnings.filters[:] = tail
     warnings._processoptions(options)  # type: ignore[attr-defined]
     warnings.filters[:0] = head
@@ -114,7 +115,7 @@ def _take_fds(numbers: list[int], received: list[int]) -> None:
                 os.close(fd)
             except OSError:
                 pass
-    for number, fd in zip(numbers, high):
+    for number, fd in zip(numbers, high, strict=True):
         os.dup2(fd, number, inheritable=True)
     for fd in high:
         if fd not in numbers:

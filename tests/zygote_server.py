@@ -26,7 +26,8 @@ from zygote import (
 from zygote_flavour import flavour
 
 PRELOAD = ("numpy", "torch", "torch._dynamo", "torch._inductor", "torch.distributed.run", "torch.distributed.tensor",
-           "torch.distributed.checkpoint", "torch.distributed.fsdp", "torch.utils.data", "safetensors.torch", "xxhash", "sqlite3")
+           "torch.distributed.checkpoint", "torch.distributed.fsdp", "torch.utils.data", "safetensors.torch", "xxhash",
+           "sqlite3")
 """What the zygote imports: torch, and the parts of it that the tests' jobs import later as a matter of course
 (``torch.use_deterministic_algorithms`` imports inductor and dynamo: 2-3 s of CPU; unbroken imports the
 distributed packages; torchrun's agent is ``torch.distributed.run``). Third-party only: never unbroken."""

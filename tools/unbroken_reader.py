@@ -62,8 +62,9 @@ import struct
 import sys
 import time
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -535,7 +536,7 @@ def parse_manifest(raw: bytes, check_digest: bool | None = None) -> tuple[dict[s
 class Decoder:
     """state-tree JSON nodes (§6) -> Python/numpy values; strict."""
 
-    def __init__(self, ckpt: "Checkpoint", fname: str, raw: bool, assemble: bool) -> None:
+    def __init__(self, ckpt: Checkpoint, fname: str, raw: bool, assemble: bool) -> None:
         self.ckpt, self.fname, self.raw, self.assemble = ckpt, fname, raw, assemble
         self.depth = 0
 
@@ -995,7 +996,8 @@ class Checkpoint:
                 if not isinstance(c, dict):
                     raise FormatError(f"{SHARDED_FILE}: a chunk of {fqn!r} is malformed")
                 off, sz = ints(c.get("offsets"), "offsets"), ints(c.get("sizes"), "sizes")
-                if len(off) != len(size) or len(sz) != len(size) or any(o + s > n for o, s, n in zip(off, sz, size)):
+                if len(off) != len(size) or len(sz) != len(size) \
+                        or any(o + s > n for o, s, n in zip(off, sz, size, strict=True)):
                     raise FormatError(f"{SHARDED_FILE}: chunk {c} outside {fqn} {size}")
                 chunks.append((tuple(off), tuple(sz)))
             tensors[fqn] = {"dtype": t["dtype"], "size": size, "chunks": chunks}
@@ -1034,13 +1036,14 @@ class Checkpoint:
             covered += _numel(sz)
         for i, (oa, sa, _) in enumerate(pieces):  # no two chunks overlap ...
             for ob, sb, _ in pieces[i + 1:]:
-                if _numel(sa) and _numel(sb) and all(a < b + m and b < a + n for a, n, b, m in zip(oa, sa, ob, sb)):
+                if _numel(sa) and _numel(sb) and all(a < b + m and b < a + n
+                                                     for a, n, b, m in zip(oa, sa, ob, sb, strict=True)):
                     raise FormatError(f"{SHARDED_FILE}: chunks of {fqn} at {list(oa)} and {list(ob)} overlap")
         if covered != _numel(size):  # ... and together they cover it: an exact tiling
             raise FormatError(f"{SHARDED_FILE}: the pieces of {fqn} cover {covered} of {_numel(size)} elements")
         out = np.empty(size, dtype=np.dtype(DTYPES[st][0]).newbyteorder("="))
         for off, sz, (fname, key) in pieces:
-            out[tuple(slice(o, o + s) for o, s in zip(off, sz))] = self.stored(fname, key)
+            out[tuple(slice(o, o + s) for o, s in zip(off, sz, strict=True))] = self.stored(fname, key)
         result = out if raw and DTYPES[st][2] is None else to_value(out, st)
         self._assembled[(fqn, raw)] = result
         return result
@@ -1283,7 +1286,7 @@ class Renderer:
         if not is_map and any(type(v) in (list, dict) and self.leaf(v) is None for _, v in children[len(shown):]):
             return summary, children
         if is_map:
-            text = ", ".join(f"{k}: {x}" for (k, _), x in zip(shown, leaves))
+            text = ", ".join(f"{k}: {x}" for (k, _), x in zip(shown, leaves, strict=True))
             return (f"{summary}: {{{text}}}", []) if len(text) <= 100 else (summary, children)
         more = ", ..." if len(children) > len(shown) else ""
         return f"{summary}: [{', '.join(leaves)}{more}]", []  # type: ignore[arg-type]

@@ -1,6 +1,7 @@
 """The job of tests/ds_train.py checkpointed by DeepSpeed alone, as a careful user does it (under torchrun, CPU, gloo).
 
-    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node 2 benchmarks/peers/ds_alone_train.py --ckpt-dir CKPT --out OUT
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node 2 benchmarks/peers/ds_alone_train.py \\
+        --ckpt-dir CKPT --out OUT
 
 The same model, data, global batch, dropout, AdamW + LambdaLR, clipping and frozen parameter as
 ds_train.py (imported from it), the same per-step log lines and ``--dump-at`` /
@@ -45,16 +46,16 @@ from typing import Any
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-import deepspeed  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
+import deepspeed
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler
 
-import unbroken  # noqa: E402
+import unbroken
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # the jobs of the tests it measures against
-from ds_train import D, MICRO, Data, build, dump, finish  # noqa: E402
+from ds_train import MICRO, D, Data, build, dump, finish
 
 SEED = 5
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # the jobs of the tests it measures against
-from dist_train import Data, model_and_optimizer  # noqa: E402
+from dist_train import Data, model_and_optimizer
 
 
 class AloneData(Data):

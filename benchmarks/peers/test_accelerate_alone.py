@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from test_integration_accelerate import (
     SCRIPT,
     STEPS,

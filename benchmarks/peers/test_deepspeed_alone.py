@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from test_deepspeed import launch, rows, same_tensors
 
 assert importlib.util.find_spec("deepspeed"), "DeepSpeed is missing: `make test` installs it (the test extra)"

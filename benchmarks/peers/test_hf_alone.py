@@ -1,5 +1,5 @@
-"""HF Trainer alone, under the faults of tests/test_integration_hf.py: what it loses, measured (moved from that file; the
-numbers go into the "alone" columns of the docs, and each run still asserts them, so a peer that changes is
+"""HF Trainer alone, under the faults of tests/test_integration_hf.py: what it loses, measured (moved from that file;
+the numbers go into the "alone" columns of the docs, and each run still asserts them, so a peer that changes is
 noticed). Run by ``make bench-peers`` (benchmarks/peers/conftest.py)."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import signal
 from pathlib import Path
 
 import pytest
+
 from test_integration_hf import (  # noqa: F401 (fixtures)
     SAVE_EVERY,
     STEPS,
@@ -21,7 +22,7 @@ from test_integration_hf import (  # noqa: F401 (fixtures)
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-def test_hf_alone_sigkill_and_sigterm_lose_the_steps_since_its_last_save(references, tmp_path: Path) -> None:
+def test_hf_alone_sigkill_and_sigterm_lose_the_steps_since_its_last_save(references, tmp_path: Path) -> None:  # noqa: F811 - a pytest fixture
     ref_att, ref_final = references["hf"]
     # a step after one of its saves, four before the next (a kill inside its save is the test below)
     kill_at = random.Random(11).choice([s for s in range(6, 20) if s % SAVE_EVERY == 1])
@@ -44,13 +45,13 @@ def test_hf_alone_sigkill_and_sigterm_lose_the_steps_since_its_last_save(referen
     # only the last process
     assert got["train_loss"] != ref_final["train_loss"]
     assert got["log_history"] != ref_final["log_history"]
-    differ = [e["step"] for e, r in zip(got["log_history"], ref_final["log_history"]) if e != r]
+    differ = [e["step"] for e, r in zip(got["log_history"], ref_final["log_history"], strict=True) if e != r]
     print(f"measured, HF alone: train_loss {got['train_loss']} vs {ref_final['train_loss']} uninterrupted; "
           f"log entries that differ at steps {differ}")
 
 
 
-def test_hf_alone_exception_loses_the_steps_since_its_last_save(references, tmp_path: Path) -> None:
+def test_hf_alone_exception_loses_the_steps_since_its_last_save(references, tmp_path: Path) -> None:  # noqa: F811 - a pytest fixture
     ref_att, ref_final = references["hf"]
     step = 23
     a = attempt(tmp_path, "hf", "--crash-at", str(step))
@@ -64,7 +65,7 @@ def test_hf_alone_exception_loses_the_steps_since_its_last_save(references, tmp_
 
 
 
-def test_hf_alone_killed_inside_its_save_cannot_resume(references, tmp_path: Path) -> None:
+def test_hf_alone_killed_inside_its_save_cannot_resume(references, tmp_path: Path) -> None:  # noqa: F811 - a pytest fixture
     a = attempt(tmp_path, "hf", "--hf-kill-in-save", "3")  # weights of checkpoint-15 written, then SIGKILL
     assert a.rc == -signal.SIGKILL and a.last_step == 15
     broken = tmp_path / "hf" / "checkpoint-15"

@@ -1,6 +1,6 @@
-"""HF Trainer alone on 2 ranks, under the faults of tests/test_integration_hf_dist.py: what it loses, measured (moved from that file; the
-numbers go into the "alone" columns of the docs, and each run still asserts them, so a peer that changes is
-noticed). Run by ``make bench-peers`` (benchmarks/peers/conftest.py)."""
+"""HF Trainer alone on 2 ranks, under the faults of tests/test_integration_hf_dist.py: what it loses, measured (moved
+from that file; the numbers go into the "alone" columns of the docs, and each run still asserts them, so a peer that
+changes is noticed). Run by ``make bench-peers`` (benchmarks/peers/conftest.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import shutil
 import signal
 
 import pytest
+
 from test_integration_hf_dist import (  # noqa: F401 (fixtures)
     ALONE,
     CUT,
@@ -33,7 +34,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 @pytest.mark.parametrize("stack", ALONE)
-def test_hf_alone_sigkill_and_sigterm_lose_the_steps_since_its_last_save(stack, reference, env, tmp_path) -> None:
+def test_hf_alone_sigkill_and_sigterm_lose_the_steps_since_its_last_save(stack, reference, env, tmp_path) -> None:  # noqa: F811 - pytest fixtures
     """Rank 1 SIGKILLed after step 5 (HF saved step 3), then SIGTERM to both ranks after step 8 (HF saved
     step 6); torchrun restarts the group each time, HF resumes with ``resume_from_checkpoint=True``."""
     ref = reference(stack, "hf")
@@ -76,7 +77,7 @@ def test_hf_alone_sigkill_and_sigterm_lose_the_steps_since_its_last_save(stack, 
 
 
 @pytest.mark.parametrize("stack", ALONE)
-def test_hf_alone_killed_inside_its_save_cannot_resume(stack, env, tmp_path) -> None:
+def test_hf_alone_killed_inside_its_save_cannot_resume(stack, env, tmp_path) -> None:  # noqa: F811 - a pytest fixture
     """Rank 0 SIGKILLed inside HF's save of step 6, after the weights, before the optimizer and
     ``trainer_state.json``; torchrun restarts the group twice."""
     code, out = launch(torchrun(2, tmp_path, stack, "hf", "--hf-kill-in-save", "2", "--kill-rank", "0",
@@ -94,7 +95,7 @@ def test_hf_alone_killed_inside_its_save_cannot_resume(stack, env, tmp_path) -> 
 
 
 @pytest.mark.parametrize("stack", ALONE)
-def test_hf_alone_saved_by_two_ranks_resumed_on_one(stack, reference, env, tmp_path) -> None:
+def test_hf_alone_saved_by_two_ranks_resumed_on_one(stack, reference, env, tmp_path) -> None:  # noqa: F811 - pytest fixtures
     ref = reference(stack, "hf")
     shutil.copytree(ref / "hf" / f"checkpoint-{CUT}", tmp_path / "out" / "hf" / f"checkpoint-{CUT}")
     code, out = launch(torchrun(1, tmp_path, stack, "hf", "--dump-restored"), env, tmp_path)

@@ -1,5 +1,5 @@
-"""Lightning alone, under the faults of tests/test_integration_lightning.py: what it loses, measured (moved from that file; the
-numbers go into the "alone" columns of the docs, and each run still asserts them, so a peer that changes is
+"""Lightning alone, under the faults of tests/test_integration_lightning.py: what it loses, measured (moved from that
+file; the numbers go into the "alone" columns of the docs, and each run still asserts them, so a peer that changes is
 noticed). Run by ``make bench-peers`` (benchmarks/peers/conftest.py)."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import signal
 from pathlib import Path
 
 import pytest
+
 from test_integration_lightning import (  # noqa: F401 (fixtures)
     LIGHTNING,
     SAVE_EVERY,
@@ -23,7 +24,7 @@ from test_integration_lightning import (  # noqa: F401 (fixtures)
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-def test_lightning_alone_sigkill_is_not_exact(reference, tmp_path: Path) -> None:
+def test_lightning_alone_sigkill_is_not_exact(reference, tmp_path: Path) -> None:  # noqa: F811 - a pytest fixture
     rng = random.Random(11)
     atts = [attempt(tmp_path, *LIGHTNING, stop_at=t) for t in sorted(rng.sample(range(2, STEPS - 2), 2))]
     assert all(a.rc == -signal.SIGKILL for a in atts)
@@ -39,7 +40,7 @@ def test_lightning_alone_sigkill_is_not_exact(reference, tmp_path: Path) -> None
 
 
 
-def test_lightning_alone_sigterm_exits_0_and_loses_steps(reference, tmp_path: Path) -> None:
+def test_lightning_alone_sigterm_exits_0_and_loses_steps(reference, tmp_path: Path) -> None:  # noqa: F811 - a pytest fixture
     att = attempt(tmp_path, *LIGHTNING, "--sigterm-at", "10")
     saved = sorted(p.name for p in (tmp_path / "run").iterdir())
     report("lightning sigterm", {"rc": att.rc, "last step run": max(att.steps_done), "saved": saved})
@@ -52,7 +53,7 @@ def test_lightning_alone_sigterm_exits_0_and_loses_steps(reference, tmp_path: Pa
 
 
 
-def test_lightning_alone_exception_checkpoint_is_not_exact(reference, tmp_path: Path) -> None:
+def test_lightning_alone_exception_checkpoint_is_not_exact(reference, tmp_path: Path) -> None:  # noqa: F811 - a pytest fixture
     """Lightning's OnExceptionCheckpoint saves on the exception, but not the RNG: the resume is not exact."""
     flags = (*LIGHTNING, "--on-exception", "--crash-at", "11")
     att = attempt(tmp_path, *flags)

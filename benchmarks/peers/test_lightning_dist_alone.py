@@ -1,6 +1,6 @@
-"""Lightning alone on 2 ranks, under the faults of tests/test_integration_lightning_dist.py: what it loses, measured (moved from that file; the
-numbers go into the "alone" columns of the docs, and each run still asserts them, so a peer that changes is
-noticed). Run by ``make bench-peers`` (benchmarks/peers/conftest.py)."""
+"""Lightning alone on 2 ranks, under the faults of tests/test_integration_lightning_dist.py: what it loses, measured
+(moved from that file; the numbers go into the "alone" columns of the docs, and each run still asserts them, so a peer
+that changes is noticed). Run by ``make bench-peers`` (benchmarks/peers/conftest.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from test_integration_lightning_dist import (  # noqa: F401 (fixtures)
     ALONE,
     HANG_S,
@@ -34,14 +35,13 @@ from test_integration_lightning_dist import (  # noqa: F401 (fixtures)
     same,
     sigkill_rank,
 )
-
 from unbroken.faults import EXIT_PREEMPTED
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 @pytest.mark.parametrize("reference", ["ddp"], indirect=True)
-def test_lightning_alone_under_the_same_faults(reference: Reference, tmp_path: Path) -> None:
+def test_lightning_alone_under_the_same_faults(reference: Reference, tmp_path: Path) -> None:  # noqa: F811 - a pytest fixture
     """Lightning alone through a kill inside a save, a SIGTERM, a killed rank, and a resume on 1 rank; the numbers
     go to docs/integrations.md. Lightning's uninterrupted run equals the reference (the first launch's losses
     up to its kill are the reference's), so every difference comes from a resume."""

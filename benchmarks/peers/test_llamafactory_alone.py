@@ -1,5 +1,5 @@
-"""LLaMA-Factory alone, under the faults of tests/test_llamafactory.py: what it loses, measured (moved from that file; the
-numbers go into the "alone" columns of the docs, and each run still asserts them, so a peer that changes is
+"""LLaMA-Factory alone, under the faults of tests/test_llamafactory.py: what it loses, measured (moved from that file;
+the numbers go into the "alone" columns of the docs, and each run still asserts them, so a peer that changes is
 noticed). Run by ``make bench-peers`` (benchmarks/peers/conftest.py)."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
 from test_llamafactory import (  # noqa: F401 (fixtures)
     SAVE_EVERY,
     Attempt,
@@ -25,7 +26,7 @@ from test_llamafactory import (  # noqa: F401 (fixtures)
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-def test_llamafactory_alone_under_the_same_faults(lf_python, assets, references, tmp_path):
+def test_llamafactory_alone_under_the_same_faults(lf_python, assets, references, tmp_path):  # noqa: F811 - pytest fixtures
     """LLaMA-Factory's own resume (``save_steps=4``; restarted with the same command it passes
     ``output_dir``'s last ``checkpoint-N`` to ``train()``), under the faults above: what it loses."""
     outs = {"kills": tmp_path / "kills", "torn": tmp_path / "torn"}
@@ -51,7 +52,7 @@ def test_llamafactory_alone_under_the_same_faults(lf_python, assets, references,
     got = final(outs["kills"])
     same = {k: got[k] == ref_final[k] for k in ("sha256", "log_history", "train_loss", "total_flos", "epoch")}
     wrong_steps = differing_steps(ref_att, [sigkilled, sigtermed, done])
-    other_logs = [e.get("step") for e, r in zip(got["log_history"], ref_final["log_history"]) if e != r]
+    other_logs = [e.get("step") for e, r in zip(got["log_history"], ref_final["log_history"], strict=True) if e != r]
     print(f"measured, LLaMA-Factory alone: SIGKILL after step {sigkilled.last_step}, resumed at "
           f"{sigtermed.resumed_at}; SIGTERM after step {sigtermed.last_step} (exit {sigtermed.rc}), resumed at "
           f"{done.resumed_at}; equal to the uninterrupted run: {same}; steps with other parameters: {wrong_steps}; "

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from netns import Cluster
 from test_distributed import losses
 from test_multinode import ENV, GLOBAL_BATCH, SAVE_EVERY, STEPS, Job, cluster, nodes  # noqa: F401 (fixtures)
@@ -26,7 +27,7 @@ ALONE = str(Path(__file__).parent / "multinode_alone_train.py")
 
 
 def test_pytorch_alone_loses_the_steps_since_its_snapshot_resumes_not_bitwise_and_is_stuck_after_a_torn_one(
-        nodes: Cluster, tmp_path: Path) -> None:
+        nodes: Cluster, tmp_path: Path) -> None:  # noqa: F811 - a pytest fixture
     """The column "PyTorch alone" of docs/distributed.md: the same job checkpointed as PyTorch's
     multinode DDP tutorial does it (benchmarks/peers/multinode_alone_train.py), under the same harness:
 

@@ -47,8 +47,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported for re
     from .faults import Preemption
     from .manager import Checkpointer
     from .probe import probe_step
-    from .state.stateful import Gradients, PerRank, Progress, Stateful, Vars
     from .ram import RamTier
+    from .state.stateful import Gradients, PerRank, Progress, Stateful, Vars
     from .tiers import Remote
 
 _WHERE: dict[str, str] = {

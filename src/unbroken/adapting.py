@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Iterator, Mapping, MutableMapping
-from typing import Any, Callable
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from typing import Any
 
 from .state.adapters import Adapter
 
@@ -29,7 +29,7 @@ def _deepspeed_adapter(obj: Any) -> Adapter:
 
 
 _KINDS: list[tuple[Callable[[Any], bool], Callable[[Any], Adapter]]] = [(_deepspeed_engine, _deepspeed_adapter)]
-_made: "weakref.WeakKeyDictionary[Any, Adapter]" = weakref.WeakKeyDictionary()
+_made: weakref.WeakKeyDictionary[Any, Adapter] = weakref.WeakKeyDictionary()
 
 
 def adapter_for(obj: Any) -> Adapter | None:

@@ -127,4 +127,4 @@ def _bits(flags: int) -> list[int]:
 
 
 def _flags(bits: list[int]) -> int:
-    return sum(f for f, b in zip(_ALL, bits) if b)
+    return sum(f for f, b in zip(_ALL, bits, strict=True) if b)

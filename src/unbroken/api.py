@@ -13,15 +13,14 @@ from collections.abc import Mapping, MutableMapping
 from concurrent.futures import Future
 from typing import Any, Literal, overload
 
+from .adapting import adapt
 from .background import in_thread
-from .exithooks import at_exit
-
 from .errors import NoCheckpointError, UnbrokenError
-from .manifests import CheckpointInfo, is_run  # noqa: F401 - part of this module's API
+from .exithooks import at_exit
+from .manifests import CheckpointInfo, is_run
 from .persist import write_snapshot
 from .reader import LoadedCheckpoint, read_checkpoint, vanished, verify_all
 from .snapshot import Snapshotter
-from .adapting import adapt
 from .state.apply import apply_state
 from .state.checks import clean_metrics
 from .state.codec import StatefulValue
@@ -35,7 +34,7 @@ class PendingSave:
     waited for is raised by the next ``unbroken.save``; at interpreter exit the save in flight
     is waited for, and a failure is logged as an error (the exit cannot raise)."""
 
-    def __init__(self, path: str, future: "Future[CheckpointInfo]") -> None:
+    def __init__(self, path: str, future: Future[CheckpointInfo]) -> None:
         self.path = path
         self._future = future
         self._seen = False
@@ -155,7 +154,7 @@ def read_run(location: str | os.PathLike[str], storage_options: Mapping[str, Any
     for _attempt in range(RELISTS):
         names = tagged(store, tag) if tag is not None else None
         try:
-            loaded, _ = newest_valid(store, skip, lambda n: n not in bad and (names is None or n in names))
+            loaded, _ = newest_valid(store, skip, lambda n, names=names: n not in bad and (names is None or n in names))
             break
         except Pruned as e:
             log.info("%s was pruned while it was read; looking for the newest checkpoint again", store.describe(str(e)))

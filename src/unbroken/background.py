@@ -29,8 +29,9 @@ The rules, which the :class:`~unbroken.Checkpointer` follows:
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Callable, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from .lazy import StepGate
 

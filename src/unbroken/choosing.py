@@ -11,7 +11,8 @@ location, or ``ram:`` + a name in the RAM tier (checkpoint names never hold a co
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from . import collective, rampeers
 from .chunks import LiveChunks

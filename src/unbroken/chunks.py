@@ -36,10 +36,11 @@ import hashlib
 import logging
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from collections import Counter
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 import xxhash
@@ -100,7 +101,7 @@ class ChunkWriter:
         with self._lock:
             return {c for c, n in self._pins.items() if n > 0} | set(self._base.values())
 
-    def begin(self) -> "ChunkSave":
+    def begin(self) -> ChunkSave:
         with self._lock:
             base = dict(self._base)
         return ChunkSave(self, base)

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from . import _faults, rampeers
 from .chunks import ChunkSave, ChunkWriter
@@ -127,7 +128,7 @@ def _write(comm: Comm, store: Any, lock: Any, name: str, shared: Snapshot, mine:
     if peers is not None and all(res["ok"] for res in results):  # every node gets every file, checked
         copied = comm.gather(rampeers.replicate(peers, staging, results))
         results = [dict(res, ok=False, error=f"copying to another node: {err}") if err else res
-                   for res, err in zip(results, copied)]
+                   for res, err in zip(results, copied, strict=True)]
     manifest = None
     if comm.coordinator:
         assert staging is not None

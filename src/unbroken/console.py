@@ -25,7 +25,7 @@ class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
         self.setFormatter(logging.Formatter("unbroken: %(message)s"))
 
     @property  # type: ignore[override]
-    def stream(self):  # noqa: ANN201
+    def stream(self):
         return sys.stderr
 
     @stream.setter

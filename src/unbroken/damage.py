@@ -14,8 +14,9 @@ import json
 import logging
 import os
 import re
+from collections.abc import Callable
 from datetime import datetime, timezone
-from typing import Any, Callable
+from typing import Any
 
 from .events import CorruptionFound, Event, Quarantined
 from .index import INDEX_FILE, RunIndex

@@ -102,7 +102,7 @@ def run_attempt(cmd: list[str], kind: str, arg: str, env: dict[str, str],
         sent = False
         for line in proc.stdout:
             line = line.strip()
-            if line.startswith("resumed") or line.startswith("fresh"):
+            if line.startswith(("resumed", "fresh")):
                 att.started = line
             elif line.startswith("preempted at step"):
                 att.ended = line

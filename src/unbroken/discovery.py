@@ -7,7 +7,8 @@ backwards and reports each invalid one to a callback (the run quarantines it).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from .errors import CorruptCheckpointError, UnbrokenError
 from .format.manifest import Manifest

@@ -154,7 +154,7 @@ def git_state(cwd: str | os.PathLike[str]) -> dict[str, Any] | None:
     try:
         head = _git(cwd, "rev-parse", "HEAD", "--abbrev-ref", "HEAD").decode().split()
         patch = _git(cwd, "diff", "HEAD", "--binary", "--no-color", "--no-ext-diff", "--no-textconv")
-    except Exception as e:  # the fingerprint must never break a save or a restore
+    except Exception as e:  # noqa: BLE001 - the fingerprint must never break a save or a restore
         log.debug("no git state for %s: %s", cwd, e)
         return None
     return None if len(head) != 2 else {

@@ -198,6 +198,6 @@ class EventBus:
         for listener in listeners:
             try:
                 listener.on_event(event)
-            except Exception as e:  # a plug-in never stops training
+            except Exception as e:  # noqa: BLE001 - a plug-in never stops training
                 log.warning("%s failed on %s: %s: %s", type(listener).__name__, type(event).__name__,
                             type(e).__name__, e)

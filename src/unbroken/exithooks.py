@@ -14,7 +14,7 @@ import atexit
 import concurrent.futures.thread  # noqa: F401 - registers its exit hook first: ours run before it
 import os
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 
 def at_exit(fn: Callable[[], None]) -> Callable[[], None]:

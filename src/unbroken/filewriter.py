@@ -95,7 +95,7 @@ class WriterDied(OSError):
 class FileWriter:
     """The training side: starts the writer process on first use and hands it files to write."""
 
-    def __init__(self, *arenas: "SharedArena") -> None:
+    def __init__(self, *arenas: SharedArena) -> None:
         self.arenas = arenas
         self._proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
@@ -109,8 +109,8 @@ class FileWriter:
                 return where
         return None
 
-    def write(self, staging: Any, files: dict[str, list["TensorEntry"]], metadata: dict[str, str],
-              on_half: Any = None) -> dict[str, "FileEntry"] | None:
+    def write(self, staging: Any, files: dict[str, list[TensorEntry]], metadata: dict[str, str],
+              on_half: Any = None) -> dict[str, FileEntry] | None:
         """Write ``files`` into ``staging`` from the writer process; each file's size and digest,
         or ``None`` (nothing done) when it cannot: ``staging`` is not a local folder, or a tensor
         of ``files`` is not in the arenas.

@@ -32,8 +32,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from .errors import UnbrokenError
 from .continuity import Continuity, compare
+from .errors import UnbrokenError
 from .indexfile import SIDECARS, connect, damage, is_damage, move_aside, open_readonly, plain_files
 from .manifests import read_manifest
 from .store import open_store
@@ -384,7 +384,7 @@ class RunIndex:
                         shutil.rmtree(self._scratch, ignore_errors=True)
                         self._scratch = None
 
-    def __enter__(self) -> RunIndex:  # noqa: PYI034
+    def __enter__(self) -> RunIndex:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -13,14 +13,14 @@ folder. Nothing is ever created, moved or changed next to the index.
 from __future__ import annotations
 
 import os
-import stat
 import re
 import shutil
 import sqlite3
+import stat
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 SIDECARS = ("-wal", "-shm", "-journal")
 BUSY_TIMEOUT_S = 30.0

@@ -12,19 +12,24 @@ from __future__ import annotations
 
 import logging
 import os
-import weakref
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from typing import Any, Literal, TypeVar
 
 from . import console, filewriter, recovery
-from .exithooks import at_exit
+from .adapting import adapt
+from .agreement import StepAgreement
 from .api import CheckpointInfo
 from .background import BackgroundSaves
+from .dist.comm import Comm
+from .dist.ddpalign import align_after_restore
 from .environment import EnvCheck, fingerprint
-from .epochs import EpochLoop, batches as _batches
+from .epochs import EpochLoop
+from .epochs import batches as _batches
 from .errors import ConfigurationError, NoCheckpointError
 from .events import EventBus, Tagged
+from .exithooks import at_exit
 from .faults import Preemption, slurm
 from .faults.guard import StepGuard
 from .faults.handlers import step_failed
@@ -32,28 +37,24 @@ from .faults.signals import SignalWatcher
 from .format.manifest import Manifest
 from .policies import Retention, Trigger
 from .probe import ProbeFn
+from .ram import RamTier
 from .recorder import Recorder
+from .restoring import apply_checkpoint, restore_into
 from .run import Run
+from .saved_state import StateRules
 from .saving import Saving
-from .stepping import Stepping
 from .scheduling import Schedule
 from .selftest import protocol as selftest
-from .dist.comm import Comm
-from .restoring import apply_checkpoint, restore_into
-from .saved_state import StateRules
-from .adapting import adapt
-from .agreement import StepAgreement
 from .state.checks import UnbrokenWarning  # noqa: F401 (re-exported)
 from .state.stateful import Progress
+from .stepping import Stepping
 from .tags import check_tag
-from .dist.ddpalign import align_after_restore
-from .ram import RamTier
 from .tiers import Remote
 
 log = logging.getLogger("unbroken")
 T = TypeVar("T")
-_open: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
-_held: "set[Checkpointer]" = set()
+_open: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+_held: set[Checkpointer] = set()
 """Checkpointers with a RAM tier, held until closed: one dropped without ``close()`` (a local variable of
 ``main()``) must still persist its newest RAM checkpoint at exit, so it is not collected before."""
 
@@ -64,7 +65,7 @@ def _close_at_exit() -> None:
     for ckpt in list(_open):
         try:
             ckpt._close(ended=False)  # (a crash, or a script that never closes: RAM kept, see unbroken.ram)
-        except Exception as e:  # exiting anyway
+        except Exception as e:  # noqa: BLE001 - exiting anyway
             log.error("closing %s at exit failed: %s", ckpt.location, e)
 
 
@@ -253,7 +254,7 @@ class Checkpointer(Saving, Stepping):
         if failed is not None:
             raise failed
 
-    def __enter__(self) -> "Checkpointer":
+    def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, *exc: object) -> None:

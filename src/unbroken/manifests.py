@@ -39,7 +39,7 @@ class CheckpointInfo:
 
     @classmethod
     def of(cls, path: str, name: str, m: Manifest, tags: tuple[str, ...] | None = None,
-           tiers: tuple[str, ...] = ()) -> "CheckpointInfo":
+           tiers: tuple[str, ...] = ()) -> CheckpointInfo:
         return cls(name=name, path=path, step=m.step, seq=m.seq, created=m.created,
                    size_bytes=m.total_bytes, metrics=dict(m.metrics), progress=dict(m.progress),
                    kind=m.kind, tags=tuple(sorted(m.tags)) if tags is None else tags, tiers=tiers)

@@ -13,12 +13,13 @@ would look at and every earlier checkpoint untouched.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
-from concurrent.futures import ThreadPoolExecutor
-import json
 import time
-from typing import TYPE_CHECKING, Any, Iterable
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
 
 from . import _faults, progress
 from .errors import InsufficientSpaceError, ReadOnlyRunError, StorageError, UnbrokenError
@@ -65,7 +66,7 @@ def write_blob(staging: Staging, fname: str, raw: bytes) -> FileEntry:
 
 
 def write_part(staging: Staging, snapshot: Snapshot, json_name: str | None, tensor_files: Iterable[str],
-               chunks: "ChunkSave | None" = None) -> dict[str, FileEntry]:
+               chunks: ChunkSave | None = None) -> dict[str, FileEntry]:
     """Write some of ``snapshot``'s tensor files, and its tree as ``json_name`` (if given).
     With ``chunks`` (an incremental save) tensor files become chunk maps and new chunks."""
     snapshot.complete()  # deferred and device copies land in the staging buffers first

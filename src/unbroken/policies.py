@@ -195,7 +195,7 @@ class AnyOf(_TriggerOps):
     def _keys(self) -> list[tuple[str, Any]]:
         stateful = [t for t in self.triggers if callable(getattr(t, "state_dict", None))]
         names = [type(t).__name__ for t in stateful]
-        return [(f"{n}#{names[:i].count(n)}", t) for i, (n, t) in enumerate(zip(names, stateful))]
+        return [(f"{n}#{names[:i].count(n)}", t) for i, (n, t) in enumerate(zip(names, stateful, strict=True))]
 
     def state_dict(self) -> dict[str, Any]:
         return {key: t.state_dict() for key, t in self._keys()}

@@ -24,8 +24,9 @@ import copy
 import math
 import random
 import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -112,7 +113,7 @@ def compare(saved: Mapping[str, float], now: Mapping[str, float], rtol: float = 
     return ProbeReport("within tolerance" if close else "different", saved, now, rtol)
 
 
-def check_after_resume(fn: ProbeFn, saved: Mapping[str, float]) -> "ProbeReport":
+def check_after_resume(fn: ProbeFn, saved: Mapping[str, float]) -> ProbeReport:
     """Recompute the probe right after a restore, compare it with the saved values (``rtol``
     from the probe function, default 1e-5) and log the verdict: info when equal, a warning
     within tolerance, an error otherwise."""

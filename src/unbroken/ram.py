@@ -69,15 +69,16 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from .errors import ConfigurationError, StorageError, UnbrokenError
 from .events import Event, Persisted, Pruned
 from .format.manifest import Manifest
-from .rampeers import Nodes
 from .ramfolder import MARKER, collect_orphans, exclusive, own, remove_folder
+from .rampeers import Nodes
 from .ramwriter import Persister
 from .store import open_ram_store
 from .store.private import private_folder

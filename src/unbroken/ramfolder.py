@@ -52,7 +52,8 @@ def exclusive(folder: Path) -> int:
         os.close(fd)
         raise StorageError(f"another live process ({holder}) trains from the RAM folder {folder}: two jobs on one "
                            "run (or one run's folder mounted in two containers of this node) would prune and persist "
-                           "each other's checkpoints; stop the other one, or give this one another run location")
+                           "each other's checkpoints; stop the other one, or give this one another run "
+                           "location") from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
     return fd

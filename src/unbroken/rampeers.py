@@ -32,8 +32,9 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -329,7 +330,7 @@ def fill(nodes: Nodes, comm: Comm, store: Any, name: str, held: list[dict[str, l
         error = _transfer(nodes, store, name, src, receive=not have[nodes.index])
     errors = [e for e in comm.gather(error) if e]
     if errors:
-        for h, had in zip(held, have):
+        for h, had in zip(held, have, strict=True):
             if not had:
                 h.pop(name, None)
         raise CorruptCheckpointError(f"{name} could not be copied from node {src}'s memory to every node: "
@@ -338,7 +339,8 @@ def fill(nodes: Nodes, comm: Comm, store: Any, name: str, held: list[dict[str, l
     for i in lacking:
         held[i][name] = held[src][name]
     if comm.coordinator:
-        log.info("copied RAM checkpoint %s from node %d's memory to node(s) %s", name, src, ", ".join(map(str, lacking)))
+        log.info("copied RAM checkpoint %s from node %d's memory to node(s) %s", name, src,
+                 ", ".join(map(str, lacking)))
 
 
 def _transfer(nodes: Nodes, store: Any, name: str, src: int, receive: bool) -> str:
@@ -361,9 +363,9 @@ def _transfer(nodes: Nodes, store: Any, name: str, src: int, receive: bool) -> s
     for fname, entry in sorted(manifest.files.items()):
         buf: list[Any] = []
 
-        def read(offset: int, n: int, f: str = fname) -> bytes:
+        def read(offset: int, n: int, f: str = fname, buf: list[Any] = buf, size: int = entry.size) -> bytes:
             if not buf:
-                buf.append(memoryview(store.read(name, f, entry.size)))
+                buf.append(memoryview(store.read(name, f, size)))
             return bytes(buf[0][offset:offset + n])
 
         sink = _Checked(staging, fname) if staging is not None and not errors else None

@@ -28,7 +28,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 log = logging.getLogger("unbroken")
 

@@ -25,9 +25,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -36,7 +37,7 @@ from .errors import CheckpointVanishedError, CorruptCheckpointError
 from .format import chunkmap
 from .format.manifest import STATE_FILE, Manifest, is_chunk, new_hasher, strict_object
 from .format.tensorfile import load_tensor_file
-from .manifests import read_manifest, vanished  # noqa: F401 - also importable from here
+from .manifests import read_manifest, vanished
 from .snapshot import TOP
 from .state.codec import StatefulValue
 from .state.decoder import Decoder

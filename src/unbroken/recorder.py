@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import sqlite3
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from . import events as ev
 from .index import RunIndex
@@ -81,7 +82,7 @@ class Recorder:
             if self._index is not None:
                 try:
                     self._index.close()
-                except Exception:
+                except Exception:  # noqa: BLE001 - closing the index at exit: nothing left to do
                     pass
             self._index = None
             return None

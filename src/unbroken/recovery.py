@@ -37,8 +37,8 @@ Rules and their reasons:
   state's step (a fresh run; a state restored from another path or an older tag; a run whose tiers
   cannot be listed now), ``recover`` saves the live state first (a regular save, committed before
   ``fn`` starts). Judged by the step alone: a state restored from elsewhere *at the step of the
-  run's newest checkpoint* is not saved, and a rollback goes to that newest checkpoint. Restoring "the newest" would otherwise
-  roll a fresh run back to nothing, or a branch back onto another branch.
+  run's newest checkpoint* is not saved, and a rollback goes to that newest checkpoint. Restoring "the
+  newest" would otherwise roll a fresh run back to nothing, or a branch back onto another branch.
 - **Several ranks.** Every rank must raise (step 3 is a collective). First the failing ranks meet
   in a gloo ``monitored_barrier`` bounded by ``UNBROKEN_RECOVER_AGREE_S`` (60 s), then agree on
   "retry or give up" with one collective, so all take the same decision. A rank that did not raise

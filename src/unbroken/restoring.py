@@ -28,14 +28,15 @@ import xxhash
 
 from .api import RESERVED, CheckpointInfo, read_path
 from .chunks import LiveChunks
-from .errors import NoCheckpointError, NoValidCheckpointError
+from .data.loader import ResumableLoader
 from .environment import check as check_environment
+from .errors import NoCheckpointError, NoValidCheckpointError
 from .events import Restored, Started
 from .probe import check_after_resume
-from .data.loader import ResumableLoader
 from .reader import LoadedCheckpoint, ShardedRef, contains_sharded, substitute
-from .state.apply import apply_parts as apply_all, check_keys, check_state
 from .state.adapters import Adapter
+from .state.apply import apply_parts as apply_all
+from .state.apply import check_keys, check_state
 from .state.codec import StatefulValue, is_sharded
 from .state.rng import GlobalRNG
 from .state.stateful import PerRank, Progress, is_stateful
@@ -56,7 +57,7 @@ def _pair(saved: Any, live: Any, out: dict[str, torch.Tensor]) -> None:
             if k in live:
                 _pair(v, live[k], out)
     elif isinstance(saved, (list, tuple)) and isinstance(live, (list, tuple)) and len(saved) == len(live):
-        for a, b in zip(saved, live):
+        for a, b in zip(saved, live, strict=True):
             _pair(a, b, out)
 
 
@@ -94,7 +95,7 @@ def check_all(state: MutableMapping[str, Any], saved: dict[str, Any], mine: dict
     live_per_rank = [k for k, v in state.items() if isinstance(v, PerRank)]
     shared_live = {k: v for k, v in state.items() if not isinstance(v, PerRank)}
     check_keys(shared_live, saved, strict)
-    check_keys({k: None for k in live_per_rank}, {k: None for k in per_rank}, strict)
+    check_keys(dict.fromkeys(live_per_rank), dict.fromkeys(per_rank), strict)
     check_state(shared_live, saved)
     if mine is not None:
         check_state({k: state[k] for k in live_per_rank}, {k: v for k, v in mine.items() if k in live_per_rank})

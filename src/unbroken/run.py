@@ -24,28 +24,29 @@ import errno
 import logging
 import os
 import threading
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
+from . import choosing, collective
 from .api import CheckpointInfo
 from .chunks import ChunkWriter, LiveChunks, collect
 from .damage import Damage, acknowledge
 from .discovery import discover, manifests
+from .dist.comm import Comm
 from .errors import ConfigurationError, ReadOnlyRunError, RunLockedError, StorageError, UnbrokenError
 from .events import Event
 from .format.manifest import Manifest
-from . import choosing, collective
-from .dist.comm import Comm
+from .pruning import Pruning
+from .ram import RamRun, RamTier
+from .rampeers import start_nodes
 from .reader import LoadedCheckpoint
+from .runid import ensure_run_id, read_run_id
 from .scheduling import Schedule
 from .snapshot import Snapshot
 from .store import open_store
 from .store.local import LocalStore
 from .store.retry import is_transient
 from .tags import TAGS_FILE, load_tags, save_tags, tags_by_checkpoint
-from .pruning import Pruning
-from .ram import RamRun, RamTier
-from .runid import ensure_run_id, read_run_id
-from .rampeers import start_nodes
 from .tiers import Remote, Uploader, copy_checkpoint
 
 log = logging.getLogger("unbroken")
@@ -81,8 +82,8 @@ class Run(Pruning):
         self._next_seq = 0
         self._remote_ok = True
         self._prune_lock = threading.Lock()
-        self._retention_warned: set[str] = set()
-        self.last_in_ram = False  # whether the last checkpoint written went to the RAM tier  # stores whose damaged tags.json stopped retention (said once)
+        self._retention_warned: set[str] = set()  # stores whose damaged tags.json stopped retention (said once)
+        self.last_in_ram = False  # whether the last checkpoint written went to the RAM tier
         self._writing = False
         self.damage = Damage(self.publish)
         self._remote_unlisted = False  # the remote tier could not be listed by the last restore
@@ -201,7 +202,7 @@ class Run(Pruning):
             if not self._remote_ok:
                 raise ConnectionError("unreachable at start")
             remote_seq: int | None = max((m.seq for m in manifests(self.remote_store).values()), default=-1)
-        except Exception:
+        except Exception:  # noqa: BLE001 - an unreachable remote: its checkpoints are unknown
             remote_seq = None  # unknown: every local one, checked by the uploader once the remote answers
         for name, m in sorted(manifests(self.store).items(), key=lambda kv: kv[1].seq):
             if remote_seq is None or m.seq > remote_seq:
@@ -257,7 +258,7 @@ class Run(Pruning):
         if self.remote_store is not None and (self._remote_ok or self.uploader is None or not self.uploader.failing):
             try:
                 remote += discover(self.remote_store, "remote")
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - the remote tier down: listed without it, said so
                 log.warning("cannot list the remote tier %s: %s", self.remote_store.url, e)
         merged: dict[tuple[int, int], CheckpointInfo] = {}
         for c in remote + local:  # local last: its path wins
@@ -278,7 +279,7 @@ class Run(Pruning):
         if self.remote_store is not None and self._next_seq == 0 and self._remote_ok:
             try:
                 seqs += [m.seq for m in manifests(self.remote_store).values()]
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - the remote tier down: numbered from the local ones
                 log.warning("cannot list the remote tier %s: %s", self.remote_store.url, e)
         self._next_seq = max(max(seqs, default=-1) + 1, self._next_seq)
         return self._next_seq

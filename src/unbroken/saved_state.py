@@ -58,7 +58,7 @@ class StateRules:
             raise TypeError("allow_unsaved takes a list of state keys, e.g. allow_unsaved=['data']")
         self.allow_unsaved: frozenset[str] = frozenset(allow_unsaved)
         self._validated = self._first_save_checked = self._optimizer_checked = False
-        self._stepped: "weakref.WeakSet[Any]" = weakref.WeakSet()  # optimizers seen stepping before the first save
+        self._stepped: weakref.WeakSet[Any] = weakref.WeakSet()  # optimizers seen stepping before the first save
         self._watch: Any = None
 
     def watch_optimizers(self) -> None:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from .adapting import adapt
 from .api import CheckpointInfo
 from .dist.comm import Comm
 from .errors import ConfigurationError
@@ -25,7 +26,6 @@ from .restoring import sync_data_position
 from .saved_state import split
 from .state.checks import clean_metrics
 from .tags import check_tag
-from .adapting import adapt
 
 log = logging.getLogger("unbroken")
 

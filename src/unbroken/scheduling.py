@@ -8,10 +8,21 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-from .policies import (AnyOf, CheckpointMeta, EveryNSteps, KeepLast, KeepTagged, Retention, Trigger,
-                       TriggerContext, Union, to_delete)
+from .policies import (
+    AnyOf,
+    CheckpointMeta,
+    EveryNSteps,
+    KeepLast,
+    KeepTagged,
+    Retention,
+    Trigger,
+    TriggerContext,
+    Union,
+    to_delete,
+)
 from .store.base import is_checkpoint_name
 
 

@@ -163,7 +163,7 @@ class _Sink:
             buf.copy_(t)
         return buf
 
-    def copy_from_devices(self, snap: "Snapshot") -> None:
+    def copy_from_devices(self, snap: Snapshot) -> None:
         """Queue the device-to-host copies on a side stream: eager ones first (the training
         stream waits for them, on the GPU, when the snapshot must survive training going on),
         then the deferred ones (waited for at the next optimizer step)."""
@@ -186,7 +186,7 @@ class _Sink:
                 events.append(ev)
         if snap.lazy_events:
             snap.events.extend(snap.lazy_events)
-            snap.device_deferred = [(t, key) for (_, t), key in zip(self.cuda_lazy, self.cuda_lazy_keys)]
+            snap.device_deferred = [(t, key) for (_, t), key in zip(self.cuda_lazy, self.cuda_lazy_keys, strict=True)]
         if self.copy and self.cuda_eager:
             main.wait_event(snap.events[0])  # training may change these right after the save point
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .manifests import is_run as api_is_run
 from .errors import TargetExistsError, UnbrokenError
+from .manifests import is_run as api_is_run
 
 
 def check_target(out: Path, *, force: bool, folder: bool, checkpoint: bool = False, tool: str = "export",

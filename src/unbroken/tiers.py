@@ -34,8 +34,9 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from . import _faults
 from .discovery import manifests
@@ -215,7 +216,7 @@ class Uploader:
                     log.error("not uploading %s: %s", name, e)
                     self.publish(UploadFailed(name, str(e), attempt + 1, will_retry=False))
                     self._settle(name, False, f"its local copy is damaged: {e}")
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - any upload failure is retried with backoff
                 attempt += 1
                 self.failing = True
                 level = logging.WARNING if attempt == 1 or attempt % 10 == 0 else logging.INFO

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 
 # each module registers its commands, in the order --help lists them
-from . import listing, inspection, compare, maintain, runlog, convert, demo, selftest  # noqa: F401
+from . import compare, convert, demo, inspection, listing, maintain, runlog, selftest  # noqa: F401
 from .base import app
 
 __all__ = ["app", "main"]

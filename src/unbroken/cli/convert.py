@@ -9,7 +9,6 @@ refused while a training process writes the run); every pickle is loaded with
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.markup import escape
@@ -55,11 +54,11 @@ def export(checkpoint: str = typer.Argument(..., metavar="CKPT", help="A checkpo
                                         "config.json) that from_pretrained reads; or the whole checkpoint as a "
                                         "self-contained unbroken checkpoint folder (chunks of an incremental "
                                         "run copied in)."),
-           dtype: Optional[str] = typer.Option(None, "--dtype", metavar="bf16|fp16|fp32",
+           dtype: str | None = typer.Option(None, "--dtype", metavar="bf16|fp16|fp32",
                                                help="Cast floating-point tensors (others stay as they are)."),
-           key: Optional[str] = typer.Option(None, "--key", help="The part of the state that holds the weights "
+           key: str | None = typer.Option(None, "--key", help="The part of the state that holds the weights "
                                              "(default: 'model', or the one DeepSpeed engine the state has)."),
-           config: Optional[Path] = typer.Option(None, "--config", help="A config.json for --format hf, when "
+           config: Path | None = typer.Option(None, "--config", help="A config.json for --format hf, when "
                                                  "the checkpoint has no 'config' part."),
            force: bool = typer.Option(False, "--force", help="Replace an existing target file (for --format hf: "
                                       "model.safetensors and config.json in the folder). Never a folder, and "

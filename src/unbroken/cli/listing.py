@@ -33,8 +33,20 @@ from ..discovery import discover
 from ..errors import CheckpointVanishedError, UnbrokenError
 from ..manifests import read_manifest, vanished
 from ..store import is_url
-from .base import (JSON_OPTION, app, emit_json, fail, metrics_text, open_checkpoint, open_location, options_for,
-                   out, plural, size, when)
+from .base import (
+    JSON_OPTION,
+    app,
+    emit_json,
+    fail,
+    metrics_text,
+    open_checkpoint,
+    open_location,
+    options_for,
+    out,
+    plural,
+    size,
+    when,
+)
 
 NARROW_DROPS = ("epoch", "size", "tiers", "tags", "saved", "metrics")
 """The ``ls`` columns left out, in this order, while the table is wider than the terminal."""

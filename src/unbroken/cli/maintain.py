@@ -24,8 +24,19 @@ from ..events import EventBus
 from ..policies import CheckpointMeta, KeepBest, KeepLast, KeepTagged, Mode, Retention, Union
 from ..scheduling import Schedule
 from ..tags import check_tag
-from .base import (JSON_OPTION, app, emit_json, fail, metrics_text, open_checkpoint, open_location, options_for, out,
-                   plural, require_run)
+from .base import (
+    JSON_OPTION,
+    app,
+    emit_json,
+    fail,
+    metrics_text,
+    open_checkpoint,
+    open_location,
+    options_for,
+    out,
+    plural,
+    require_run,
+)
 
 
 def parse_best(spec: str) -> tuple[str, int]:

@@ -34,9 +34,9 @@ def selftest(
                                     "(random if unset; printed, so a failure can be replayed)."),
     timeout: float = typer.Option(600.0, "--timeout", metavar="SECONDS", help="Limit per process; one that runs "
                                   "longer is killed with everything it started (exit 2)."),
-    nproc: int = typer.Option(1, "--nproc", metavar="N", help="Processes per run: N > 1 runs every process as `torchrun --standalone --nproc-per-node N "
-                       "--max-restarts 0 train.py ...` (the leading python replaced); rank 0 is interrupted, the "
-                       "ranks are compared one by one."),
+    nproc: int = typer.Option(1, "--nproc", metavar="N", help="Processes per run: N > 1 runs every process as "
+                       "`torchrun --standalone --nproc-per-node N --max-restarts 0 train.py ...` (the leading "
+                       "python replaced); rank 0 is interrupted, the ranks are compared one by one."),
     workdir: str | None = typer.Option(None, "--workdir", metavar="DIR", help="Keep run folders, records and logs "
                                        "here: a new or empty folder, or one a previous selftest made (marked "
                                        ".unbroken-selftest; its run folders are replaced). Anything else is "

@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from ..errors import UnbrokenError
 from ..dist.deepspeed import FORMAT, SCALAR_TYPES
+from ..errors import UnbrokenError
 from .bounds import check_count
 from .pickles import load_pickle
 
@@ -210,7 +211,7 @@ def _inner_state(osd: dict[str, Any], path: Path) -> tuple[list[dict[str, Any]],
 
 
 def _element_keys(states: list[dict[str, Any]], flats: list[torch.Tensor]) -> list[str]:
-    for st, flat in zip(states, flats):
+    for st, flat in zip(states, flats, strict=True):
         if st:
             return sorted(k for k, v in st.items()
                           if torch.is_tensor(v) and v.dim() == 1 and v.numel() >= flat.numel())
@@ -231,8 +232,8 @@ def _groups(states: list[dict[str, Any]], groups: list[dict[str, Any]], keys: li
 def _zero12(optim: list[dict[str, Any]], shapes: list[dict[str, Any]], world: int,
             files: list[Path]) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]], list[Any]]:
     """ZeRO 1/2: per group, each rank holds a slice of one flat vector of the group's parameters."""
-    flats = [_get(o, "single_partition_of_fp32_groups", f) for o, f in zip(optim, files)]
-    inner = [_inner_state(o, f) for o, f in zip(optim, files)]
+    flats = [_get(o, "single_partition_of_fp32_groups", f) for o, f in zip(optim, files, strict=True)]
+    inner = [_inner_state(o, f) for o, f in zip(optim, files, strict=True)]
     keys = _element_keys(inner[0][0], flats[0])
     paddings = optim[0].get("param_alignment_paddings")
     master: dict[str, torch.Tensor] = {}
@@ -243,7 +244,8 @@ def _zero12(optim: list[dict[str, Any]], shapes: list[dict[str, Any]], world: in
     for gi, group in enumerate(shapes):
         vectors = {"fp32": torch.cat([f[gi] for f in flats])}
         for k in keys:
-            vectors[k] = torch.cat([st[0][gi][k].reshape(-1)[:f[gi].numel()] for st, f in zip(inner, flats)])
+            vectors[k] = torch.cat([st[0][gi][k].reshape(-1)[:f[gi].numel()]
+                                    for st, f in zip(inner, flats, strict=True)])
         offset = 0
         for pi, (name, shape) in enumerate(group.items()):
             n = math.prod(int(s) for s in shape)
@@ -266,15 +268,15 @@ def _zero3(optim: list[dict[str, Any]], shapes: list[dict[str, Any]],
     """ZeRO-3: each parameter is split in ``world`` equal (padded) pieces, rank ``r`` holding piece ``r``;
     a rank's pieces of every parameter follow each other through its flat sub-groups."""
     world = len(files)
-    flats = [_get(o, "fp32_flat_groups", f) for o, f in zip(optim, files)]
-    inner = [_inner_state(o, f) for o, f in zip(optim, files)]
-    if any(len(st) != len(fl) for (st, _), fl in zip(inner, flats)):
+    flats = [_get(o, "fp32_flat_groups", f) for o, f in zip(optim, files, strict=True)]
+    inner = [_inner_state(o, f) for o, f in zip(optim, files, strict=True)]
+    if any(len(st) != len(fl) for (st, _), fl in zip(inner, flats, strict=True)):
         raise UnbrokenError(f"{files[0].parent}: the optimizer's state does not match the fp32 sub-groups")
     keys = _element_keys(inner[0][0], flats[0])
     per_rank = [{"fp32": torch.cat([t.reshape(-1) for t in fl])} for fl in flats]
-    for r, (st, fl) in enumerate(zip(inner, flats)):
+    for r, (st, fl) in enumerate(zip(inner, flats, strict=True)):
         for k in keys:
-            per_rank[r][k] = torch.cat([s[k].reshape(-1)[:t.numel()] for s, t in zip(st[0], fl)])
+            per_rank[r][k] = torch.cat([s[k].reshape(-1)[:t.numel()] for s, t in zip(st[0], fl, strict=True)])
     master: dict[str, torch.Tensor] = {}
     moments: dict[str, dict[str, torch.Tensor]] = {k: {} for k in keys}
     offset = 0

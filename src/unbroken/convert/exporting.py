@@ -32,15 +32,16 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
 from ..api import load
 from ..errors import TargetExistsError, UnbrokenError
-from ..targets import check_target
 from ..store.local import fsync_dir, write_file_atomic
+from ..targets import check_target
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
           "fp32": torch.float32, "float32": torch.float32}
@@ -160,7 +161,8 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], to: str | os.PathLike[
                 continue
             if fname.endswith(chunkmap.SUFFIX):
                 tfile = chunkmap.tensor_file_of(fname)
-                written[tfile] = write_tensors(staging, tfile, [TensorEntry(k, t) for k, t in files.tensors(tfile).items()])
+                entries = [TensorEntry(k, t) for k, t in files.tensors(tfile).items()]
+                written[tfile] = write_tensors(staging, tfile, entries)
             else:
                 written[fname] = write_blob(staging, fname, bytes(files.read(fname)))
         final, _ = commit(staging, **vars(replace(manifest, files=written, format_version=2)))

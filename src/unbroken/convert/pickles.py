@@ -21,8 +21,9 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
 import torch

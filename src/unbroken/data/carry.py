@@ -16,7 +16,8 @@ batches`` (zero or more: what this input completes), ``state_dict()`` and
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping, Protocol, runtime_checkable
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -51,8 +52,9 @@ class CarryOver:
     def __init__(self, loader: Any, collator: Carrier) -> None:
         for obj, what in ((loader, "loader"), (collator, "collator")):
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                hint = " (use unbroken.data.ResumableLoader or StreamLoader)" if what == "loader" else ""
                 raise TypeError(f"CarryOver's {what} needs state_dict()/load_state_dict(); {type(obj).__name__} has "
-                                f"not{' (use unbroken.data.ResumableLoader or StreamLoader)' if what == 'loader' else ''}")
+                                f"not{hint}")
         self.loader, self.collator = loader, collator
         self.ready: list[Any] = []
         self._restores = 0
@@ -131,8 +133,8 @@ class Packer:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         shape = (count(state, "seq_len", "packer", lo=1), count(state, "batch_size", "packer", lo=1))
         if shape != (self.seq_len, self.batch_size):
-            raise ValueError(f"the checkpoint's packer made ({state['batch_size']}, {state['seq_len']}) batches, this one "
-                             f"({self.batch_size}, {self.seq_len}): keep the shape across a resume")
+            raise ValueError(f"the checkpoint's packer made ({state['batch_size']}, {state['seq_len']}) batches, "
+                             f"this one ({self.batch_size}, {self.seq_len}): keep the shape across a resume")
         carried = [state.get("tokens"), state.get("positions")]
         if not all(isinstance(t, torch.Tensor) and t.dim() == 1 and not t.is_floating_point() for t in carried) \
                 or carried[0].numel() != carried[1].numel() or carried[0].numel() >= self.seq_len * self.batch_size \

@@ -24,7 +24,8 @@ module: a stream is recognized by its type's module.
 from __future__ import annotations
 
 import copy
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 _BUFFER = "BufferShuffledExamplesIterable"
 

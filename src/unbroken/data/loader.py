@@ -33,7 +33,8 @@ from __future__ import annotations
 import os
 import warnings
 import weakref
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -54,7 +55,7 @@ def _world() -> tuple[int, int]:
 class _RankBatches:
     """Batch sampler: this rank's slice of each global batch, from the loader's position."""
 
-    def __init__(self, owner: "ResumableLoader") -> None:
+    def __init__(self, owner: ResumableLoader) -> None:
         # a weak reference: a strong one would make a cycle (loader -> DataLoader -> this), so a
         # dropped loader's persistent workers would live on until a garbage-collector pass,
         # whose shutdown then stalls (5 s join timeout per worker)

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import bisect
 import logging
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from torch.utils.data import Dataset
@@ -110,7 +111,7 @@ class Mixture(Dataset):  # type: ignore[type-arg]
         source = np.empty(self.block, dtype=np.int64)
         index, passes = np.empty(self.block, dtype=np.int64), np.empty(self.block, dtype=np.int64)
         ends = [r[1] for r in runs[1:]] + [self.block]
-        for r, ((name, first, before), end) in enumerate(zip(runs, ends)):
+        for r, ((name, first, before), end) in enumerate(zip(runs, ends, strict=True)):
             n, base = self.passes[name]["len"], self.passes[name]["base"]
             rest = np.arange(before - base, before - base + end - first, dtype=np.int64)
             epoch, pos = rest // n, rest % n
@@ -182,15 +183,16 @@ class Mixture(Dataset):  # type: ignore[type-arg]
                                  "its draws so far index the old order. Give the changed source a new name (it starts "
                                  f"from its first sample) and weight 0 to {name!r}, or keep its length")
             passes[name] = {"len": len(ds), "base": int(old["base"]) if old else 0}
-        added, removed = sorted(set(self.sources) - set(state["passes"])), sorted(set(state["passes"]) - set(self.sources))
+        added = sorted(set(self.sources) - set(state["passes"]))
+        removed = sorted(set(state["passes"]) - set(self.sources))
         cut = 0 if at is None else -(-at // self.block) * self.block
         if same_from(old_spec, self._spec, cut) and not removed:
             return saved, passes
         if at is None:
             raise ValueError(
-                "the mixture's weights or sources differ from the checkpoint's, and load_state_dict does not know the "
-                "data position to apply the change from. Use mixture.loader(batch_size, ...) in the state (it saves the "
-                "position with the schedule), or keep the checkpoint's weights and sources")
+                "the mixture's weights or sources differ from the checkpoint's, and load_state_dict does not know "
+                "the data position to apply the change from. Use mixture.loader(batch_size, ...) in the state (it "
+                "saves the position with the schedule), or keep the checkpoint's weights and sources")
         if removed and at < cut:  # the rest of the current block keeps the checkpoint's schedule
             runs, which = self._slots(at // self.block, at % self.block, self.block, saved)
             needed = sorted({runs[i][0] for i in which} & set(removed))

@@ -26,7 +26,7 @@ class SampleIndex(int):
     seed: int
     epoch: int
 
-    def __new__(cls, index: int, seed: int, epoch: int) -> "SampleIndex":
+    def __new__(cls, index: int, seed: int, epoch: int) -> SampleIndex:
         self = super().__new__(cls, index)
         self.seed = seed
         self.epoch = epoch

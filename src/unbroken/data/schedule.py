@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from .order import mix_ints
 
@@ -63,7 +64,7 @@ class Phase:
         """Draws of each source among the phase's first ``m`` samples."""
         out: dict[str, int] = {}
         rest, left = m, sum(self._ints)
-        for name, w, phi in zip(self._names[:-1], self._ints[:-1], self._phis[:-1]):
+        for name, w, phi in zip(self._names[:-1], self._ints[:-1], self._phis[:-1], strict=True):
             q = (rest * w * _PHI + phi * left) // (left * _PHI)
             out[name] = q
             rest -= q

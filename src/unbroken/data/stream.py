@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from .checked import count
 

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import copy
 from collections import deque
+from collections.abc import Callable, Iterator
 from itertools import islice
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -123,12 +124,13 @@ class StreamLoader:
         if self.is_hf:
             dataset, size, base = hf.take_buffer(dataset)
             if size and shuffle_buffer:
-                raise ValueError("the stream already ends with .shuffle(buffer_size=...); do not pass shuffle_buffer too")
+                raise ValueError("the stream already ends with .shuffle(buffer_size=...); do not pass "
+                                 "shuffle_buffer too")
             shuffle_buffer = shuffle_buffer or size
             if num_workers > dataset.num_shards:
-                raise ValueError(f"num_workers={num_workers} but the stream has {dataset.num_shards} shard(s): each worker "
-                                 f"reads whole shards; use num_workers <= {dataset.num_shards} (or a stream with more "
-                                 "shards)")
+                raise ValueError(f"num_workers={num_workers} but the stream has {dataset.num_shards} shard(s): each "
+                                 f"worker reads whole shards; use num_workers <= {dataset.num_shards} (or a stream "
+                                 "with more shards)")
         elif num_workers > 1 and not callable(getattr(dataset, "shard", None)):
             raise TypeError(f"num_workers={num_workers} splits the stream into lanes, one per worker, and "
                             f"{type(dataset).__name__} has no shard(num_shards, index, contiguous): use "
@@ -230,14 +232,15 @@ class StreamLoader:
             raise ValueError(
                 f"the checkpoint's stream was read by {state['lanes']} worker lane(s), this loader has {self.lanes} "
                 f"(num_workers={self.num_workers}): each lane's position belongs to its shards, so the worker count "
-                f"of a stream cannot change across a resume. Use num_workers={state['lanes'] if state['lanes'] > 1 else 0}.")
+                "of a stream cannot change across a resume. "
+                f"Use num_workers={state['lanes'] if state['lanes'] > 1 else 0}.")
         if (int(state["rank"]), int(state["world_size"])) != (self.rank, self.world_size):
             per_rank = " Put it in the state as unbroken.PerRank(loader): a stream's position differs from rank to " \
                        "rank." if int(state["world_size"]) == self.world_size else ""
             raise ValueError(
-                f"the checkpoint's stream position is rank {state['rank']} of {state['world_size']}'s, this loader reads "
-                f"rank {self.rank} of {self.world_size}'s part of the stream.{per_rank} A stream's ranks read different "
-                "shards, so the world size cannot change across a resume.")
+                f"the checkpoint's stream position is rank {state['rank']} of {state['world_size']}'s, this loader "
+                f"reads rank {self.rank} of {self.world_size}'s part of the stream.{per_rank} A stream's ranks read "
+                "different shards, so the world size cannot change across a resume.")
         saved = state["buffer"]
         if (saved is None) != (self.buffer_size == 0) or (saved is not None and saved["size"] != self.buffer_size):
             raise ValueError(f"the checkpoint's shuffle buffer size is {0 if saved is None else saved['size']}, this "

@@ -22,7 +22,7 @@ import os
 import signal
 import threading
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
 _KEEP = 16  # arrival times kept per signal
 _WAIT = 0.05  # how long a handler waits for the thread to see its delivery

@@ -51,9 +51,9 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import torch
 
@@ -107,7 +107,7 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     return type(a) is type(b) and bool(a == b)
 
 
@@ -178,7 +178,7 @@ class StepStart:
         """The modules whose parameters are no longer the start's (other objects, or written in place)."""
         def same(key: str, ps: list[torch.nn.Parameter]) -> bool:
             live = list(state[key].parameters()) if key in state else []
-            return (len(live) == len(ps) and all(a is b for a, b in zip(ps, live))
+            return (len(live) == len(ps) and all(a is b for a, b in zip(ps, live, strict=True))
                     and [p._version for p in ps] == self.versions[key])
 
         return [key for key, ps in params.items() if not same(key, ps)]
@@ -194,10 +194,10 @@ class StepStart:
         for key, (tensor, version) in self.tensors.items():
             if state[key] is not tensor or tensor._version != version:
                 return f"state[{key!r}] (a tensor) changed in place during the step"
-        for key, (opt_state, groups, hyper) in self.optimizers.items():
+        for key, (opt_state, groups, _hyper) in self.optimizers.items():
             opt = state[key]
             if opt.state is not opt_state or len(opt.param_groups) != len(groups) or any(
-                    a is not b for a, b in zip(opt.param_groups, groups)):
+                    a is not b for a, b in zip(opt.param_groups, groups, strict=True)):
                 return f"state[{key!r}] (an optimizer) was given other state or parameter groups during the step"
         return None
 
@@ -213,7 +213,7 @@ class StepStart:
             out[key] = sd
         for key, (_, _, hyper) in self.optimizers.items():
             sd = state[key].state_dict()
-            sd["param_groups"] = [{**h, "params": g["params"]} for h, g in zip(hyper, sd["param_groups"])]
+            sd["param_groups"] = [{**h, "params": g["params"]} for h, g in zip(hyper, sd["param_groups"], strict=True)]
             out[key] = sd
         for key, values in self.scalers.items():
             out[key] = _scaler_state(state[key], values)
@@ -274,7 +274,7 @@ class StepGuard:
     """
 
     def __init__(self, state: Mapping[str, Any], progress: Any, attach: Callable[[Any], None],
-                 on_error: Callable[["StepGuard", BaseException | None], Any], unsaved: Collection[str] = ()) -> None:
+                 on_error: Callable[[StepGuard, BaseException | None], Any], unsaved: Collection[str] = ()) -> None:
         self._live, self._unsaved = state, frozenset(unsaved)
         self.progress = progress
         self.attach, self.on_error = attach, on_error
@@ -358,7 +358,7 @@ class StepGuard:
         self._stepped[id(optimizer)] = optimizer
         self._stepping.discard(id(optimizer))
 
-    def __enter__(self) -> "StepGuard":
+    def __enter__(self) -> StepGuard:
         for key, obj in self.state.items():
             if isinstance(obj, torch.optim.Optimizer):
                 self._optimizers[key] = obj
@@ -379,6 +379,6 @@ class StepGuard:
             return False
         try:
             self.on_error(self, exc)  # may end the process as a preemption (SystemExit 75)
-        except Exception as err:  # never hide the original exception
+        except Exception as err:  # noqa: BLE001 - never hide the original exception
             log.error("emergency checkpoint failed: %s: %s", type(err).__name__, err)
         return False

@@ -63,8 +63,9 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Iterable
 from types import FrameType
-from typing import Any, Iterable
+from typing import Any
 
 from ..errors import ConfigurationError
 from . import launcher

@@ -51,7 +51,7 @@ _MAX_INT_DIGITS = 300  # float() of any such integer is finite
 _MAX_TIME = 253402300799  # 9999-12-31: the last time stamp datetime can show
 
 
-def new_hasher() -> "xxhash.xxh3_128":
+def new_hasher() -> xxhash.xxh3_128:
     """The checksum used for every file: xxh3-128 (fast, non-cryptographic)."""
     return xxhash.xxh3_128()
 
@@ -142,7 +142,7 @@ class Manifest:
         return prefix + TRAILER_KEY + h.hexdigest().encode() + TRAILER_END
 
     @classmethod
-    def from_json(cls, raw: bytes) -> "Manifest":
+    def from_json(cls, raw: bytes) -> Manifest:
         """Parse and validate a manifest; any problem raises :class:`CorruptCheckpointError`."""
         if len(raw) > MAX_MANIFEST_BYTES:
             raise CorruptCheckpointError("manifest.json is implausibly large")
@@ -206,7 +206,8 @@ class Manifest:
             raise CorruptCheckpointError(f"manifest.json is malformed ({type(e).__name__}: {e})") from None
         if STATE_FILE not in files:
             raise CorruptCheckpointError(f"manifest.json does not list {STATE_FILE}")
-        both = [f for f in files if f.endswith(".chunks.json") and f.removesuffix(".chunks.json") + ".safetensors" in files]
+        both = [f for f in files
+                if f.endswith(".chunks.json") and f.removesuffix(".chunks.json") + ".safetensors" in files]
         if both:
             raise CorruptCheckpointError(f"manifest.json lists {both[0]} and the tensor file it stands for: "
                                          "which one holds the tensors is ambiguous")

@@ -41,9 +41,9 @@ import contextlib
 import gc
 import json
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Callable, Iterable
+from typing import Any, BinaryIO
 
 import torch
 

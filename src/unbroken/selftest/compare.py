@@ -84,8 +84,8 @@ class Divergence:
     """What the records show around the difference (:func:`.evidence.gather`)."""
 
     def as_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "step": self.step, "segment": self.segment, "record": self.kind, "resumed_from": self.resumed_from,
-                "components": self.differ, "agreeing": self.agree,
+        return {"rank": self.rank, "step": self.step, "segment": self.segment, "record": self.kind,
+                "resumed_from": self.resumed_from, "components": self.differ, "agreeing": self.agree,
                 "values": {k: {"uninterrupted": a, "interrupted": b} for k, (a, b) in self.values.items()},
                 "after_restore_differ": self.restore_differ, "evidence": self.evidence}
 
@@ -106,7 +106,8 @@ class Comparison:
     not_drawn: list[dict[str, Any]] = field(default_factory=list)
     """Global RNG streams that differed at a step that did not draw from them (first step per stream)."""
     skipped: list[dict[str, Any]] = field(default_factory=list)
-    """Resumes after which the work between two steps (other DataLoaders) ran differently (:func:`.evidence.skipped_work`)."""
+    """Resumes after which the work between two steps (other DataLoaders) ran differently
+    (:func:`.evidence.skipped_work`)."""
 
 
 def _diff(a: dict[str, str], b: dict[str, str], keys: set[str]) -> tuple[list[str], list[str]]:

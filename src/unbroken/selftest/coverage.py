@@ -36,7 +36,7 @@ class RunShape:
     lines: dict[str, Any] | None = None
 
     @classmethod
-    def of(cls, records: list[dict[str, Any]]) -> "RunShape":
+    def of(cls, records: list[dict[str, Any]]) -> RunShape:
         """The shape of the uninterrupted run, from its records (its first process, segment 0)."""
         shape = cls()
         for r in records:

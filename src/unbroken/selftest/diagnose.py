@@ -44,7 +44,7 @@ def describe(name: str) -> str:
         return "the batch's sample indices"
     if name == "batch/data":
         return "the batch's contents"
-    if name.startswith("batch/rng/") or name.startswith("rng/"):
+    if name.startswith(("batch/rng/", "rng/")):
         text = stream_words(name.rsplit("/", 1)[1])
         return text + (" before the first batch of the step" if name.startswith("batch/") else "")
     if name.startswith("metric/"):
@@ -58,7 +58,9 @@ def describe(name: str) -> str:
             "hyperparameters": "hyperparameters (lr, ...)", "position": "data position"}.get(part, part)
     if part.startswith("moments:"):
         part = f"optimizer state {part[8:]!r}"
-    return f"state[{key!r}]'s {part}" if key != "optimizer outside the state" else f"the {part} of an optimizer outside the state"
+    if key == "optimizer outside the state":
+        return f"the {part} of an optimizer outside the state"
+    return f"state[{key!r}]'s {part}"
 
 
 def stream_words(stream: str) -> str:
@@ -304,7 +306,8 @@ def _computed(d: Divergence, head: str, first: str, where: str, resumed: bool) -
                          "work that drew from the global RNG in one run only leave it alone",
                          f"{words} differs at this step; after the resume it changed between the previous record "
                          "and the step's first batch")
-    also = f"; {', '.join(stream_words(s) for s in differing)} differ too, but no step drew from them" if differing else ""
+    named = ", ".join(stream_words(s) for s in differing)
+    also = f"; {named} differ too, but no step drew from them" if differing else ""
     return unknown(d, f"{head}, though the batch, the global RNG streams and the restored state agree",
                    "the state as restored, the training batch and the global RNG streams agree, no generator "
                    "outside the state restarted, and no plain variable of the loop differs at the start of the "

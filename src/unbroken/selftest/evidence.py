@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+
 class Records:
     """The uninterrupted run's records by step: ``at[s]`` the state at the end of step s (step 0:
     as restored at the fresh start)."""

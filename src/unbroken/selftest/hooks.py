@@ -57,7 +57,7 @@ from .lines import Lines
 from .variables import caller, loop_frame, snapshot, where
 
 _PACKAGE = str(Path(__file__).resolve().parent.parent)
-_active: "Hooks | None" = None  # the recorder the process-wide hooks report to
+_active: Hooks | None = None  # the recorder the process-wide hooks report to
 _serial = itertools.count(1)  # orders iterator creations and restores in this process
 
 
@@ -166,7 +166,8 @@ class Hooks:
         """Append one record (one JSON line) to this rank's records file."""
         if self._fd is None:
             self.dir.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(self.dir / protocol.records_file(self.rank), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._fd = os.open(self.dir / protocol.records_file(self.rank),
+                               os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         line = json.dumps({"seg": self.segment, **record}, sort_keys=True) + "\n"
         os.write(self._fd, line.encode())  # one write per record: a SIGKILL never leaves half a line in the middle
 

@@ -35,8 +35,9 @@ class Attempt:
     """Under torchrun: the exit status of each rank that failed (from torchrun's report)."""
 
     def as_dict(self) -> dict[str, object]:
-        return {"plan": self.plan, "rc": self.rc, "ranks": {str(r): c for r, c in sorted(self.ranks.items())}, "seconds": round(self.seconds, 3), "timed_out": self.timed_out,
-                "started": self.started, "ended": self.ended}
+        return {"plan": self.plan, "rc": self.rc, "ranks": {str(r): c for r, c in sorted(self.ranks.items())},
+                "seconds": round(self.seconds, 3), "timed_out": self.timed_out, "started": self.started,
+                "ended": self.ended}
 
 
 def _kill_group(pgid: int) -> None:

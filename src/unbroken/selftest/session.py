@@ -207,7 +207,8 @@ def _run(rep: Report, cmd: list[str], base: Path, steps: int, kills: int, kinds:
         return
     state, last = _outcome(ref, records, 0, ref_rc)
     if state == "failed":
-        rep.error = f"the script failed on its own in the uninterrupted run (exit {ref.rc}): {_last_line(ref.stderr_tail)}"
+        rep.error = (f"the script failed on its own in the uninterrupted run (exit {ref.rc}): "
+                     f"{_last_line(ref.stderr_tail)}")
         rep.stderr_tail = ref.stderr_tail
         return
     if not _of(records, 0, "step"):

@@ -21,7 +21,8 @@ the modules and optimizers (checked, then loaded last) were never touched
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, MutableMapping
+from collections.abc import Callable, MutableMapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -77,7 +78,7 @@ def check_state(live: Any, saved: Any, path: PathT = ()) -> None:
             if k in live:
                 check_state(live[k], v, path + (k,))
     elif type(live) is list and type(saved) is list and len(live) == len(saved):
-        for i, (a, b) in enumerate(zip(live, saved)):
+        for i, (a, b) in enumerate(zip(live, saved, strict=True)):
             check_state(a, b, path + (i,))
 
 
@@ -294,7 +295,7 @@ def _apply(live: Any, saved: Any, path: PathT) -> Any:
         return live
     if type(live) is list and type(saved) is list:
         if len(live) == len(saved):
-            live[:] = [_apply(a, b, path + (i,)) for i, (a, b) in enumerate(zip(live, saved))]
+            live[:] = [_apply(a, b, path + (i,)) for i, (a, b) in enumerate(zip(live, saved, strict=True))]
         else:
             live[:] = _own(saved, {})
         return live

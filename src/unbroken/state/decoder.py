@@ -13,15 +13,14 @@ import pathlib
 import random
 import struct
 from collections import OrderedDict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 from ..errors import CorruptCheckpointError
 from .codec import _NP_BITGENS, _TORCH_DTYPES, TAG, StatefulValue
-
-
 
 MAX_DEPTH = 500  # levels of nesting in a state tree (the Python stack may allow fewer: see decode)
 

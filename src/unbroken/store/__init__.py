@@ -1,7 +1,7 @@
 """Where a run's bytes go: a local folder, S3 or any fsspec filesystem, behind one protocol.
 
-:func:`open_store` is the only way in (:mod:`.open`; :func:`open_ram_store` for a RAM-tier folder); :mod:`.base` states the protocol
-and the commit strategies; :mod:`.local` (rename), :mod:`.fsspec` and :mod:`.s3`
+:func:`open_store` is the only way in (:mod:`.open`; :func:`open_ram_store` for a RAM-tier folder);
+:mod:`.base` states the protocol and the commit strategies; :mod:`.local` (rename), :mod:`.fsspec` and :mod:`.s3`
 (manifest last) implement it, :mod:`.ram` is the RAM tier's local store with its capacity
 rule; :mod:`.lock` and :mod:`.lease` keep one writer per run;
 :mod:`.retry` retries transient remote errors.

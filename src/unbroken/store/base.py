@@ -162,7 +162,7 @@ class Store(Protocol):
         """Move a bad checkpoint out of the way, keeping it for inspection; where it went."""
         ...
 
-    def quarantined(self) -> "Store | None":
+    def quarantined(self) -> Store | None:
         """A read-only view of the quarantined checkpoints (or None if there are none)."""
         ...
 

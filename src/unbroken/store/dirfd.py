@@ -33,9 +33,10 @@ import sys
 import threading
 import uuid
 import weakref
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, TypeVar
 
 from ..errors import ReadOnlyRunError, StorageError, UnbrokenError
 
@@ -146,13 +147,13 @@ class Folder:
     :class:`Folder` (opened with ``O_NOFOLLOW`` at each use, so it may be removed and made
     again between uses)."""
 
-    def __init__(self, path: Path, parent: "Folder | None" = None) -> None:
+    def __init__(self, path: Path, parent: Folder | None = None) -> None:
         self.path, self.parent = path, parent
         self._fd: int | None = None
         self._close: weakref.finalize | None = None  # closes _fd once: at collection, or when reopened
         self._mutex = threading.Lock()
 
-    def child(self, name: str) -> "Folder":
+    def child(self, name: str) -> Folder:
         return Folder(self.path / name, self)
 
     def _root_fd(self, create: bool) -> int | None:

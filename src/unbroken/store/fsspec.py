@@ -110,7 +110,7 @@ class FsspecStore:
                                "key/secret, a profile, or the AWS_* / backend environment variables)") from None
         except StorageError:
             raise
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any backend error: one clear StorageError
             raise StorageError(f"{self.url}: cannot reach the store: {type(e).__name__}: {e}") from None
 
     def lock(self) -> Any:
@@ -131,10 +131,10 @@ class FsspecStore:
         return None
 
     # ------------------------------------------------------------------- write
-    def stage(self, name: str) -> "FsspecStaging":
+    def stage(self, name: str) -> FsspecStaging:
         return FsspecStaging(self, self.free_name(check_name(name, "checkpoint")))
 
-    def join(self, token: str) -> "FsspecStaging":
+    def join(self, token: str) -> FsspecStaging:
         return FsspecStaging(self, check_name(token, "checkpoint"), joined=True)
 
     def free_name(self, name: str) -> str:
@@ -147,7 +147,7 @@ class FsspecStore:
             candidate = f"{name}-{n}"
         return candidate
 
-    def open_writer(self, path: str, staging: "FsspecStaging") -> BinaryIO:
+    def open_writer(self, path: str, staging: FsspecStaging) -> BinaryIO:
         """A writer for one data object; backends specialise this (S3: parallel multipart)."""
         return self.fs.open(path, "wb")
 
@@ -181,7 +181,7 @@ class FsspecStore:
                 self.call("copy", self.fs.copy, self.path(name, f), qdir.path(target, f))
             qdir.put(qdir.path(f"{target}.reason.txt"), (reason + "\n").encode())
             self.delete(name)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - best effort: left in place and reported as such
             log.warning("could not quarantine %s: %s", self.describe(name), e)
             return None
         return qdir.describe(target)
@@ -205,7 +205,7 @@ class FsspecStore:
     def list_uncommitted(self) -> list[str]:
         return sorted(n for n, files in self._objects().items() if COMMIT_FILE not in files)
 
-    def quarantined(self) -> "FsspecStore | None":
+    def quarantined(self) -> FsspecStore | None:
         q = FsspecStore(self.fs, self.path(QUARANTINE), self.url + "/" + QUARANTINE, retry=self.retry,
                         readonly=True, chunk_root=self.chunk_root)  # their chunks stay in the run
         return q if q._objects() else None
@@ -297,7 +297,7 @@ class FsspecStore:
             self.call("copy", self.fs.copy, f"{self.chunk_root}/{cid}", target)
             self.put(target + ".reason.txt", (reason + "\n").encode())
             self.delete_chunk(cid)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - best effort: left in place and reported as such
             log.warning("could not quarantine chunk %s: %s", cid, e)
             return None
         return f"{self.url}/{QUARANTINE}/{CHUNKS}/{cid}"
@@ -349,7 +349,7 @@ def wait_all(futures: list[Future]) -> None:
 class _ManifestBuffer:
     """The manifest is held until :meth:`FsspecStaging.commit`, where its PUT is the commit."""
 
-    def __init__(self, staging: "FsspecStaging") -> None:
+    def __init__(self, staging: FsspecStaging) -> None:
         self.staging, self.data = staging, bytearray()
 
     def write(self, data: Any) -> int:
@@ -359,7 +359,7 @@ class _ManifestBuffer:
     def close(self) -> None:
         self.staging.manifest = bytes(self.data)
 
-    def __enter__(self) -> "_ManifestBuffer":
+    def __enter__(self) -> _ManifestBuffer:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -406,7 +406,7 @@ class FsspecStaging:
         for w in self.writers:
             try:
                 getattr(w, "abort", lambda: None)()
-            except Exception:
+            except Exception:  # noqa: BLE001 - aborting anyway: the upload is not committed
                 pass
         if self.joined:
             return  # the coordinator removes the objects
@@ -414,5 +414,5 @@ class FsspecStaging:
             quick = FsspecStore(self.store.fs, self.store.root, self.store.url, retry=Retry(deadline_s=5))
             files = quick._objects().get(self.name, set())
             quick.remove([quick.path(self.name, f) for f in sorted(files)])
-        except Exception as e:  # the server may be down: the next writer removes the leftover
+        except Exception as e:  # noqa: BLE001 - the server may be down: the next writer removes the leftover
             log.info("could not remove the aborted upload %s yet: %s", self.store.describe(self.name), e)

@@ -57,7 +57,7 @@ from ..exithooks import at_exit
 
 log = logging.getLogger("unbroken")
 LEASE_FILE = ".lock.json"
-_held: dict[str, "_Lease"] = {}  # store identity -> the process's lease on that run
+_held: dict[str, _Lease] = {}  # store identity -> the process's lease on that run
 _mutex = threading.Lock()
 
 
@@ -195,13 +195,13 @@ class _Lease:
                 etag = self._put(self.etag)
             except FileNotFoundError:
                 etag = None
-            except Exception as e:  # a blip: try again next time, the lease has 2/3 of its ttl left
+            except Exception as e:  # noqa: BLE001 - a blip: try again next time, the lease has 2/3 of its ttl left
                 log.warning("could not renew the writer lease of %s: %s", self.store.url, e)
                 continue
             if etag is None:
                 try:
                     current = self._read()
-                except Exception:
+                except Exception:  # noqa: BLE001 - unreadable: the lease is lost either way
                     current = None
                 self._lose(current)
                 log.error("%s; this process will not commit any more checkpoints", self.lost)
@@ -241,7 +241,7 @@ class _Lease:
                 current = self._read()
                 if current and current[0].get("owner") == self.owner:
                     self.store.remove([self.path])
-        except Exception as e:  # it expires by itself
+        except Exception as e:  # noqa: BLE001 - it expires by itself
             log.warning("could not release the writer lease of %s (it expires in %.0f s): %s",
                         self.store.url, self.ttl_s, e)
 

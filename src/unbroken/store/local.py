@@ -29,10 +29,31 @@ import stat
 from pathlib import Path
 
 from ..errors import CorruptCheckpointError, StorageError
-from .base import (CHUNKS, COMMIT_FILE, MAX_META_BYTES, QUARANTINE, Buffer, check_meta_name, check_name,
-                   is_checkpoint_name)
-from .dirfd import (CLOEXEC, NOFOLLOW, Folder, fsync_dir, guarded, lexists, open_dir, pid_alive, remove_tree,
-                    scan, write_at, write_file_atomic, writer_tag)
+from .base import (
+    CHUNKS,
+    COMMIT_FILE,
+    MAX_META_BYTES,
+    QUARANTINE,
+    Buffer,
+    check_meta_name,
+    check_name,
+    is_checkpoint_name,
+)
+from .dirfd import (
+    CLOEXEC,
+    NOFOLLOW,
+    Folder,
+    fsync_dir,
+    guarded,
+    lexists,
+    open_dir,
+    pid_alive,
+    remove_tree,
+    scan,
+    write_at,
+    write_file_atomic,
+    writer_tag,
+)
 from .lock import FlockLock
 from .readfile import Hasher, read_file
 from .staging import JoinedStaging, LocalStaging
@@ -252,7 +273,7 @@ class LocalStore:
         return sorted(m["name"] for n in names if (m := _HIDDEN.match(n)) and n.startswith(".staging-"))
 
     @guarded("listing the quarantine")
-    def quarantined(self) -> "LocalStore | None":
+    def quarantined(self) -> LocalStore | None:
         """A read-only view of ``quarantine/`` (None if there is no such folder, or it is a link
         or a file); its folder is reached from the run folder's descriptor at every use."""
         with self.folder.open() as rfd:

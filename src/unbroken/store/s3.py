@@ -4,8 +4,8 @@ What S3 adds to :class:`~unbroken.store.fsspec.FsspecStore`:
 
 - **Parallel multipart uploads.** A data file is cut into ``part_size`` parts as the
   writer produces it; each part is uploaded by the shared I/O pool with its own retries
-  (a part upload is idempotent), and several files upload at the same time; at most ``workers`` parts are in memory (8 × 64
-  MiB by default) and each byte is copied once, from the writer into its part.
+  (a part upload is idempotent), and several files upload at the same time; at most ``workers``
+  parts are in memory (8 × 64 MiB by default) and each byte is copied once, from the writer into its part.
   :meth:`FsspecStaging.commit` waits for every part, completes the uploads, then PUTs the
   manifest.
 - **Conditional writes** for the run's lease (:mod:`.lease`): ``If-None-Match: *`` to
@@ -55,7 +55,7 @@ class S3Store(FsspecStore):
             raise StorageError(f"{self.url}: access denied ({e}); check the credentials (storage_options "
                                "key/secret/profile, or AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / "
                                "AWS_PROFILE)") from None
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any backend error: one clear StorageError
             text = f"{type(e).__name__}: {e}"
             if "credentials" in text.lower():
                 raise StorageError(f"{self.url}: no credentials found ({text}); pass storage_options="
@@ -91,7 +91,7 @@ class S3Store(FsspecStore):
                 self.s3("abort upload", "abort_multipart_upload", Bucket=bucket, Key=up["Key"],
                         UploadId=up["UploadId"])
                 removed.append(f"multipart upload of {up['Key']}")
-        except Exception as e:  # not every S3-compatible server lists uploads
+        except Exception as e:  # noqa: BLE001 - not every S3-compatible server lists uploads
             log.debug("could not list multipart uploads under %s: %s", self.url, e)
         return removed
 
@@ -216,7 +216,7 @@ class _MultipartWriter:
             upload_id, self.upload_id = self.upload_id, None
             self.store.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=upload_id)
 
-    def __enter__(self) -> "_MultipartWriter":
+    def __enter__(self) -> _MultipartWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -57,7 +57,7 @@ class _DurableFile:
             finally:
                 self._f.close()
 
-    def __enter__(self) -> "_DurableFile":
+    def __enter__(self) -> _DurableFile:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -99,7 +99,7 @@ class _FolderStaging:
 class LocalStaging(_FolderStaging):
     """A checkpoint being written into a hidden sibling folder."""
 
-    def __init__(self, store: "LocalStore", name: str) -> None:
+    def __init__(self, store: LocalStore, name: str) -> None:
         self.store, self.name, self.url = store, name, store.url
         self.token = f".staging-{writer_tag()}_{name}"
         self.path = store.root / self.token
@@ -155,7 +155,7 @@ class LocalStaging(_FolderStaging):
 class JoinedStaging(_FolderStaging):
     """A rank writing its files into the coordinator's staging folder."""
 
-    def __init__(self, store: "LocalStore", token: str, name: str) -> None:
+    def __init__(self, store: LocalStore, token: str, name: str) -> None:
         self.name, self.token, self.url = name, token, store.url
         self.path = store.root / token
         with store.folder.open() as rfd:

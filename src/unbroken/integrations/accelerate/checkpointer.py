@@ -96,7 +96,7 @@ class Checkpointer:
         """Wait for background work (``async_save``, uploads) and release the run."""
         self.checkpointer.close()
 
-    def __enter__(self) -> "Checkpointer":
+    def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -27,7 +27,8 @@ synchronisation the uninterrupted run did not have.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from accelerate.data_loader import DataLoaderStateMixin

@@ -26,7 +26,8 @@ _REFUSED = {
     DistributedType.DEEPSPEED: "DeepSpeed through Accelerate is not supported by this integration: put the engine in "
                                "a plain unbroken state instead (state = {'engine': engine, 'data': loader}, see the "
                                "DeepSpeed section of docs/integrations.md)",
-    DistributedType.MEGATRON_LM: "Megatron-LM through Accelerate is not supported (its checkpointing is Megatron's own)",
+    DistributedType.MEGATRON_LM: "Megatron-LM through Accelerate is not supported "
+                                 "(its checkpointing is Megatron's own)",
     DistributedType.XLA: "XLA/TPU is not supported by this integration",
 }
 

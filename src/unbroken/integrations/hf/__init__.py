@@ -97,7 +97,7 @@ __all__ = ["enable", "UnbrokenTrainerCallback", "UnbrokenCallback", "TrainerCoun
 
 
 def enable(trainer: Trainer, location: str | os.PathLike[str], *, save_every: int | None = None,
-           keep_last: int | None = 3, save_final: bool = True, **checkpointer_options: Any) -> "UnbrokenCallback":
+           keep_last: int | None = 3, save_final: bool = True, **checkpointer_options: Any) -> UnbrokenCallback:
     """Make ``trainer`` save to and resume from the unbroken run ``location`` (see the module docstring).
 
     ``save_every``, ``keep_last`` and every other keyword (``trigger``, ``retention``, ``remote``,

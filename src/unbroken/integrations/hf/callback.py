@@ -173,7 +173,7 @@ class UnbrokenCallback(TrainerCallback):
             if ckpt is not None:
                 try:
                     ckpt.close()
-                except Exception as err:  # noqa: BLE001 - never hide the training's own outcome
+                except Exception as err:
                     if exc is None:
                         raise
                     log.error("closing the run after a failed train() failed too: %s", err)

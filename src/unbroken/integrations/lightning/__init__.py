@@ -23,7 +23,7 @@ if not installed():
         "unbroken.integrations.lightning needs PyTorch Lightning (lightning.pytorch or pytorch_lightning), "
         "which is not installed: pip install 'unbroken[lightning]'")
 
-from .callback import UnbrokenCallback  # noqa: E402
-from .checkpoint_io import UnbrokenCheckpointIO  # noqa: E402
+from .callback import UnbrokenCallback
+from .checkpoint_io import UnbrokenCheckpointIO
 
 __all__ = ["UnbrokenCallback", "UnbrokenCheckpointIO"]
