@@ -60,7 +60,7 @@ class AdaptedState(MutableMapping):
         self.state[key] = value  # type: ignore[index]
 
     def __delitem__(self, key: str) -> None:
-        del self.state[key]  # type: ignore[attr-defined]
+        del self.state[key]  # type: ignore[union-attr]  # a read-only mapping raises, as it should
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.state)

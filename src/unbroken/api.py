@@ -154,7 +154,10 @@ def read_run(location: str | os.PathLike[str], storage_options: Mapping[str, Any
     for _attempt in range(RELISTS):
         names = tagged(store, tag) if tag is not None else None
         try:
-            loaded, _ = newest_valid(store, skip, lambda n, names=names: n not in bad and (names is None or n in names))
+            def wanted(n: str, names: set[str] | None = names) -> bool:
+                return n not in bad and (names is None or n in names)
+
+            loaded, _ = newest_valid(store, skip, wanted)
             break
         except Pruned as e:
             log.info("%s was pruned while it was read; looking for the newest checkpoint again", store.describe(str(e)))

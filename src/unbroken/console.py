@@ -17,14 +17,14 @@ import sys
 _LOGGER = "unbroken"
 
 
-class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+class _Stderr(logging.StreamHandler):
     """stderr as it is when a record is written (pytest and notebooks swap ``sys.stderr``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.setFormatter(logging.Formatter("unbroken: %(message)s"))
 
-    @property  # type: ignore[override]
+    @property
     def stream(self):
         return sys.stderr
 

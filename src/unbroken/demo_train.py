@@ -22,7 +22,9 @@ import json
 import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +35,7 @@ import unbroken.data
 
 N_SAMPLES, N_FEATURES, N_CLASSES = 4096, 64, 10
 MICRO_BATCH, ACCUM = 32, 2
+ASYNC: dict[str | None, bool | Literal["lazy"]] = {None: False, "copy": True, "lazy": "lazy"}  # --async-save
 
 
 def make_dataset(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,14 +56,14 @@ class Augmented(Dataset):
     def __len__(self) -> int:
         return N_SAMPLES
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, i: unbroken.data.SampleIndex) -> tuple[torch.Tensor, torch.Tensor]:
         g = i.generator()  # keyed by (seed, epoch, index): same with any num_workers, after any resume
         noise = torch.randn(N_FEATURES, generator=g) * 0.3
         sign = 1.0 if torch.rand((), generator=g).item() < 0.5 else -1.0
         return sign * self.x[i] + noise, self.y[i]
 
 
-def make_model(hidden: int) -> torch.nn.Module:
+def make_model(hidden: int) -> torch.nn.Sequential:
     return torch.nn.Sequential(
         torch.nn.Linear(N_FEATURES, hidden), torch.nn.GELU(), torch.nn.Dropout(0.1),
         torch.nn.Linear(hidden, hidden), torch.nn.GELU(), torch.nn.Dropout(0.1),
@@ -68,7 +71,7 @@ def make_model(hidden: int) -> torch.nn.Module:
     )
 
 
-def warmup_cosine(total: int, warmup: int):
+def warmup_cosine(total: int, warmup: int) -> Callable[[int], float]:
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
@@ -94,7 +97,7 @@ def train(args: argparse.Namespace) -> int:
     # --- unbroken: four lines ---------------------------------------------------
     ckpt = unbroken.Checkpointer(args.run_dir, save_every=args.save_every, keep_last=3, rng="rng" not in args.omit,
                                  preemption=unbroken.Preemption(requeue=args.requeue, grace_period=args.grace),
-                                 async_save={None: False, "copy": True, "lazy": "lazy"}[args.async_save],
+                                 async_save=ASYNC[args.async_save],
                                  incremental=args.incremental,
                                  ram=unbroken.RamTier(persist_every=args.ram) if args.ram else None)
     state = {"model": model, "optimizer": opt, "scheduler": sched, "scaler": scaler, "data": loader}
@@ -153,7 +156,8 @@ def train(args: argparse.Namespace) -> int:
     return 0
 
 
-def write_final(out: Path, model, opt, sched, scaler) -> None:
+def write_final(out: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any,
+                scaler: torch.amp.GradScaler) -> None:
     """Final state in formats independent of unbroken, for the bitwise comparison."""
     from safetensors.torch import save_file
 

@@ -356,9 +356,13 @@ class Checkpointer(Saving, Stepping):
                                  skip_batches)
         outer, self._recovery = self._recovery, policy  # nested: the inner one's predicate while it runs
         try:
-            return recovery.run(self, fn, state, policy, lambda: self._guard and self._guard.mark())
+            return recovery.run(self, fn, state, policy, self._mark_guard)
         finally:
             self._recovery = outer
+
+    def _mark_guard(self) -> None:
+        if self._guard is not None:
+            self._guard.mark()
 
     def epochs(self, state: Mapping[str, Any], epochs: int | Sequence[Any]) -> Iterator[Any]:
         """``for epoch in ckpt.epochs(state, range(1, n + 1)):`` — the epochs left (an ``int`` n:

@@ -74,7 +74,7 @@ def figure(curves: Sequence[Curve], *, markers: Sequence[Marker] = (), title: st
     ax = fig.add_subplot()
     colour = 0
     for c in curves:
-        dot = {"marker": "o", "markersize": 4} if len(c.steps) == 1 else {}  # a lone point is no line
+        dot: dict[str, Any] = {"marker": "o", "markersize": 4} if len(c.steps) == 1 else {}  # a lone point: no line
         if c.reference:
             ax.plot(c.steps, c.values, color="0.8", linewidth=6, solid_capstyle="round", label=c.label, zorder=1,
                     gid="curve", **dot)

@@ -95,7 +95,7 @@ class Nodes:
         n = int(size.item())
         if n < 0:
             return None
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.index == node and n \
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.index == node and n and data \
             else torch.empty(n, dtype=torch.uint8)
         if n:
             self._bcast(buf, node)
@@ -128,7 +128,7 @@ class Nodes:
             self._bcast(piece, node)
             if self.index != node and not error:
                 try:
-                    write(memoryview(piece.numpy()))
+                    write(memoryview(piece.numpy()))  # type: ignore[arg-type]  # an ndarray is a buffer
                 except Exception as e:  # noqa: BLE001 - reported after the last piece
                     error = f"{type(e).__name__}: {e}"
         return error
@@ -265,7 +265,10 @@ def replicate(nodes: Nodes, staging: Any, results: list[Mapping[str, Any]]) -> s
     for rank, res in enumerate(results):
         node = nodes.node_of(rank)
         for fname, (size, digest) in sorted(res["files"].items()):
-            read = _Reader(lambda f=fname: os.open(f, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=staging.folder_fd))
+            def opener(f: str = fname) -> int:
+                return os.open(f, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=staging.folder_fd)
+
+            read = _Reader(opener)
             sink: _Checked | None = None
 
             def write(piece: memoryview, f: str = fname) -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,7 +92,7 @@ class CheckpointFiles:
     def __init__(self, storage: Storage, name: str, manifest: Manifest) -> None:
         self.storage, self.name, self.manifest = storage, name, manifest
         self._bytes: dict[str, Any] = {}
-        self._tensors: dict[str, dict[str, torch.Tensor]] = {}
+        self._tensors: dict[str, Mapping[str, torch.Tensor]] = {}
         self._chunks_used: set[str] = set()
         self.check_ids = False
         """Also check that each chunk's SHA-256 is its id (``unbroken verify``; a restore checks
@@ -160,7 +160,7 @@ class CheckpointFiles:
         names = {f for f in self.manifest.files if not is_chunk(f)}
         return names | {chunkmap.tensor_file_of(f) for f in names if f.endswith(chunkmap.SUFFIX)}
 
-    def tensors(self, fname: str) -> dict[str, torch.Tensor]:
+    def tensors(self, fname: str) -> Mapping[str, torch.Tensor]:
         if not fname.endswith(".safetensors"):
             raise CorruptCheckpointError(f"tensor reference to non-tensor file {fname!r}")
         if fname not in self._tensors:
@@ -252,7 +252,7 @@ class LoadedCheckpoint:
         assert self.files is not None
         md = self.sharded_metadata()
         return substitute(self.state if tree is None else tree,
-                          lambda ref: assemble(ref.fqn, md, self.files.tensors))  # type: ignore[union-attr]
+                          lambda ref: assemble(ref.fqn, md, self.files.tensors))
 
 
 def contains_sharded(x: Any) -> bool:

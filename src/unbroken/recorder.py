@@ -97,7 +97,7 @@ class Recorder:
         if self._segment or self._index is None:
             return
         self._segment = True
-        self._call("start_segment", lambda: self._index.start_segment(resumed_from, step, tier))  # type: ignore[union-attr]
+        self._call("start_segment", lambda: self._index.start_segment(resumed_from, step, tier))
 
     def metrics(self, step: int, metrics: Mapping[str, Any]) -> None:
         numbers = {k: v for k, v in metrics.items()
@@ -105,7 +105,7 @@ class Recorder:
                    or (hasattr(v, "numel") and v.numel() == 1)}
         if numbers and self._index is not None:
             self.segment(None, step - 1)
-            self._call("log_metrics", lambda: self._index.log_metrics(step, numbers))  # type: ignore[union-attr]
+            self._call("log_metrics", lambda: self._index.log_metrics(step, numbers))
             for k in numbers:
                 self._rows[k] = (self._rows.get(k, (0, 0))[0] + 1, step)
 
@@ -114,24 +114,24 @@ class Recorder:
         commits, with a mark of how many there are (``metrics --check`` finds lost ones); ``sync``
         False for a RAM checkpoint (committed, not fsynced: see ``RunIndex.mark_durable``)."""
         if self._index is not None and self._segment:
-            self._call("mark_durable", lambda: self._index.mark_durable(step, self._rows, sync))  # type: ignore[union-attr]
+            self._call("mark_durable", lambda: self._index.mark_durable(step, self._rows, sync))
 
     def saved(self, name: str, manifest: Any, took: float, tags: list[str], sync: bool = True) -> None:
         if self._index is None:
             return
         self.segment(None, manifest.step)
-        self._call("record_checkpoint", lambda: self._index.record_checkpoint(  # type: ignore[union-attr]
+        self._call("record_checkpoint", lambda: self._index.record_checkpoint(
             name, manifest.step, manifest.seq, manifest.progress.get("epoch"), manifest.created, took,
             manifest.total_bytes, manifest.kind, manifest.metrics, tags, manifest.environment, sync=sync))
 
     def status(self, name: str, status: str, message: str) -> None:
         if self._index is not None:
-            self._call("set_status", lambda: self._index.set_status(name, status, message))  # type: ignore[union-attr]
+            self._call("set_status", lambda: self._index.set_status(name, status, message))
 
     def event(self, kind: str, message: str = "", step: int | None = None, checkpoint: str | None = None,
               data: Mapping[str, Any] | None = None) -> None:
         if self._index is not None:
-            self._call("event", lambda: self._index.event(kind, message, step, checkpoint, data))  # type: ignore[union-attr]
+            self._call("event", lambda: self._index.event(kind, message, step, checkpoint, data))
 
     def close(self) -> None:
         if self._index is not None:

@@ -237,6 +237,7 @@ def drop_gradients(state: Mapping[str, Any]) -> None:
     process; and every AMP ``GradScaler``'s per-optimizer stage (unscaled, stepped) cleared, as its own
     ``update()`` does (a failure between ``unscale_()`` and ``update()`` would otherwise make the re-run
     step raise "unscale_() has already been called")."""
+    obj: torch.nn.Module | torch.optim.Optimizer
     for obj in instances(state, (torch.nn.Module, torch.optim.Optimizer)):
         if isinstance(obj, torch.nn.Module):
             params: Iterable[torch.Tensor] = obj.parameters()

@@ -85,7 +85,7 @@ def load_sharded_parts(live: MutableMapping[str, Any], saved: dict[str, Any], lo
     assert loaded.files is not None
     load_sharded(targets, metadata, group, loaded.files.tensors)
     return substitute(saved, lambda ref: targets[ref.fqn] if ref.fqn in targets
-                      else assemble(ref.fqn, metadata, loaded.files.tensors))  # type: ignore[union-attr]
+                      else assemble(ref.fqn, metadata, loaded.files.tensors))
 
 
 def check_all(state: MutableMapping[str, Any], saved: dict[str, Any], mine: dict[str, Any] | None,

@@ -64,7 +64,7 @@ def streams(x: Any) -> dict[str, tuple[str, Any]] | None:
     itself), or ``None`` if ``x`` is no generator."""
     if isinstance(x, StatefulValue) and x.cls == GLOBAL_RNG and isinstance(x.value, dict):
         kinds = {"python": "python", "numpy": "numpy", "torch": "torch", "cuda": "cuda"}
-        return {k: (kinds.get(k, k), v) for k, v in x.value.items()}
+        return {k: (kinds.get(k, str(k)), v) for k, v in x.value.items()}
     if isinstance(x, torch.Generator):
         kind = "cuda" if x.device.type == "cuda" else "torch"
         return {"": (kind, {"device": str(x.device), "state": x.get_state()})}

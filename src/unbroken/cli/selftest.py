@@ -115,9 +115,9 @@ def _print(rep: Report) -> None:
     if rep.error:
         note.print(f"[red]{escape(rep.error)}[/]")
     if rep.verdict == IDENTICAL:
-        n = len(rep.attempts) - 1
+        count = len(rep.attempts) - 1
         con.print(f"[bold green]identical[/]: {rep.steps} steps, what every step consumed and produced and the final "
-                  f"state bitwise equal across {n} interruption{'s' if n != 1 else ''}"
+                  f"state bitwise equal across {count} interruption{'s' if count != 1 else ''}"
                   + (f", on each of the {rep.nproc} ranks" if rep.nproc > 1 else ""))
     elif rep.verdict != ERROR and not rep.divergence:
         con.print("[bold red]diverged[/]")

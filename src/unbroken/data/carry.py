@@ -135,12 +135,13 @@ class Packer:
         if shape != (self.seq_len, self.batch_size):
             raise ValueError(f"the checkpoint's packer made ({state['batch_size']}, {state['seq_len']}) batches, "
                              f"this one ({self.batch_size}, {self.seq_len}): keep the shape across a resume")
-        carried = [state.get("tokens"), state.get("positions")]
-        if not all(isinstance(t, torch.Tensor) and t.dim() == 1 and not t.is_floating_point() for t in carried) \
-                or carried[0].numel() != carried[1].numel() or carried[0].numel() >= self.seq_len * self.batch_size \
-                or (carried[1].numel() and int(carried[1].min()) < 0):
+        tokens, positions = state.get("tokens"), state.get("positions")
+        if not isinstance(tokens, torch.Tensor) or not isinstance(positions, torch.Tensor) \
+                or not all(t.dim() == 1 and not t.is_floating_point() for t in (tokens, positions)) \
+                or tokens.numel() != positions.numel() or tokens.numel() >= self.seq_len * self.batch_size \
+                or (positions.numel() and int(positions.min()) < 0):
             raise ValueError("the checkpoint's packer carries tokens and positions that are not two integer vectors "
                              f"of one length under a batch ({self.batch_size} x {self.seq_len}), positions from 0: the "
                              "checkpoint is damaged or was not written by this packer")
-        self.tokens = [int(t) for t in carried[0].tolist()]
-        self.positions = [int(t) for t in carried[1].tolist()]
+        self.tokens = [int(t) for t in tokens.tolist()]
+        self.positions = [int(t) for t in positions.tolist()]

@@ -39,7 +39,7 @@ ENDLESS = 1 << 62
 Weights = Mapping[str, float] | Sequence[tuple[int, Mapping[str, float]]]
 
 
-class Mixture(Dataset):  # type: ignore[type-arg]
+class Mixture(Dataset):
     """Map-style ``sources`` drawn by ``weights``, exactly resumable (see the module docstring).
 
     Args:

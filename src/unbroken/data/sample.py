@@ -32,7 +32,7 @@ class SampleIndex(int):
         self.epoch = epoch
         return self
 
-    def __reduce__(self):  # type: ignore[override]  # crosses to DataLoader workers
+    def __reduce__(self):  # crosses to DataLoader workers
         return (SampleIndex, (int(self), self.seed, self.epoch))
 
     def generator(self) -> torch.Generator:

@@ -23,7 +23,7 @@ from torch.utils.data import Dataset
 from .sample import SampleIndex, sample_seed
 
 
-class Seeded(Dataset):  # type: ignore[type-arg]
+class Seeded(Dataset):
     """``dataset`` whose samples are loaded with the global RNGs seeded by ``(seed, epoch, index)``.
 
     Use it with :class:`~unbroken.data.ResumableLoader` (which passes the

@@ -38,7 +38,7 @@ from .order import mix_ints
 _OWNED = ("batch_size", "shuffle", "sampler", "batch_sampler", "generator", "persistent_workers")
 
 
-def _identity(chunk: dict[str, Any]) -> dict[str, Any]:
+def _identity(chunk: Any) -> Any:  # (batch_size=None: DataLoader hands each chunk as it is)
     return chunk
 
 
@@ -51,7 +51,7 @@ def _generic_chunks(source: Any, size: int) -> Iterator[tuple[list[Any], Any]]:
         yield rows, source.state_dict()
 
 
-class _Lanes(IterableDataset):  # type: ignore[type-arg]
+class _Lanes(IterableDataset):
     """What each worker runs: its lane of the stream, from its saved state, in tagged chunks."""
 
     def __init__(self, source: Any, is_hf: bool, lanes: int, first: int, states: list[Any], done: list[bool],
@@ -214,7 +214,7 @@ class StreamLoader:
             want = self._expected()
             while not held[want]:
                 try:
-                    chunk = next(chunks)
+                    chunk: dict[str, Any] = next(chunks)
                 except StopIteration:
                     raise RuntimeError(f"lane {want} of the stream ended without its end marker (a worker stopped "
                                        "early)") from None

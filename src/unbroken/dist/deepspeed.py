@@ -65,7 +65,7 @@ class DeepSpeedState(Adapter):
     def _inner(self) -> torch.optim.Optimizer:
         return self.engine.optimizer.optimizer
 
-    def _params(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    def _params(self) -> Iterator[tuple[str, Any]]:  # (DeepSpeed's parameters carry ds_* attributes)
         seen: set[int] = set()
         for name, p in self.engine.module.named_parameters():
             if id(p) not in seen:  # a tied weight once
@@ -121,14 +121,14 @@ class DeepSpeedState(Adapter):
         self.engine.optimizer._hp_optimizer_states_linked = False
         self.engine.optimizer._lazy_init_hp_params_optimizer_state()
 
-    def _slice3(self, p: torch.nn.Parameter) -> tuple[int, int]:
+    def _slice3(self, p: Any) -> tuple[int, int]:
         """(offset, length) of this rank's elements of a ZeRO-3 parameter (its partition, unpadded)."""
         size = p.ds_tensor.ds_numel if hasattr(p.ds_tensor, "ds_numel") else p.ds_tensor.numel()
         rank = _dist().get_rank(group=p.ds_process_group)
         offset = min(rank * size, p.ds_numel)
         return offset, max(0, min(size, p.ds_numel - offset))
 
-    def _pieces(self, p: torch.nn.Parameter, mode: str, keys: list[str]) -> tuple[int, dict[str, torch.Tensor]]:
+    def _pieces(self, p: Any, mode: str, keys: list[str]) -> tuple[int, dict[str, torch.Tensor]]:
         """(offset, {"fp32" or an optimizer key: this rank's live elements}) of a trainable parameter."""
         if mode == "hp":
             m = p._hp_mapping
@@ -182,7 +182,10 @@ class DeepSpeedState(Adapter):
         keys = self._element_keys()
         if mode == "hp" and keys:
             self._link_optimizer_state()
-        shapes, master, state, frozen = {}, {}, {k: {} for k in keys}, {}
+        shapes: dict[str, Any] = {}
+        master: dict[str, FlatShard] = {}
+        state: dict[str, dict[str, FlatShard]] = {k: {} for k in keys}
+        frozen: dict[str, FlatShard | torch.Tensor] = {}
         for name, p in self._params():
             numel = int(p.ds_numel if mode == "zero3" else p.numel())
             shapes[name] = {"shape": list(p.ds_shape if mode == "zero3" else p.shape),
@@ -201,7 +204,7 @@ class DeepSpeedState(Adapter):
         inner, flats = self._inner(), self._flats()
         groups = []
         for i, g in enumerate(inner.param_groups):
-            first = next((inner.state[f] for gi, f in flats if gi == i and inner.state.get(f)), {})
+            first: dict[str, Any] = next((inner.state[f] for gi, f in flats if gi == i and inner.state.get(f)), {})
             groups.append({"hyper": {k: v for k, v in g.items() if k != "params"},
                            "scalars": {k: v for k, v in first.items() if k not in keys}})
         out.update(params=shapes, master=master, optimizer_state=state, groups=groups, frozen=frozen,

@@ -18,7 +18,8 @@ process), :func:`assemble` rebuilds full tensors from the saved pieces.
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch.futures import Future
@@ -81,8 +82,8 @@ def decode_metadata(raw: bytes, files: set[str]) -> Metadata:
         for s in doc["storage"]:
             if s["file"] not in files:
                 raise CorruptCheckpointError(f"{SHARDED_FILE} refers to unlisted file {s['file']!r}")
-            off = None if s["offset"] is None else torch.Size(_ints(s["offset"], "offset"))
-            storage[MetadataIndex(str(s["fqn"]), off)] = {"file": s["file"], "key": str(s["key"])}
+            offset = None if s["offset"] is None else torch.Size(_ints(s["offset"], "offset"))
+            storage[MetadataIndex(str(s["fqn"]), offset)] = {"file": s["file"], "key": str(s["key"])}
     except CorruptCheckpointError:
         raise
     except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
@@ -163,7 +164,7 @@ class ShardReader(StorageReader):
     ``tensors(file) -> {key: tensor}`` reads and verifies one file (once; the caller caches).
     """
 
-    def __init__(self, metadata: Metadata, tensors: Callable[[str], dict[str, torch.Tensor]]) -> None:
+    def __init__(self, metadata: Metadata, tensors: Callable[[str], Mapping[str, torch.Tensor]]) -> None:
         super().__init__()
         self.metadata, self.tensors = metadata, tensors
 
@@ -209,7 +210,7 @@ class ShardReader(StorageReader):
 
 
 def load_sharded(targets: dict[str, torch.Tensor], metadata: Metadata, group: Any,
-                 tensors: Callable[[str], dict[str, torch.Tensor]]) -> None:
+                 tensors: Callable[[str], Mapping[str, torch.Tensor]]) -> None:
     """Fill ``targets`` (this rank's live DTensors, or plain full tensors) in place from the
     saved pieces, whatever the sharding they were saved with (a collective)."""
     import torch.distributed.checkpoint as dcp
@@ -219,7 +220,7 @@ def load_sharded(targets: dict[str, torch.Tensor], metadata: Metadata, group: An
              process_group=group, no_dist=group is None)
 
 
-def assemble(fqn: str, metadata: Metadata, tensors: Callable[[str], dict[str, torch.Tensor]]) -> torch.Tensor:
+def assemble(fqn: str, metadata: Metadata, tensors: Callable[[str], Mapping[str, torch.Tensor]]) -> torch.Tensor:
     """The full tensor ``fqn`` from its saved pieces (no live shard to load into)."""
     meta = metadata.state_dict_metadata.get(fqn)
     if not isinstance(meta, TensorStorageMetadata):

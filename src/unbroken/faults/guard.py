@@ -370,7 +370,7 @@ class StepGuard:
         self.attach(self)
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> Literal[False]:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()

@@ -79,7 +79,7 @@ def raw_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without copying."""
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]  # a buffer
 
 
 def layout(entries: Iterable[TensorEntry], metadata: dict[str, str] | None = None) -> tuple[bytes, list[TensorEntry]]:
@@ -146,7 +146,7 @@ def _bad(name: str, msg: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"{name}: {msg}")
 
 
-class _Pairs(list):  # type: ignore[type-arg]
+class _Pairs(list):
     """A JSON object as parsed: its ``(key, value)`` pairs in order, duplicates kept. Built by
     ``json`` in C (no Python call per object), and told apart from a JSON array by its type."""
 
@@ -296,7 +296,7 @@ def _parse_entries(text: str, data_len: int, name: str) -> dict[str, dict[str, A
     spans: list[tuple[int, int]] = []
     metadata = False
     for i, (key, info) in enumerate(top):
-        top[i] = None  # type: ignore[call-overload]  # free each parsed entry once it is converted
+        top[i] = None  # free each parsed entry once it is converted
         if key == "__metadata__":
             if metadata:
                 raise _bad(name, "duplicate key '__metadata__'")

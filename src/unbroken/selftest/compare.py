@@ -160,8 +160,8 @@ def compare(ref: list[dict[str, Any]], got: list[dict[str, Any]], steps: int) ->
     not_drawn: dict[str, dict[str, Any]] = {}
     skipped: list[dict[str, Any]] = []
     for r in got:
-        kind, step, seg = r.get("kind"), r.get("step"), r.get("seg")
-        if kind not in ("restore", "step"):
+        kind, step, seg = r.get("kind"), r.get("step"), r.get("seg", 0)
+        if kind not in ("restore", "step") or not isinstance(step, int) or not isinstance(seg, int):
             continue
         if prev is not None and prev.get("seg") != seg:
             prev = None
@@ -188,7 +188,7 @@ def compare(ref: list[dict[str, Any]], got: list[dict[str, Any]], steps: int) ->
             drawn = {s for s in {stream(k) for k in differ} if s is not None
                      and (drew(expected, recs.before(step), s) or drew(r, prev, s))}
             uncounted = [k for k in differ if stream(k) is not None and stream(k) not in drawn and k not in skip]
-            if first_after_resume(r, prev):
+            if prev is not None and first_after_resume(r, prev):
                 skipped.extend(skipped_work(recs, r, prev))
         records += 1
         components += len(keys)
@@ -204,7 +204,7 @@ def compare(ref: list[dict[str, Any]], got: list[dict[str, Any]], steps: int) ->
                     div.evidence["rng_differs_since"] = since
             return Comparison(records, components, reruns, div, [], ignored, None,
                               list(not_drawn.values()), skipped)
-        new = sorted({stream(k) for k in uncounted} - set(not_drawn))
+        new = sorted({s for k in uncounted if (s := stream(k)) is not None} - set(not_drawn))
         if new:
             ev = gather(recs, r, prev, expected, uncounted, quiet)
             for s in new:

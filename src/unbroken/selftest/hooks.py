@@ -42,6 +42,7 @@ import signal
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -350,7 +351,7 @@ class Hooks:
     def unsaved_generators(self, state: Mapping[str, Any]) -> str:
         """One digest over the states of the random generators the script holds outside the state:
         in the locals and globals of the calling frames (outside unbroken), one attribute deep."""
-        managed = {id(torch.default_generator), id(np.random.mtrand._rand), id(random._inst)}  # type: ignore[attr-defined]
+        managed = {id(torch.default_generator), id(np.random.mtrand._rand), id(random._inst)}
         for v in state.values():
             managed.add(id(v))
             if isinstance(v, ResumableLoader):
@@ -366,7 +367,7 @@ class Hooks:
             if h is not None:
                 found[id(x)] = h
 
-        frame = sys._getframe(1)
+        frame: FrameType | None = sys._getframe(1)
         while frame is not None:
             if not frame.f_code.co_filename.startswith(_PACKAGE):
                 scopes = [frame.f_locals] + ([frame.f_globals] if frame.f_globals.get("__name__") == "__main__" else [])

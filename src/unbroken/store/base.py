@@ -122,10 +122,13 @@ class Store(Protocol):
 
     url: str
     """Where the run lives (an absolute path or a URL), never with credentials."""
-    identity: str
-    """Which run this is, the same for every spelling of its location (a folder's real path;
-    the backend's own protocol and path for a URL): what its lock, its lease and its index
-    cache are keyed by, and what two tiers must not share."""
+    @property
+    def identity(self) -> str:
+        """Which run this is, the same for every spelling of its location (a folder's real path;
+        the backend's own protocol and path for a URL): what its lock, its lease and its index
+        cache are keyed by, and what two tiers must not share."""
+        ...
+
     remote: bool
     """True for object stores and other non-local filesystems."""
 

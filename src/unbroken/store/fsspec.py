@@ -151,7 +151,7 @@ class FsspecStore:
         """A writer for one data object; backends specialise this (S3: parallel multipart)."""
         return self.fs.open(path, "wb")
 
-    def put(self, path: str, data: bytes) -> None:
+    def put(self, path: str, data: bytes | bytearray) -> None:
         self.call("upload", self.fs.pipe_file, path, data)
 
     def remove(self, paths: list[str]) -> None:

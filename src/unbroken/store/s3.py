@@ -65,7 +65,7 @@ class S3Store(FsspecStore):
     def open_writer(self, path: str, staging: FsspecStaging) -> Any:
         return _MultipartWriter(self, path, staging)
 
-    def put(self, path: str, data: bytes) -> None:
+    def put(self, path: str, data: bytes | bytearray) -> None:
         bucket, key = self.split(path)
         self.s3("upload", "put_object", Bucket=bucket, Key=key, Body=data)
 

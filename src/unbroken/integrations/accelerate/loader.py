@@ -89,7 +89,7 @@ class ResumableLoader(_CoreLoader, DataLoader, DataLoaderStateMixin):  # type: i
         return None if self.device is None else torch.device(self.device)
 
     # ------------------------------------------------------------------ iteration
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a generator, not a _BaseDataLoaderIter
         if 0 < self.position >= self.epoch_length:
             # restored from a checkpoint of the epoch's last step: that epoch's loop ends here
             self.load_state_dict({**self.state_dict(), "epoch": self.epoch + 1, "position": 0})

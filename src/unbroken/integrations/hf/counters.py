@@ -44,7 +44,8 @@ class TrainerCounters:
         self.trainer = trainer
 
     def _callbacks(self) -> dict[str, Any]:
-        out, seen = {}, {}
+        out: dict[str, Any] = {}
+        seen: dict[Any, Any] = {}
         for cb in self.trainer.callback_handler.callbacks:
             if isinstance(cb, ExportableState):
                 name = type(cb).__name__
@@ -61,7 +62,7 @@ class TrainerCounters:
         if metrics is not None:
             out["trl_metrics"] = {mode: {k: list(v) for k, v in values.items()} for mode, values in metrics.items()}
         out["callbacks"] = {k: dict(cb.state().get("attributes", {})) for k, cb in self._callbacks().items()}
-        config = getattr(t.model, "config", None)
+        config: Any = getattr(t.model, "config", None)
         if hasattr(config, "to_json_string"):  # what save_pretrained writes as config.json (all fields)
             out[MODEL_CONFIG] = {"architectures": [type(t.model).__name__],
                                  **{k: v for k, v in json.loads(config.to_json_string(use_diff=False)).items()

@@ -25,12 +25,14 @@ def _import(name: str) -> ModuleType | None:
     """The package ``name`` (one of :data:`PACKAGES`), or ``None`` if it cannot be imported."""
     try:
         if name == "lightning.pytorch":
-            import lightning.pytorch as package
-        else:
-            import pytorch_lightning as package
+            import lightning.pytorch
+
+            return lightning.pytorch
+        import pytorch_lightning
+
+        return pytorch_lightning
     except ImportError:
         return None
-    return package
 
 
 @functools.cache
@@ -42,10 +44,12 @@ def installed() -> tuple[ModuleType, ...]:
 def fabric(pl: ModuleType) -> ModuleType:
     """The ``fabric`` package that goes with ``pl`` (where ``CheckpointIO`` lives)."""
     if pl.__name__ == "lightning.pytorch":
-        import lightning.fabric as package
-    else:
-        import lightning_fabric as package
-    return package
+        import lightning.fabric
+
+        return lightning.fabric
+    import lightning_fabric
+
+    return lightning_fabric
 
 
 def callback_bases() -> tuple[type, ...]:

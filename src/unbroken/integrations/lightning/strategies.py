@@ -29,7 +29,7 @@ def model_state(trainer: Any, pl_module: Any) -> dict[str, Any]:
     if wrapped is not None and adapter_for(wrapped) is not None:  # a DeepSpeed engine
         return {"engine": wrapped}
     opts = list(trainer.optimizers)
-    if is_fsdp1(wrapped):
+    if wrapped is not None and is_fsdp1(wrapped):
         return {"model": FSDPState(wrapped, opts)}
     state: dict[str, Any] = {"model": pl_module}
     for i, opt in enumerate(opts):
