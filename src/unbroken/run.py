@@ -23,7 +23,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -36,7 +35,7 @@ from .dist.comm import Comm
 from .errors import ConfigurationError, ReadOnlyRunError, RunLockedError, StorageError, UnbrokenError
 from .events import Event
 from .format.manifest import Manifest
-from .pruning import Pruning
+from .pruning import Retention
 from .ram import RamRun, RamTier
 from .rampeers import start_nodes
 from .reader import LoadedCheckpoint
@@ -57,7 +56,7 @@ def _identity(store: Any) -> str:
     return str(getattr(store, "identity", None) or store.url)
 
 
-class Run(Pruning):
+class Run:
     """One run location (plus an optional remote tier), opened by URL or path."""
 
     def __init__(self, location: Any, *, storage_options: Mapping[str, Any] | None = None,
@@ -68,7 +67,7 @@ class Run(Pruning):
         if ram is not None and incremental:
             raise ConfigurationError("a RAM tier with incremental=True is not supported: choose one")
         self.chunks: ChunkWriter | None = ChunkWriter(self.store) if incremental else None
-        self._has_chunks = incremental
+        self.has_chunks = incremental  # whether the run may hold chunks (collected after a prune)
         self.remote: Remote | None = remote
         self.remote_store = open_store(remote.location, remote.storage_options) if remote else None
         if self.remote_store is not None and _identity(self.remote_store) == _identity(self.store):
@@ -81,15 +80,13 @@ class Run(Pruning):
         self.uploader: Uploader | None = None
         self._next_seq = 0
         self._remote_ok = True
-        self._prune_lock = threading.Lock()
-        self._retention_warned: set[str] = set()  # stores whose damaged tags.json stopped retention (said once)
         self.last_in_ram = False  # whether the last checkpoint written went to the RAM tier
         self._writing = False
         self.damage = Damage(self.publish)
         self._remote_unlisted = False  # the remote tier could not be listed by the last restore
         self._readonly = ""  # why the run cannot be written (set by begin), "" if it can
         self._readonly_errno = errno.EROFS
-        self._schedule: Schedule | None = None  # the local retention, for prunes after uploads
+        self.retention = Retention(self)
 
     @property
     def url(self) -> str:
@@ -176,7 +173,7 @@ class Run(Pruning):
         for name in self.store.clean_chunk_temps():
             log.info("removed the half-written chunk %s of an interrupted save", name)
         if self.store.list_chunks():
-            self._has_chunks = True
+            self.has_chunks = True
             collect(self.store)
 
     def _begin_remote(self) -> None:
@@ -195,7 +192,7 @@ class Run(Pruning):
             log.warning("remote tier %s unreachable (%s); uploads start when it is back", self.remote_store.url, e)
         assert self.remote is not None
         self.uploader = Uploader(self.store, self.remote_store, self.remote_lock, self.publish,
-                                 self._prune_remote, self._sync_tags,
+                                 self.retention.after_upload, self._sync_tags,
                                  (self.remote.retry_wait_s, self.remote.retry_max_wait_s))
         self.uploader.start()
         try:  # catch up: local checkpoints newer than the newest remote one (uploads go oldest first)
@@ -316,7 +313,7 @@ class Run(Pruning):
         """Whether a save of ``kind`` goes to the RAM tier (regular ones; the others to the disk)."""
         return self.ram is not None and kind == "regular"
 
-    def _uploaded_persisted(self) -> bool:
+    def uploaded_persisted(self) -> bool:
         """Queue the RAM checkpoints the writer persisted for the remote tier; True if any was."""
         assert self.ram is not None
         done = self.ram.drain()
@@ -328,10 +325,13 @@ class Run(Pruning):
     def _persisted(self) -> None:
         """After waiting for the writer: uploads, then what waited for it may go, in RAM and on disk."""
         assert self.ram is not None
-        if self._uploaded_persisted():
+        if self.uploaded_persisted():
             self.ram.prune(None, self.ram.manifests())
-            if self._schedule is not None:
-                self._prune_disk(self._schedule, None)
+            self.retention.after_persist()
+
+    def prune(self, schedule: Schedule, keep: str | None) -> list[str]:
+        """Apply retention after a save (:meth:`unbroken.pruning.Retention.prune`)."""
+        return self.retention.prune(schedule, keep)
 
     def describe(self, name: str, in_ram: bool = False) -> str:
         """Where checkpoint ``name`` is; ``in_ram``: in the RAM tier (a save of :meth:`saves_to_ram`)."""
