@@ -34,6 +34,7 @@ system-deps:
 # The gates (docs/architecture.md, "Gates"): the linter over the repository, the type checker over src/.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 test: $(STAMP) system-deps lint
 	$(PY) -m pytest -q -ra -n $(TEST_JOBS) --dist loadfile --durations=25 $(PYTEST_ARGS)

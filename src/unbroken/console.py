@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import Any
 
 _LOGGER = "unbroken"
 
@@ -25,7 +26,7 @@ class _Stderr(logging.StreamHandler):
         self.setFormatter(logging.Formatter("unbroken: %(message)s"))
 
     @property
-    def stream(self):
+    def stream(self) -> Any:
         return sys.stderr
 
     @stream.setter

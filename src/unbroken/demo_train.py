@@ -110,7 +110,7 @@ def train(args: argparse.Namespace) -> int:
 
     batches = iter(loader)  # continues mid-epoch after a restore, nothing replayed
 
-    def next_batch():
+    def next_batch() -> Any:
         nonlocal batches
         for _ in range(2):
             try:

@@ -33,6 +33,8 @@ log = logging.getLogger("unbroken")
 class Saving:
     """The save path of :class:`~unbroken.Checkpointer` (see the module docstring)."""
 
+    last_saved: CheckpointInfo | None
+
     def _refuse_starting_over(self, kind: str, on_purpose: bool = False) -> None:
         """The first save of a process that never called ``restore()``: refused, before anything is
         written or deleted, if the run already has checkpoints (a forgotten ``restore()``, an ``if

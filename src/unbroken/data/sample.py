@@ -9,6 +9,8 @@ workers, on any rank, before and after any resume, and a different one next epoc
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -32,7 +34,7 @@ class SampleIndex(int):
         self.epoch = epoch
         return self
 
-    def __reduce__(self):  # crosses to DataLoader workers
+    def __reduce__(self) -> tuple[Any, ...]:  # crosses to DataLoader workers
         return (SampleIndex, (int(self), self.seed, self.epoch))
 
     def generator(self) -> torch.Generator:

@@ -126,7 +126,7 @@ class _FirstStep:
             h.remove()
         self.handles = []
 
-    def run(self, _state, bucket):  # DDP checks annotations: none here
+    def run(self, _state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations: none here
         """The hook: a future of ``bucket``'s reduced buffer."""
         buf = bucket.buffer()
         buf.mul_(1.0 / self.world)  # what DDP does while copying gradients in, without a hook
