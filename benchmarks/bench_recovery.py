@@ -22,10 +22,10 @@ the environment:
 * ``import``: the first line to ``import torch, unbroken`` and the model code done.
 * ``build``: model (seeded init), AdamW and loader constructed. The first AdamW of a
   process imports ``torch._dynamo`` (~2 s here): a torch cost both sides pay.
-* ``read``: ``Checkpointer(...)`` and ``restore()`` up to its ``_apply``: the run's lock,
-  finding the newest checkpoint, reading it, verifying every xxh3-128 checksum, decoding
-  (``Checkpointer._apply`` is wrapped in the child to split it).
-* ``apply``: ``_apply`` to the return of ``restore()``: ``load_state_dict`` of model,
+* ``read``: ``Checkpointer(...)`` and ``restore()`` up to ``unbroken.restoring.apply_checkpoint``:
+  the run's lock, finding the newest checkpoint, reading it, verifying every xxh3-128 checksum,
+  decoding (``apply_checkpoint`` is wrapped in the child to split it).
+* ``apply``: ``apply_checkpoint`` to the return of ``restore()``: ``load_state_dict`` of model,
   optimizer and loader, progress, RNGs, and the environment check (it fingerprints this
   process once: versions, git; shown separately as "of which environment").
 * ``data``: from ``restore()``'s return to the first resumed batch in hand.
@@ -109,6 +109,7 @@ def resume(a: argparse.Namespace, run_dir: Path, launch: float) -> dict[str, Any
 
     import unbroken
     import unbroken.manager
+    import unbroken.restoring
     from bench_train_overhead import build, train_step
     from unbroken.data import ResumableLoader
 
@@ -119,11 +120,11 @@ def resume(a: argparse.Namespace, run_dir: Path, launch: float) -> dict[str, Any
     state = {"model": model, "optimizer": opt, "data": loader}
     t["built"] = time.time()
     cls, env_s = unbroken.manager.Checkpointer, [0.0]
-    apply, environment = cls._apply, cls.environment
+    apply, environment = unbroken.restoring.apply_checkpoint, cls.environment
 
-    def timed_apply(self: Any, state: Any, loaded: Any, where: str) -> Any:
+    def timed_apply(*args: Any, **kwargs: Any) -> Any:
         t["apply"] = time.time()  # everything before: lock, listing, read, verify, decode
-        return apply(self, state, loaded, where)
+        return apply(*args, **kwargs)
 
     def timed_environment(self: Any) -> dict[str, Any]:
         t0 = time.time()
@@ -132,7 +133,8 @@ def resume(a: argparse.Namespace, run_dir: Path, launch: float) -> dict[str, Any
         finally:
             env_s[0] += time.time() - t0
 
-    cls._apply, cls.environment = timed_apply, timed_environment  # type: ignore[method-assign]
+    unbroken.restoring.apply_checkpoint = timed_apply  # what restore() calls once the checkpoint is read
+    cls.environment = timed_environment  # type: ignore[method-assign]
     ckpt = unbroken.Checkpointer(run_dir, save_every=a.resume_step, keep_last=2, preemption=None)
     info = ckpt.restore(state)
     t["restored"] = time.time()

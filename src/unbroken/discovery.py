@@ -8,6 +8,7 @@ backwards and reports each invalid one to a callback (the run quarantines it).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from .errors import CorruptCheckpointError, UnbrokenError
@@ -72,3 +73,16 @@ def tagged(store: Any, tag: str) -> set[str]:
     """The names of the committed checkpoints of ``store`` that carry ``tag``."""
     found = manifests(store)
     return {n for n, tags in tags_by_checkpoint(store, {n: m.tags for n, m in found.items()}).items() if tag in tags}
+
+
+def merge_tiers(infos: list[CheckpointInfo]) -> list[CheckpointInfo]:
+    """One entry per checkpoint (``seq``, ``step``) listed in several tiers, newest first: the
+    last one listed wins (its path), with the tiers and tags of all."""
+    merged: dict[tuple[int, int], CheckpointInfo] = {}
+    for c in infos:
+        key = (c.seq, c.step)
+        if key in merged:
+            c = replace(c, tiers=tuple(sorted(set(merged[key].tiers) | set(c.tiers))),
+                        tags=tuple(sorted(set(merged[key].tags) | set(c.tags))))
+        merged[key] = c
+    return sorted(merged.values(), key=lambda c: (c.seq, c.step), reverse=True)

@@ -39,7 +39,7 @@ from .policies import Retention, Trigger
 from .probe import ProbeFn
 from .ram import RamTier
 from .recorder import Recorder
-from .restoring import apply_checkpoint, restore_into
+from .restoring import restore_into
 from .run import Run
 from .saved_state import StateRules
 from .saving import Saving
@@ -62,11 +62,11 @@ _held: set[Checkpointer] = set()
 @at_exit
 def _close_at_exit() -> None:
     """A script that never calls close(): wait for its uploads and release its lock/lease."""
-    for ckpt in list(_open):
+    for each in list(_open):  # (this module's own Checkpointers)
         try:
-            ckpt._close(ended=False)  # (a crash, or a script that never closes: RAM kept, see unbroken.ram)
+            each._close(ended=False)  # (a crash, or a script that never closes: RAM kept, see unbroken.ram)
         except Exception as e:  # noqa: BLE001 - exiting anyway
-            log.error("closing %s at exit failed: %s", ckpt.location, e)
+            log.error("closing %s at exit failed: %s", each.location, e)
 
 
 class Checkpointer(Saving, Stepping):
@@ -339,10 +339,6 @@ class Checkpointer(Saving, Stepping):
         if info is not None and self.comm.world > 2:
             align_after_restore(state)  # DDP's first step summed as without the restart (unbroken.dist.ddpalign)
         return info
-
-    def _apply(self, state: MutableMapping[str, Any], loaded: Any, where: str) -> CheckpointInfo:
-        """Load ``loaded`` into ``state`` (see :func:`unbroken.restoring.apply_checkpoint`)."""
-        return apply_checkpoint(self, state, loaded, where)
 
     # ----------------------------------------------------------------------- save
     def recover(self, fn: Callable[[], T], state: MutableMapping[str, Any], *, on: Any, retries: int = 3,

@@ -1,6 +1,6 @@
 """Retention applied to a run's tiers: what :class:`~unbroken.run.Run` deletes after a save or an upload.
 
-:class:`Retention` is a part of :class:`~unbroken.run.Run` (``run.retention``), given the run it
+:class:`Pruner` is a part of :class:`~unbroken.run.Run` (``run.pruner``), given the run it
 serves: it reads the run's public parts (stores, lock, uploader, RAM tier, ranks), which
 :mod:`unbroken.run` sets up, and keeps its own state (the local schedule, its lock, the warnings
 it gave). Nothing is deleted that retention keeps, the newest checkpoint, the one just saved, or one
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("unbroken")
 
 
-class Retention:
+class Pruner:
     """Retention of one :class:`~unbroken.run.Run` (see the module docstring)."""
 
     def __init__(self, run: Run) -> None:

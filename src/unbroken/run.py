@@ -30,12 +30,12 @@ from . import choosing, collective
 from .api import CheckpointInfo
 from .chunks import ChunkWriter, LiveChunks, collect
 from .damage import Damage, acknowledge
-from .discovery import discover, manifests
+from .discovery import discover, manifests, merge_tiers
 from .dist.comm import Comm
 from .errors import ConfigurationError, ReadOnlyRunError, RunLockedError, StorageError, UnbrokenError
 from .events import Event
 from .format.manifest import Manifest
-from .pruning import Retention
+from .pruning import Pruner
 from .ram import RamRun, RamTier
 from .rampeers import start_nodes
 from .reader import LoadedCheckpoint
@@ -45,7 +45,7 @@ from .snapshot import Snapshot
 from .store import open_store
 from .store.local import LocalStore
 from .store.retry import is_transient
-from .tags import TAGS_FILE, load_tags, save_tags, tags_by_checkpoint
+from .tags import load_tags, save_tags, sync_tags, tags_by_checkpoint
 from .tiers import Remote, Uploader, copy_checkpoint
 
 log = logging.getLogger("unbroken")
@@ -86,7 +86,7 @@ class Run:
         self._remote_unlisted = False  # the remote tier could not be listed by the last restore
         self._readonly = ""  # why the run cannot be written (set by begin), "" if it can
         self._readonly_errno = errno.EROFS
-        self.retention = Retention(self)
+        self.pruner = Pruner(self)
 
     @property
     def url(self) -> str:
@@ -192,7 +192,7 @@ class Run:
             log.warning("remote tier %s unreachable (%s); uploads start when it is back", self.remote_store.url, e)
         assert self.remote is not None
         self.uploader = Uploader(self.store, self.remote_store, self.remote_lock, self.publish,
-                                 self.retention.after_upload, self._sync_tags,
+                                 self.pruner.after_upload, self._sync_tags,
                                  (self.remote.retry_wait_s, self.remote.retry_max_wait_s))
         self.uploader.start()
         try:  # catch up: local checkpoints newer than the newest remote one (uploads go oldest first)
@@ -257,16 +257,7 @@ class Run:
                 remote += discover(self.remote_store, "remote")
             except Exception as e:  # noqa: BLE001 - the remote tier down: listed without it, said so
                 log.warning("cannot list the remote tier %s: %s", self.remote_store.url, e)
-        merged: dict[tuple[int, int], CheckpointInfo] = {}
-        for c in remote + local:  # local last: its path wins
-            key = (c.seq, c.step)
-            if key in merged:
-                from dataclasses import replace
-
-                c = replace(c, tiers=tuple(sorted(set(merged[key].tiers) | set(c.tiers))),
-                            tags=tuple(sorted(set(merged[key].tags) | set(c.tags))))
-            merged[key] = c
-        return sorted(merged.values(), key=lambda c: (c.seq, c.step), reverse=True)
+        return merge_tiers(remote + local)  # local last: its path wins
 
     def next_seq(self) -> int:
         if self.ram is not None and self._next_seq > 0:  # the one writer knows (no listing at every RAM save)
@@ -327,11 +318,11 @@ class Run:
         assert self.ram is not None
         if self.uploaded_persisted():
             self.ram.prune(None, self.ram.manifests())
-            self.retention.after_persist()
+            self.pruner.after_persist()
 
     def prune(self, schedule: Schedule, keep: str | None) -> list[str]:
-        """Apply retention after a save (:meth:`unbroken.pruning.Retention.prune`)."""
-        return self.retention.prune(schedule, keep)
+        """Apply retention after a save (:meth:`unbroken.pruning.Pruner.prune`)."""
+        return self.pruner.prune(schedule, keep)
 
     def describe(self, name: str, in_ram: bool = False) -> str:
         """Where checkpoint ``name`` is; ``in_ram``: in the RAM tier (a save of :meth:`saves_to_ram`)."""
@@ -401,16 +392,8 @@ class Run:
             self._sync_tags()
 
     def _sync_tags(self) -> None:
-        """Copy the run-level tags to the remote tier, mapped to the names there."""
-        assert self.remote_store is not None
-        if self.uploader is None:
-            return
-        raw = self.store.read_meta(TAGS_FILE)
-        if raw is None:
-            return
-        names = self.uploader.uploaded
-        local = load_tags(self.store)
-        save_tags(self.remote_store, {t: names.get(n, n) for t, n in local.items()})
+        if self.remote_store is not None and self.uploader is not None:
+            sync_tags(self.store, self.remote_store, self.uploader.uploaded)
 
     def tags_of(self, infos: dict[str, list[str]]) -> dict[str, set[str]]:
         return tags_by_checkpoint(self.store, infos)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from .errors import UnbrokenError
@@ -71,3 +72,11 @@ def tags_by_checkpoint(store: Any, manifest_tags: dict[str, list[str]]) -> dict[
     for tag, name in run_level.items():
         out.setdefault(name, set()).add(tag)
     return out
+
+
+def sync_tags(store: Any, remote: Any, uploaded: Mapping[str, str]) -> None:
+    """Copy ``store``'s run-level tags to the ``remote`` tier, mapped to the names there
+    (``uploaded``: local name -> remote name)."""
+    if store.read_meta(TAGS_FILE) is None:
+        return
+    save_tags(remote, {t: uploaded.get(n, n) for t, n in load_tags(store).items()})
