@@ -1,7 +1,8 @@
 """Retention applied to a run's tiers: what :class:`~unbroken.run.Run` deletes after a save or an upload.
 
-:class:`Pruner` is a part of :class:`~unbroken.run.Run` (``run.pruner``), given the run it
-serves: it reads the run's public parts (stores, lock, uploader, RAM tier, ranks), which
+:class:`Pruner` is a part of :class:`~unbroken.run.Run` (``run.pruner``), handed the run at each
+call (no reference back: a run dropped without ``close()`` is collected at once, its lock
+released): it reads the run's public parts (stores, lock, uploader, RAM tier, ranks), which
 :mod:`unbroken.run` sets up, and keeps its own state (the local schedule, its lock, the warnings
 it gave). Nothing is deleted that retention keeps, the newest checkpoint, the one just saved, or one
 waiting for its upload (during an outage, the newest one waiting); a writer whose lock was lost
@@ -29,17 +30,15 @@ log = logging.getLogger("unbroken")
 class Pruner:
     """Retention of one :class:`~unbroken.run.Run` (see the module docstring)."""
 
-    def __init__(self, run: Run) -> None:
-        self.run = run
+    def __init__(self) -> None:
         self.schedule: Schedule | None = None  # the local retention, for prunes after uploads
         self._lock = threading.Lock()  # the uploader thread prunes too, after each upload
         self._warned: set[str] = set()  # stores whose damaged tags.json stopped retention (said once)
 
-    def prune(self, schedule: Schedule, keep: str | None) -> list[str]:
+    def prune(self, run: Run, schedule: Schedule, keep: str | None) -> list[str]:
         """Delete what ``schedule``'s retention does not keep in the primary store (never the
         newest, never ``keep``, never a checkpoint waiting for its upload; during an outage,
         never the newest one waiting: see :mod:`unbroken.tiers`)."""
-        run = self.run
         self.schedule = schedule
         run.require_writable("prune")
         if not run.comm.coordinator:
@@ -47,17 +46,16 @@ class Pruner:
                 return run.ram.prune(keep, run.ram.manifests())  # its node's copies (unbroken.rampeers)
             return []
         if run.ram is None:
-            return self.prune_disk(schedule, keep)
+            return self.prune_disk(run, schedule, keep)
         persisted = run.uploaded_persisted()
         in_ram = run.ram.manifests()
         doomed = run.ram.prune(keep, in_ram)
         if persisted or keep not in in_ram:  # the run location changed: a persisted copy, or a save to it
-            doomed += self.prune_disk(schedule, keep)
+            doomed += self.prune_disk(run, schedule, keep)
         return doomed
 
-    def prune_disk(self, schedule: Schedule, keep: str | None) -> list[str]:
+    def prune_disk(self, run: Run, schedule: Schedule, keep: str | None) -> list[str]:
         """Apply ``schedule`` to the run location, never deleting ``keep``."""
-        run = self.run
         with self._lock:
             if self.blocked(run.store):
                 return []
@@ -77,10 +75,10 @@ class Pruner:
                 collect(run.store, pinned=run.chunks.pinned if run.chunks else None, elsewhere=run.comm.world > 1)
         return doomed
 
-    def after_persist(self) -> None:
+    def after_persist(self, run: Run) -> None:
         """The RAM tier's writer persisted checkpoints: what waited for them on disk may go."""
         if self.schedule is not None:
-            self.prune_disk(self.schedule, None)
+            self.prune_disk(run, self.schedule, None)
 
     def blocked(self, store: Any) -> bool:
         """A damaged ``tags.json`` stops retention in ``store`` (the checkpoints it protects are
@@ -94,12 +92,11 @@ class Pruner:
             log.warning("%s", why)
         return True
 
-    def after_upload(self) -> list[str]:
+    def after_upload(self, run: Run) -> list[str]:
         """After an upload: apply the remote tier's retention, and the local one (what waited
         for this upload may go now)."""
-        run = self.run
         assert run.remote_store is not None and run.remote_schedule is not None
-        self.after_persist()
+        self.after_persist(run)
         if self.blocked(run.remote_store):
             return []
         infos = discover(run.remote_store)

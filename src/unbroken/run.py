@@ -86,7 +86,7 @@ class Run:
         self._remote_unlisted = False  # the remote tier could not be listed by the last restore
         self._readonly = ""  # why the run cannot be written (set by begin), "" if it can
         self._readonly_errno = errno.EROFS
-        self.pruner = Pruner(self)
+        self.pruner = Pruner()
 
     @property
     def url(self) -> str:
@@ -192,7 +192,7 @@ class Run:
             log.warning("remote tier %s unreachable (%s); uploads start when it is back", self.remote_store.url, e)
         assert self.remote is not None
         self.uploader = Uploader(self.store, self.remote_store, self.remote_lock, self.publish,
-                                 self.pruner.after_upload, self._sync_tags,
+                                 lambda: self.pruner.after_upload(self), self._sync_tags,
                                  (self.remote.retry_wait_s, self.remote.retry_max_wait_s))
         self.uploader.start()
         try:  # catch up: local checkpoints newer than the newest remote one (uploads go oldest first)
@@ -318,11 +318,11 @@ class Run:
         assert self.ram is not None
         if self.uploaded_persisted():
             self.ram.prune(None, self.ram.manifests())
-            self.pruner.after_persist()
+            self.pruner.after_persist(self)
 
     def prune(self, schedule: Schedule, keep: str | None) -> list[str]:
         """Apply retention after a save (:meth:`unbroken.pruning.Pruner.prune`)."""
-        return self.pruner.prune(schedule, keep)
+        return self.pruner.prune(self, schedule, keep)
 
     def describe(self, name: str, in_ram: bool = False) -> str:
         """Where checkpoint ``name`` is; ``in_ram``: in the RAM tier (a save of :meth:`saves_to_ram`)."""
