@@ -210,6 +210,17 @@ def test_the_number_of_threads_is_what_the_environment_asks() -> None:
     assert got[0] == got[1] == [got[1][0], got[1][1], got[1][2]] and got[1][0] == "1" and got[1][2] == "1", got
 
 
+def test_a_script_beside_the_fork_server_s_own_modules_is_served() -> None:
+    """The test scripts (tests/dist_train.py, ds_train.py, ...) live in the folder of zygote*.py, which the
+    zygote imported: that folder first on the script's path must not count as shadowing them (it did once,
+    silently: every such script started plainly, at several seconds of imports each)."""
+    here = Path(__file__).parent  # -c puts the working folder first on the path, as a script puts its own
+    proc = subprocess.Popen([sys.executable, "-c", "import os; print(os.getpid())"], cwd=here,
+                            stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and int(out) != proc.pid, "started plainly"
+
+
 def test_a_child_s_children_start_from_the_zygote_too() -> None:
     """``sys.executable`` is the launcher in the child as here: torchrun's ranks and a CLI's jobs fork too."""
     code = ("import os, subprocess, sys\n"

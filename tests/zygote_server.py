@@ -66,7 +66,9 @@ class Zygote:
         self.env = dict(os.environ)
         self.path0 = sys.path[0]
         self.base_path = sys.path[1:]
-        self.top = {m.split(".")[0] for m in sys.modules} - {"zygote", "zygote_child", "__main__"}
+        # the fork server's own modules (zygote*.py) sit beside the test scripts: a script that imports one gets
+        # the same file, so tests/ first on its path shadows nothing
+        self.top = {m.split(".")[0] for m in sys.modules if not m.startswith("zygote")} - {"__main__"}
         self.wake_r, wake_w = os.pipe()
         os.set_blocking(wake_w, False)
         signal.set_wakeup_fd(wake_w)
