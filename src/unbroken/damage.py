@@ -10,6 +10,7 @@ run with progress is never silently restarted from step 0.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -34,7 +35,6 @@ class Damage:
     def __init__(self, publish: Callable[[Event], None]) -> None:
         self.publish = publish
         self.unmoved: list[tuple[str, str]] = []  # found invalid, left in place: (checkpoint, reason)
-        self.unnamed: set[str] = set()  # of these and the quarantined, those with no identity (never acknowledged)
         self.vanished = False  # a checkpoint was deleted while it was read
 
     def invalid(self, store: Any, name: str, reason: str, tier: str = "primary", readonly: bool = False) -> None:
@@ -46,7 +46,7 @@ class Damage:
             return
         self.publish(CorruptionFound(name, reason, tier))
         if readonly:
-            self.unmoved.append((self._identified(store, name), reason))
+            self.unmoved.append((identified(store, name), reason))
             log.warning("checkpoint %s is invalid (left in place: the run is read-only): %s", where, reason)
             return
         for cid in sorted(set(_DAMAGED_CHUNK.findall(reason))):  # the next save writes it again
@@ -58,7 +58,7 @@ class Damage:
             self.publish(Quarantined(name, reason, moved, tier))
             log.warning("checkpoint %s is invalid and was quarantined to %s: %s", where, moved, reason)
         else:
-            self.unmoved.append((self._identified(store, name), reason))
+            self.unmoved.append((identified(store, name), reason))
             log.warning("checkpoint %s is invalid (and could not be moved to quarantine/): %s", where, reason)
 
     def unrestorable(self, stores: list[Any], unknown: str | None = None) -> list[tuple[str, str]]:
@@ -68,17 +68,8 @@ class Damage:
         (:func:`acknowledge`), and ``unknown`` (a tier that could not be listed, never
         acknowledged: it is not known what it holds). Empty for a new run."""
         seen = acknowledged(stores[0]) if stores else set()
-        return [x for x in self._found(stores, unknown) if x[0] not in seen or x[0] == unknown or x[0] in self.unnamed]
-
-    def _identified(self, store: Any, name: str) -> str:
-        """Where checkpoint ``name`` of ``store`` is, with what tells it from a later checkpoint
-        that takes the same name (a fresh start numbers its saves from 0 again): see
-        :func:`identity`. One without an identity is never taken as acknowledged."""
-        found = identity(store, name)
-        where = f"{store.describe(name)} ({found or 'identity unknown'})"
-        if found is None:
-            self.unnamed.add(where)
-        return where
+        return [x for x in self._found(stores, unknown)
+                if x[0] not in seen or x[0] == unknown or x[0].endswith(_UNKNOWN)]
 
     def _found(self, stores: list[Any], unknown: str | None) -> list[tuple[str, str]]:
         found = list(self.unmoved) + (remembered(stores[0]) if stores else [])
@@ -98,7 +89,7 @@ class Damage:
                     raw = None
                 reason = raw.decode("utf-8", "replace").strip() if raw else "quarantined (no reason recorded)"
                 head, sep, rest = reason.partition(": ")
-                found.append((self._identified(q, name), rest if sep and "/" in head else reason))  # not the old path
+                found.append((identified(q, name), rest if sep and "/" in head else reason))  # not the old path
         return found
 
 
@@ -123,6 +114,17 @@ def remembered(store: Any) -> list[tuple[str, str]]:
             for r in rows]
 
 
+_UNKNOWN = "(identity unknown)"
+"""How a checkpoint with no identity is named: never taken as acknowledged."""
+
+
+def identified(store: Any, name: str) -> str:
+    """Where checkpoint ``name`` of ``store`` is, with what tells it from a later checkpoint that
+    takes the same name (a fresh start numbers its saves from 0 again): see :func:`identity`."""
+    found = identity(store, name)
+    return f"{store.describe(name)} " + (f"({found})" if found else _UNKNOWN)
+
+
 def identity(store: Any, name: str) -> str | None:
     """What tells checkpoint ``name`` of ``store`` apart from a later one of the same name: the
     sequence number and creation time its manifest records, else (a manifest too damaged to
@@ -136,11 +138,8 @@ def identity(store: Any, name: str) -> str | None:
         pass
     st = None
     if isinstance(store, LocalStore):
-        try:
-            with store.folder.open() as rfd:
-                st = os.stat(name, dir_fd=rfd, follow_symlinks=False) if rfd is not None else None
-        except OSError:
-            st = None
+        with contextlib.suppress(OSError), store.folder.open() as rfd:
+            st = os.stat(name, dir_fd=rfd, follow_symlinks=False) if rfd is not None else None
     return None if st is None else f"inode {st.st_ino}, modified {_when(st.st_mtime_ns / 1e9)}"
 
 
