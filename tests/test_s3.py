@@ -306,3 +306,24 @@ def test_the_index_of_a_remote_run_is_a_local_cache_rebuilt_from_the_manifests(s
     with RunIndex(s3_url, storage_options=s3.storage_options, readonly=True) as idx:
         assert idx.in_memory  # rebuilt from the remote manifests
         assert [r["step"] for r in idx.checkpoints("committed")] == [3, 2, 1]
+
+
+def test_the_test_server_moves_to_other_ports_when_one_is_taken_before_it_binds() -> None:
+    """The suite's own S3 server: a port chosen free and taken by another process (another worker's server)
+    before weed binds it once cost a whole worker its S3 tests; its first start now moves to other ports."""
+    import socket
+
+    from s3_server import RETRY, S3Server
+
+    server = S3Server()
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", server.ports["s3.port"]))
+    squatter.listen(1)
+    taken = server.ports["s3.port"]
+    try:
+        server.start()
+        assert server.ports["s3.port"] != taken and RETRY in server.log_tail(400)
+        server.fs().pipe(f"{server.new_bucket()}/x", b"ok")  # the server it started, not the squatter
+    finally:
+        squatter.close()
+        server.cleanup()

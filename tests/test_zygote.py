@@ -166,6 +166,18 @@ def test_what_the_zygote_cannot_give_starts_plainly(tmp_path: Path, case: str) -
     assert int(pid) == proc.pid and torch_loaded == "False", out
 
 
+def test_what_an_import_read_from_the_environment_is_what_a_plain_interpreter_reads() -> None:
+    """torchrun's agent logs at the level ``LOGLEVEL`` had when torch's elastic package was imported, which
+    the zygote did with its own environment: a launch with another value must see its own (it once did not:
+    the goodput benchmark's timeline lost the agent's INFO lines whenever its torchrun came from the zygote)."""
+    code = ("import logging, torch.distributed.run\n"
+            "print(logging.getLogger('torch.distributed.elastic.agent.server.api').getEffectiveLevel())")
+    env = dict(os.environ, LOGLEVEL="INFO")
+    got = [subprocess.run([python, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=True)
+           .stdout.split()[-1] for python in (sys.executable, REAL_PYTHON)]
+    assert got == ["20", "20"], got
+
+
 def test_parse() -> None:
     assert zygote.parse(["-u", "x.py", "-m", "y"]) == ("script", "x.py", ["-u"], ["-m", "y"])
     assert zygote.parse(["-X", "faulthandler", "-mpkg.mod", "a"]) == ("-m", "pkg.mod", ["faulthandler"], ["a"])
@@ -178,7 +190,7 @@ def test_the_refusals(tmp_path: Path) -> None:
     """The rules, one by one, on a server that is not listening."""
     z = zygote_server.Zygote.__new__(zygote_server.Zygote)
     z.identity, z.top, z.env = zygote.identity(), {"torch", "numpy"}, dict(os.environ, PYTHONHASHSEED="1")
-    z.strict = False
+    z.strict, z.read = False, {"LOGLEVEL"}
     req = lambda args, **kw: dict(dict(args=args, env=z.env, cwd=str(tmp_path), identity=z.identity), **kw)  # noqa: E731
     assert z._refuse(req(["x.py"])) is None
     assert z._refuse(req(["x.py"], env=dict(z.env, PYTHONHASHSEED="2"))) == "PYTHONHASHSEED differs"
@@ -186,6 +198,7 @@ def test_the_refusals(tmp_path: Path) -> None:
     assert "namespace" in z._refuse(req(["x.py"], identity="Uid: 1000"))
     assert z._refuse(req(["x.py"], env=dict(z.env, TORCH_LOGS="+dynamo"))) == "TORCH_LOGS differs"
     assert z._refuse(req(["x.py"], env=dict(z.env, UNBROKEN_X="1"))) is None
+    assert z._refuse(req(["x.py"], env=dict(z.env, LOGLEVEL="INFO"))).startswith("LOGLEVEL differs (read when")
     (tmp_path / "torch").mkdir()
     assert z._refuse(req(["x.py"])) is None, "a folder without __init__.py is not a package"
     (tmp_path / "torch" / "__init__.py").write_text("")

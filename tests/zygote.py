@@ -33,7 +33,8 @@ would have set it (:func:`zygote_flavour.flavour`).
 The launcher starts a plain interpreter instead (``exec``, the same pid) whenever the child could
 differ from one: an option other than ``-u``, ``-B``, ``-W``, ``-X faulthandler``; another user, group,
 capability set, namespace or cgroup (a SLURM job, a network namespace); an environment that differs
-from the zygote's in a variable read at import (``TORCH*``, ``OMP_*``, ``LD_*``, locale, ``PYTHON*``...);
+from the zygote's in a variable read at import (``TORCH*``, ``OMP_*``, ``LD_*``, locale, ``PYTHON*``..., and every
+variable the zygote's imports read, recorded while it imported them: torchrun's ``LOGLEVEL``, inductor's ``CXX``...);
 a folder on the path that would shadow a module the zygote imported; one of the library's helper
 processes, which depend on who their parent is (``PR_SET_PDEATHSIG``); no zygote listening yet; or
 ``UNBROKEN_TEST_PLAIN=1`` in the environment (a job whose test depends on how long its processes take to
@@ -61,10 +62,13 @@ import struct
 import sys
 
 # Environment variables read when torch, numpy or the interpreter start: a child whose value differs
-# from the zygote's is started plainly. PYTHONPATH, PYTHONHASHSEED and the three emulated ones are checked
-# on their own.
+# from the zygote's is started plainly. These are the prefixes that native code reads (OpenMP, the allocator,
+# the loader: getenv in C) and those a module looks for by scanning the whole environment at import (tqdm,
+# fsspec); what Python code reads by name when the zygote imports torch or a framework is recorded as it
+# happens (zygote_server.reads_of_environ) and compared as well. PYTHONPATH, PYTHONHASHSEED and the emulated
+# ones are checked on their own.
 SENSITIVE = ("TORCH", "PYTORCH", "OMP_", "MKL", "KMP_", "GOMP_", "OPENBLAS", "NUMPY", "LD_", "PYTHON", "LANG",
-             "LC_", "CUDA", "HIP_", "ROCM", "MALLOC", "GLIBC")
+             "LC_", "CUDA", "HIP_", "ROCM", "MALLOC", "GLIBC", "TQDM_", "FSSPEC_")
 EMULATED = {"PYTHONPATH", "PYTHONHASHSEED", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "PYTHONFAULTHANDLER",
             "PYTHONWARNINGS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCH_EXTENSIONS_DIR"}
 # read when used, not at import: torchrun's variables for its ranks, inductor's cache (set once it is used),

@@ -31,8 +31,48 @@ PRELOAD = ("numpy", "torch", "torch._dynamo", "torch._inductor", "torch.distribu
 """What the zygote imports: torch, and the parts of it that the tests' jobs import later as a matter of course
 (``torch.use_deterministic_algorithms`` imports inductor and dynamo: 2-3 s of CPU; unbroken imports the
 distributed packages; torchrun's agent is ``torch.distributed.run``). Third-party only: never unbroken."""
+EMULATED_AT_START = {"TMPDIR", "TEMP", "TMP"}  # read by tempfile when an import asked for a temporary folder: its
+# cache (tempfile.tempdir) is cleared in the child, which reads them again
 MAX_FRAMEWORK_ZYGOTES = 6  # per worker (each rank of a job has its own: RANK is in the key); the least
 # recently used without a running child leaves to make room
+
+
+class reads_of_environ:
+    """The environment variables read while it is entered (``with reads_of_environ() as read:``): every
+    ``os.environ[name]``, ``name in os.environ``, ``os.environ.get`` and ``os.getenv``, whoever reads them, but
+    not a scan of all of them (``os.environ.items()``, ``.values()``: tqdm and fsspec look for their prefixes,
+    ``zygote.SENSITIVE`` holds those). What an import reads there is fixed in the zygote for every child
+    (torch's elastic logger takes its level from ``LOGLEVEL`` when imported, inductor's config ``CXX``...):
+    a launch whose value differs starts plainly. Variables read by native code (``getenv`` in C: OpenMP,
+    the allocator) do not pass here: ``zygote.SENSITIVE`` names those."""
+
+    def __enter__(self) -> set[str]:
+        cls = type(os.environ)
+        self.saved = cls.__getitem__, cls.__contains__
+        getitem, contains = self.saved
+        read: set[str] = set()
+
+        def note(key: object) -> None:
+            frame = sys._getframe(2)
+            if "_collections_abc" in frame.f_code.co_filename and frame.f_code.co_name == "__iter__":
+                return  # a scan (items(), values())
+            if isinstance(key, str):
+                read.add(key)
+
+        def __getitem__(self: os._Environ, key: str) -> str:
+            note(key)
+            return getitem(self, key)
+
+        def __contains__(self: os._Environ, key: object) -> bool:
+            note(key)
+            return contains(self, key)
+
+        cls.__getitem__, cls.__contains__ = __getitem__, __contains__  # type: ignore[method-assign]
+        return read
+
+    def __exit__(self, *_: object) -> None:
+        cls = type(os.environ)
+        cls.__getitem__, cls.__contains__ = self.saved  # type: ignore[method-assign]
 
 
 class Framework:
@@ -46,14 +86,17 @@ class Framework:
 class Zygote:
     """The server: accepts launch requests on a Unix socket and forks a child for each."""
 
-    def __init__(self, sock_path: str, pids: str, control: socket.socket | None = None, strict: bool = False) -> None:
+    def __init__(self, sock_path: str, pids: str, control: socket.socket | None = None, strict: bool = False,
+                 read: set[str] | frozenset[str] = frozenset()) -> None:
         """``control``: for a zygote another one started, its end of the pair that one syncs it with;
-        ``strict``: a framework's zygote (the frameworks' variables must match too)."""
+        ``strict``: a framework's zygote (the frameworks' variables must match too); ``read``: the variables
+        its imports read (:class:`reads_of_environ`), which must match as well."""
         import selectors
         self.sock_path, self.pids, self.control = sock_path, pids, control
         self.frameworks: dict[tuple, Framework] = {}
         self.started = 0  # framework zygotes started (their sockets' numbers)
         self.strict = strict
+        self.read = set(read) - EMULATED_AT_START
         self.delta: tuple[dict[str, str], list[str]] = ({}, [])  # what the imports did to the environment
         self.sel = selectors.DefaultSelector()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -325,15 +368,16 @@ class Zygote:
         before = dict(os.environ)
         try:
             scratch: dict = {}
-            for statement in statements:
-                exec(statement, scratch)
+            with reads_of_environ() as read:
+                for statement in statements:
+                    exec(statement, scratch)
         except BaseException as e:  # the launches that would have come here are served by the first zygote
             sys.stderr.write(f"the zygote of {statements} could not import them: {e!r}\n")
             os._exit(1)
         after = dict(os.environ)  # an import may set variables (transformers: TORCHINDUCTOR_CACHE_DIR), as it would
         os.environ.clear()        # in the script: compared as they were before it, set in the children after
         os.environ.update(before)
-        zygote = Zygote(path, self.pids, control=theirs, strict=True)
+        zygote = Zygote(path, self.pids, control=theirs, strict=True, read=self.read | read)
         os.environ.update(after)
         zygote.delta = ({k: v for k, v in after.items() if before.get(k) != v}, [k for k in before if k not in after])
         return zygote.serve()
@@ -344,9 +388,9 @@ class Zygote:
             return "another user, capability set, namespace or cgroup"
         env, mine = req["env"], self.env
         for k in set(env) | set(mine):
-            if ((k.startswith(SENSITIVE) and not k.startswith(RUNTIME) and k not in EMULATED)
+            if (((k.startswith(SENSITIVE) or k in self.read) and not k.startswith(RUNTIME) and k not in EMULATED)
                     or (self.strict and framework_env(k))) and env.get(k) != mine.get(k):
-                return f"{k} differs"
+                return f"{k} differs" + (" (read when the zygote imported torch or a framework)" * (k in self.read))
         wanted = {env[k] for k in THREADS if k in env}
         if any(k in mine for k in THREADS) or len(wanted) > 1 or not all(v.isdigit() and int(v) > 0 for v in wanted):
             return "a number of threads the zygote cannot set"
@@ -393,15 +437,16 @@ if __name__ == "__main__":
         import warnings
         _defaults = len(warnings.filters)  # the interpreter's own filters (PYTHONWARNINGS unset here)
         _env = dict(os.environ)
-        for _name in PRELOAD:
-            try:
-                importlib.import_module(_name)
-            except ImportError:  # not installed here: imported by whoever needs it, as it would be
-                pass
+        with reads_of_environ() as _read:
+            for _name in PRELOAD:
+                try:
+                    importlib.import_module(_name)
+                except ImportError:  # not installed here: imported by whoever needs it, as it would be
+                    pass
         os.environ.clear()  # what the imports set (inductor: TORCHINDUCTOR_CACHE_DIR, a default it sets again
         os.environ.update(_env)  # when it needs it) is not the children's
         _control = socket.socket(fileno=int(sys.argv[5])) if sys.argv[4:5] == ["--control"] else None
-        _zygote = Zygote(_sock, _pids, control=_control)
+        _zygote = Zygote(_sock, _pids, control=_control, read=_read)
         _req = _zygote.serve()
         _req["pids"] = _pids
         _req["default_filters"] = _defaults
