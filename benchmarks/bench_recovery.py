@@ -108,7 +108,7 @@ def resume(a: argparse.Namespace, run_dir: Path, launch: float) -> dict[str, Any
     import torch
 
     import unbroken
-    import unbroken.manager
+    import unbroken.core
     import unbroken.restoring
     from bench_train_overhead import build, train_step
     from unbroken.data import ResumableLoader
@@ -119,7 +119,7 @@ def resume(a: argparse.Namespace, run_dir: Path, launch: float) -> dict[str, Any
     loader = ResumableLoader(ds, batch_size=a.batch, seed=0, num_workers=0)
     state = {"model": model, "optimizer": opt, "data": loader}
     t["built"] = time.time()
-    cls, env_s = unbroken.manager.Checkpointer, [0.0]
+    cls, env_s = unbroken.core.Core, [0.0]
     apply, environment = unbroken.restoring.apply_checkpoint, cls.environment
 
     def timed_apply(*args: Any, **kwargs: Any) -> Any:

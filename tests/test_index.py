@@ -225,7 +225,7 @@ def test_index_matches_the_manifests_of_real_checkpointer_saves(tmp_path):
         ckpt.progress.epoch = i // 3
         ckpt.step(state, loss=torch.tensor(0.5 / (i + 1)))
         ckpt.save(state, kind="emergency" if i == 4 else "regular")
-    idx = ckpt._recorder.index
+    idx = ckpt._core.recorder.index
     assert idx is not None
     idx.flush()
     assert index_view(idx) == manifest_view(run)

@@ -27,9 +27,9 @@ LAYERS: dict[str, int] = {
     # 3: the run, plug-ins, collectives, restoring into the live state
     "run": 3, "pruning": 3, "choosing": 3, "damage": 3, "recovery": 3, "saved_state": 3, "recorder": 3, "faults": 3,
     "collective": 3,
-    "restoring": 3, "selftest": 3, "epochs": 3,
+    "restoring": 3, "selftest": 3, "epochs": 3, "core": 3,
     # 4: the orchestrator
-    "manager": 4, "saving": 4, "stepping": 4,
+    "manager": 4, "saving": 4, "stepping": 4, "lifecycle": 4,
     # 5: the public surface and thin tools
     "": 5, "cli": 5, "demo": 5, "demo_train": 5, "integrations": 5, "convert": 5, "plotting": 5,
 }

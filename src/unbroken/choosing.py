@@ -82,7 +82,7 @@ def _candidates(run: Run, held: list[dict[str, list[int]]] | None) -> Iterator[s
     has (or whose local copy failed) is downloaded first. ``held``: the RAM checkpoints of
     every node (several nodes: any node's is a candidate)."""
     local = _manifests(run, run.store)
-    remote = _manifests(run, run.remote_store) if run.remote_store is not None and run._remote_ok else {}
+    remote = _manifests(run, run.remote_store) if run.remote_store is not None and run.remote_ok else {}
     ram = _manifests(run, run.ram.store) if run.ram is not None else {}
     by_key = lambda found: {(m.seq, m.step): n for n, m in found.items()}  # noqa: E731
     local_by, remote_by, ram_by = by_key(local), by_key(remote), by_key(ram)
@@ -114,7 +114,7 @@ def _manifests(run: Run, store: Any) -> dict[str, Manifest]:
         if store is run.store or (run.ram is not None and store is run.ram.store) or not is_transient(e):
             raise
         log.warning("remote tier %s unreachable (%s); resuming from the local tier only", store.url, e)
-        run._remote_unlisted = True
+        run.remote_unlisted = True
         return {}
     for name in names:
         try:

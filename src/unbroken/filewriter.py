@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from .format.manifest import FileEntry
     from .format.tensorfile import TensorEntry
     from .shm import SharedArena
+    from .snapshot import Snapshotter
 
 log = logging.getLogger("unbroken")
 _LEN = struct.Struct("<Q")
@@ -228,7 +229,7 @@ class FileWriter:
         return WriterDied(5, f"the writer process of background saves ended during the save (exit code {code})")
 
 
-def snapshotters(async_save: bool | str) -> tuple[Any, Any, FileWriter | None]:
+def snapshotters(async_save: bool | str) -> tuple[Snapshotter, Snapshotter, FileWriter | None]:
     """The Checkpointer's two :class:`~unbroken.snapshot.Snapshotter` (the shared state, this rank's
     part) and the writer process that writes their background saves (``None``: none is used)."""
     from .shm import SharedArena

@@ -13,63 +13,45 @@ from __future__ import annotations
 import logging
 import os
 import time
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from typing import Any, Literal, TypeVar
 
-from . import console, filewriter, recovery
+from . import console, recovery
 from .adapting import adapt
-from .agreement import StepAgreement
 from .api import CheckpointInfo
-from .background import BackgroundSaves
+from .core import Core
 from .dist.comm import Comm
 from .dist.ddpalign import align_after_restore
-from .environment import EnvCheck, fingerprint
+from .environment import EnvCheck
 from .epochs import EpochLoop
 from .epochs import batches as _batches
 from .errors import ConfigurationError, NoCheckpointError
 from .events import EventBus, Tagged
-from .exithooks import at_exit
-from .faults import Preemption, slurm
+from .faults import Preemption
 from .faults.guard import StepGuard
 from .faults.handlers import step_failed
 from .faults.signals import SignalWatcher
-from .format.manifest import Manifest
+from .lifecycle import Session
 from .policies import Retention, Trigger
-from .probe import ProbeFn
+from .probe import ProbeFn, ProbeReport
 from .ram import RamTier
-from .recorder import Recorder
 from .restoring import restore_into
 from .run import Run
 from .saved_state import StateRules
-from .saving import Saving
+from .saving import Saver
 from .scheduling import Schedule
 from .selftest import protocol as selftest
 from .state.checks import UnbrokenWarning  # noqa: F401 (re-exported)
 from .state.stateful import Progress
-from .stepping import Stepping
+from .stepping import Stepper
 from .tags import check_tag
 from .tiers import Remote
 
 log = logging.getLogger("unbroken")
 T = TypeVar("T")
-_open: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
-_held: set[Checkpointer] = set()
-"""Checkpointers with a RAM tier, held until closed: one dropped without ``close()`` (a local variable of
-``main()``) must still persist its newest RAM checkpoint at exit, so it is not collected before."""
 
 
-@at_exit
-def _close_at_exit() -> None:
-    """A script that never calls close(): wait for its uploads and release its lock/lease."""
-    for each in list(_open):  # (this module's own Checkpointers)
-        try:
-            each._close(ended=False)  # (a crash, or a script that never closes: RAM kept, see unbroken.ram)
-        except Exception as e:  # noqa: BLE001 - exiting anyway
-            log.error("closing %s at exit failed: %s", each.location, e)
-
-
-class Checkpointer(Saving, Stepping):
+class Checkpointer:
     """Saves and restores the complete training state of one run.
 
     Args:
@@ -134,63 +116,54 @@ class Checkpointer(Saving, Stepping):
             raise ConfigurationError(f"preemption={preemption!r}: pass unbroken.Preemption(...), or None to leave "
                                      "signals alone")
         location = selftest.run_location(location)  # `unbroken selftest` owns the run folders
-        self.schedule = Schedule(save_every, trigger, keep_last, retention)
-        self.events = EventBus()
-        self.comm = Comm()
-        self.run = Run(location, storage_options=storage_options, remote=remote, publish=self.events.publish,
-                       comm=self.comm, incremental=incremental, ram=ram)
-        self.storage_options = storage_options  # for restore(path=URL)
-        self.run.check()
-        self.location: str = self.run.url
-        self.progress = Progress()
-        self._epoch_loop = EpochLoop(self.progress)  # the epoch the loop is in (unbroken.epochs)
-        self.events.subscribe(self._epoch_loop)
-        self.metrics: dict[str, Any] = {}
-        self.preemption = preemption if preemption is not None else Preemption(signals=())
-        self.env = env if env is not None else EnvCheck()
-        self.probe, self.probe_report = probe, None
-        self.rng, self.strict = rng, strict
-        self.rules = StateRules(allow_unsaved)
-        self.allow_unsaved: frozenset[str] = self.rules.allow_unsaved
-        self.last_saved: CheckpointInfo | None = None
         if async_save not in (False, True, "lazy"):
             raise ValueError(f"async_save must be False, True or 'lazy', not {async_save!r}")
-        self.async_save = async_save
-        # a background save needs its own copy, in shared memory for the writer process (unbroken.filewriter)
-        self._snapshotter, self._rank_snapshotter, self._file_writer = filewriter.snapshotters(async_save)
-        self._background: BackgroundSaves[tuple[str, list[str]], tuple[str, Manifest, float]] = BackgroundSaves()
-        # several ranks: background saves run their collectives over a group of their own
-        self._save_comm = Comm() if async_save and self.comm.world > 1 else self.comm
-        self._signals = SignalWatcher(self.preemption.signals)
-        self._agreement = StepAgreement(self.comm, self.schedule.trigger.triggers if self.schedule.trigger else (),
-                                        watches_signals=bool(self.preemption.signals))
-        self._guard: StepGuard | None = None
-        self._started = False  # restore() ran (a resume or a fresh start), or a save found the run empty
-        self._recovery: recovery.Policy | None = None  # inside recover(): its loss-spike predicate
-        self._environment: dict[str, Any] | None = None
-        self._recorder: Recorder | None = None
-        self._plugins: list[Any] = []
+        events, comm = EventBus(), Comm()
+        run = Run(location, storage_options=storage_options, remote=remote, publish=events.publish, comm=comm,
+                  incremental=incremental, ram=ram)
+        run.check()
+        # what the parts share (unbroken.core); the attributes below are the same objects, for users
+        self._core = core = Core(
+            run=run, comm=comm, progress=Progress(), schedule=Schedule(save_every, trigger, keep_last, retention),
+            events=events, rules=StateRules(allow_unsaved),
+            preemption=preemption if preemption is not None else Preemption(signals=()),
+            env=env if env is not None else EnvCheck(), storage_options=storage_options, probe=probe, rng=rng,
+            strict=strict, async_save=async_save)
+        self.run, self.comm, self.events, self.schedule, self.progress = run, comm, events, core.schedule, core.progress
+        self.location: str = run.url
+        self.storage_options, self.preemption, self.env = storage_options, core.preemption, core.env
+        self.probe, self.rng, self.strict, self.async_save = probe, rng, strict, async_save
+        self.rules = core.rules
+        self.allow_unsaved: frozenset[str] = core.rules.allow_unsaved
+        self._epoch_loop = EpochLoop(core.progress)  # the epoch the loop is in (unbroken.epochs)
+        events.subscribe(self._epoch_loop)
+        self._signals = SignalWatcher(core.preemption.signals)
+        self._saver = Saver(core)  # the save path (unbroken.saving)
+        self._stepper = Stepper(core, self._saver, self._signals, self._epoch_loop)  # the step boundary
+        self._session = Session(core, self._saver, self._signals)  # as the run's writer (unbroken.lifecycle)
         # `unbroken selftest` (UNBROKEN_SELFTEST set): per-step fingerprints and planned interruptions;
         # otherwise None, and the cost is one attribute check per step (see unbroken.selftest)
-        self._selftest = selftest.attach(self)
+        self._selftest = self._stepper.selftest = selftest.attach(self)
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        """The metrics given since the last save (a restore sets those of the checkpoint)."""
+        return self._core.metrics
+
+    @property
+    def last_saved(self) -> CheckpointInfo | None:
+        """What the last save of this process committed (``None`` before the first)."""
+        return self._core.last_saved
+
+    @property
+    def probe_report(self) -> ProbeReport | None:
+        """The ``probe``'s verdict after the last restore (``None``: no probe, or nothing restored)."""
+        return self._core.probe_report
 
     # ------------------------------------------------------------------ lifecycle
     def _begin(self) -> None:
         """Become this run's writer (idempotent): lock, clean leftovers, watch signals, plug in."""
-        if self.run.writing:
-            return
-        self.run.begin()
-        _open.add(self)
-        if self.run.ram is not None:
-            _held.add(self)
-        self.rules.watch_optimizers()  # which optimizers step, for the forgotten-optimizer warning
-        self._signals.install()
-        if self.comm.coordinator and not self.run.readonly:  # one index, one submit script per run
-            self._recorder = Recorder(self.run.store)
-            self._plugins = [self._recorder, slurm.SubmitScript(self.run.store.local_dir())]
-        for p in self._plugins:
-            self.events.subscribe(p)
-        self._writer_process()  # started before the first background save, off its stall
+        self._session.begin()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for background work: a background save (its error is raised), then uploads to
@@ -203,17 +176,7 @@ class Checkpointer(Saving, Stepping):
         """Wait for the background save in flight (``async_save``) to commit; return what it
         committed, or ``None`` if none was in flight. Its error is raised (or, with
         ``raise_errors=False``, logged: the emergency and preemption paths do that)."""
-        try:
-            done = self._background.collect()
-        except Exception as e:
-            if raise_errors:
-                raise
-            log.error("the background save failed: %s: %s", type(e).__name__, e)
-            return None
-        if done is None:
-            return None
-        (kind, tags), (final, manifest, took) = done
-        return self._committed(final, manifest, kind, tags, took)
+        return self._saver.flush(raise_errors)
 
     def close(self) -> None:
         """Wait for a background save and pending uploads, release the run and restore the
@@ -223,36 +186,7 @@ class Checkpointer(Saving, Stepping):
         self._close(ended=True)
 
     def _close(self, ended: bool) -> None:
-        """``ended``: training ended normally (``close()``, a ``with`` block left without an
-        exception), not a crash: only then is a RAM tier's folder removed."""
-        _open.discard(self)
-        _held.discard(self)
-        failed: BaseException | None = None
-        try:
-            self.flush()
-        except Exception as e:  # noqa: BLE001 - raised below, once the run is released
-            failed = e
-            log.error("the last background save failed: %s: %s", type(e).__name__, e)
-        self._background.shutdown()
-        if self._file_writer is not None:
-            self._file_writer.close()
-        self._signals.uninstall()
-        self.rules.stop_watching()
-        received = self._signals.received
-        keep = (f"stopping on a signal ({received.name})" if received is not None
-                else None if ended else "stopping without close() (an exception, or the exit of a script that never "
-                                        "calls close())")
-        self.run.close(keep_ram=keep)  # a relaunch here reads RAM
-        self.comm.close()
-        self._save_comm.close()
-        for p in self._plugins:
-            self.events.unsubscribe(p)
-        if self._recorder is not None:
-            self._recorder.close()
-            self._recorder = None
-        self._plugins = []
-        if failed is not None:
-            raise failed
+        self._session.end(ended)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -273,7 +207,7 @@ class Checkpointer(Saving, Stepping):
                          unsaved=self.allow_unsaved)
 
     def _attach_guard(self, guard: StepGuard | None) -> None:
-        self._guard = guard
+        self._stepper.guard = guard
 
     # ------------------------------------------------------------------ discovery
     def checkpoints(self) -> list[CheckpointInfo]:
@@ -287,9 +221,7 @@ class Checkpointer(Saving, Stepping):
 
     def environment(self) -> dict[str, Any]:
         """This process's environment fingerprint (computed once, at first use)."""
-        if self._environment is None:
-            self._environment = fingerprint(config=self.env.config, data=self.env.data)
-        return self._environment
+        return self._core.environment()
 
     # -------------------------------------------------------------------- restore
     def start_fresh(self) -> None:
@@ -301,8 +233,8 @@ class Checkpointer(Saving, Stepping):
         process that never called :meth:`restore` on a run with checkpoints is refused, before
         anything is written or deleted. Collective, as :meth:`restore`."""
         self._begin()
-        if not self._started:
-            self._refuse_starting_over("regular", on_purpose=True)
+        if not self._core.started:
+            self._saver.refuse_starting_over("regular", on_purpose=True)
 
     def restore(self, state: MutableMapping[str, Any], path: str | os.PathLike[str] | None = None, *,
                 tag: str | None = None,
@@ -334,8 +266,8 @@ class Checkpointer(Saving, Stepping):
         if self._selftest is not None:
             self._selftest.watch(state)  # fingerprints the state once restored (on Restored / Started)
         self.flush()  # a save in flight commits (and stops reading the live state) first
-        info = restore_into(self, state, path, tag, if_unrestorable)
-        self._started = True
+        info = restore_into(self._core, state, path, tag, if_unrestorable)
+        self._core.started = True
         if info is not None and self.comm.world > 2:
             align_after_restore(state)  # DDP's first step summed as without the restart (unbroken.dist.ddpalign)
         return info
@@ -350,15 +282,16 @@ class Checkpointer(Saving, Stepping):
         Other exceptions, and the last one, propagate unchanged. See :mod:`unbroken.recovery`."""
         policy = recovery.Policy(recovery.check(on, retries, rollback_if, skip_batches, state), retries, rollback_if,
                                  skip_batches)
-        outer, self._recovery = self._recovery, policy  # nested: the inner one's predicate while it runs
+        stepper = self._stepper
+        outer, stepper.recovery = stepper.recovery, policy  # nested: the inner one's predicate while it runs
         try:
             return recovery.run(self, fn, state, policy, self._mark_guard)
         finally:
-            self._recovery = outer
+            stepper.recovery = outer
 
     def _mark_guard(self) -> None:
-        if self._guard is not None:
-            self._guard.mark()
+        if self._stepper.guard is not None:
+            self._stepper.guard.mark()
 
     def epochs(self, state: Mapping[str, Any], epochs: int | Sequence[Any]) -> Iterator[Any]:
         """``for epoch in ckpt.epochs(state, range(1, n + 1)):`` — the epochs left (an ``int`` n:
@@ -375,6 +308,48 @@ class Checkpointer(Saving, Stepping):
     def saved_part(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """The part of ``state`` that is saved and restored: all but the ``allow_unsaved`` keys."""
         return self.rules.saved_part(state)
+
+    # --------------------------------------------------------------- step, save
+    def step(self, state: Mapping[str, Any], **metrics: Any) -> CheckpointInfo | None:
+        """Mark one optimizer step done; save if it is due. Metrics go into the manifest.
+
+        If a watched signal arrived, save now (if not just saved) and exit with
+        :data:`~unbroken.faults.EXIT_PREEMPTED` (``SystemExit``, so ``finally`` blocks run).
+        With several ranks, a signal and a time trigger take effect one step later, on every
+        rank at the same step: they are agreed in the background of the next step, without a
+        blocking collective (:mod:`unbroken.agreement`). See :mod:`unbroken.stepping`.
+        """
+        state = adapt(state)
+        self._begin()
+        return self._stepper.step(self, state, metrics)
+
+    def end_epoch(self, state: Mapping[str, Any], **metrics: Any) -> CheckpointInfo | None:
+        """The epoch ends: call it last in the epoch, after its evaluation and ``scheduler.step()``
+        (:meth:`epochs` does), passing the evaluation's metrics. ``progress.epoch`` moves on if the
+        batch loop did not move it (it broke off, or there is none), every ``ResumableLoader`` in
+        the state starts the new epoch, and this instant is saved if a trigger asks
+        (``AtEpochEnd()``, ``OnImprovement("val_loss")``) or a preemption signal arrived during
+        the epoch-end work (then the process exits with 75). Does not advance the step."""
+        state = adapt(state)
+        self._begin()
+        return self._stepper.end_epoch(self, state, metrics)
+
+    def save(self, state: Mapping[str, Any], metrics: dict[str, Any] | None = None, *, kind: str = "regular",
+             tag: str | None = None, progress: Mapping[str, int] | None = None,
+             rng: Mapping[str, Any] | None = None) -> CheckpointInfo | None:
+        """Save ``state`` (plus progress and RNG) now, then apply retention; what was committed.
+
+        With ``async_save``, a regular save returns ``None`` once the state is copied, and is
+        written in the background (:meth:`flush` waits for it and returns its info). A save
+        first waits for the one in flight. A ``tag`` names the checkpoint and protects it from
+        retention. ``progress`` and ``rng`` replace the live counters and RNG states with
+        those of another instant (emergency checkpoints of the state at a step's start).
+        See :mod:`unbroken.saving`.
+        """
+        state = adapt(state)
+        self._core.rules.check_reserved(state)
+        self._begin()
+        return self._saver.save(state, metrics, kind=kind, tag=tag, progress=progress, rng=rng)
 
     # ------------------------------------------------------------ retention, tags
     def prune(self, keep: str | None = None) -> list[str]:

@@ -288,7 +288,7 @@ def replicate(nodes: Nodes, staging: Any, results: list[Mapping[str, Any]]) -> s
                 error = str(e) if isinstance(e, CorruptCheckpointError) else f"{type(e).__name__}: {e}"
             finally:
                 read.close()
-            if error and sink is not None and not sink.f._f.closed:
+            if error and sink is not None and not sink.f.closed:
                 sink.drop()
             if error:
                 errors.append(f"{fname} from node {node}: {error}")

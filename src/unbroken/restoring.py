@@ -20,7 +20,7 @@ import os
 import random
 import warnings
 from collections.abc import Mapping, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -40,6 +40,9 @@ from .state.apply import check_keys, check_state
 from .state.codec import StatefulValue, is_sharded
 from .state.rng import GlobalRNG
 from .state.stateful import PerRank, Progress, is_stateful
+
+if TYPE_CHECKING:
+    from .core import Core  # (it imports the state rules, which import this module)
 
 log = logging.getLogger("unbroken")
 
@@ -163,23 +166,23 @@ def sync_data_position(progress: Progress, state: Mapping[str, Any]) -> None:
         progress.epoch, progress.samples = loaders[0].epoch, loaders[0].samples_seen
 
 
-def apply_checkpoint(ckpt: Any, state: MutableMapping[str, Any], loaded: LoadedCheckpoint,
+def apply_checkpoint(core: Core, state: MutableMapping[str, Any], loaded: LoadedCheckpoint,
                      where: str, tier: str = "path") -> CheckpointInfo:
-    """Load ``loaded`` into ``state`` and into the Checkpointer ``ckpt`` (its progress, trigger,
+    """Load ``loaded`` into ``state`` and into the Checkpointer's ``core`` (its progress, trigger,
     metrics), in the order of the module docstring: everything is checked before anything is
     applied, RNGs come last. Publishes ``Restored``; returns what was loaded (its ``tiers``: the
     one it was read from, ``ram``, ``local``, ``remote``, or ``path`` for a checkpoint named by path)."""
-    check_environment(loaded.manifest.environment, ckpt.environment(), ckpt.env.policy)
-    comm = ckpt.comm
-    saved = {k: v for k, v in loaded.state.items() if k not in ckpt.allow_unsaved}
-    extra = saved.pop(RESERVED, None)
-    extra = extra if isinstance(extra, dict) else {}
-    check_parts(loaded, extra, comm.world, ckpt.rng)
-    live = ckpt.saved_part(state)  # the allow_unsaved keys are neither saved nor restored
+    check_environment(loaded.manifest.environment, core.environment(), core.env.policy)
+    comm = core.comm
+    saved = {k: v for k, v in loaded.state.items() if k not in core.rules.allow_unsaved}
+    popped = saved.pop(RESERVED, None)
+    extra: dict[str, Any] = popped if isinstance(popped, dict) else {}
+    check_parts(loaded, extra, comm.world, core.rng)
+    live = core.saved_part(state)  # the allow_unsaved keys are neither saved nor restored
     mine = (loaded.rank_state or {}).get("state")
     mine = mine if isinstance(mine, dict) else None
     per_rank = list(extra.get("per_rank", []))
-    check_all(live, saved, mine, per_rank, ckpt.strict)  # nothing is loaded before every part is checked
+    check_all(live, saved, mine, per_rank, core.strict)  # nothing is loaded before every part is checked
 
     def sharded() -> None:  # after the objects that may refuse: a refused restore changed nothing
         saved.update(load_sharded_parts(live, saved, loaded, comm.group))
@@ -187,53 +190,53 @@ def apply_checkpoint(ckpt: Any, state: MutableMapping[str, Any], loaded: LoadedC
     apply_parts(live, saved, mine, per_rank, comm.rank, sharded)
     state.update(live)
     if "progress" in extra:
-        ckpt.progress.load_state_dict(getattr(extra["progress"], "value", extra["progress"]))
+        core.progress.load_state_dict(getattr(extra["progress"], "value", extra["progress"]))
     if "trigger" in extra:
-        ckpt.schedule.load_state_dict(getattr(extra["trigger"], "value", extra["trigger"]))
-    rng = restore_rng(loaded, extra.get("rng"), comm.rank, comm.world) if ckpt.rng else "not restored"
-    sync_data_position(ckpt.progress, state)
+        core.schedule.load_state_dict(getattr(extra["trigger"], "value", extra["trigger"]))
+    rng = restore_rng(loaded, extra.get("rng"), comm.rank, comm.world) if core.rng else "not restored"
+    sync_data_position(core.progress, state)
     if loaded.manifest.world_size != comm.world:
         log.warning("world size changed from %d to %d: sharded tensors resharded, the data continues at global "
                     "sample %d of epoch %d, RNGs %s", loaded.manifest.world_size, comm.world,
-                    ckpt.progress.samples, ckpt.progress.epoch, rng)
-    if ckpt.probe is not None and loaded.manifest.probe:  # in a fork of the RNGs: changes nothing
-        ckpt.probe_report = check_after_resume(ckpt.probe, loaded.manifest.probe)
-    ckpt.metrics = dict(loaded.manifest.metrics)
-    in_run = where == ckpt.run.describe(loaded.name)
-    ckpt.events.publish(Restored(loaded.name if in_run else where, where, ckpt.progress.step, tier))
+                    core.progress.samples, core.progress.epoch, rng)
+    if core.probe is not None and loaded.manifest.probe:  # in a fork of the RNGs: changes nothing
+        core.probe_report = check_after_resume(core.probe, loaded.manifest.probe)
+    core.metrics = dict(loaded.manifest.metrics)
+    in_run = where == core.run.describe(loaded.name)
+    core.events.publish(Restored(loaded.name if in_run else where, where, core.progress.step, tier))
     log.info("resumed from %s (step %d)", where, loaded.manifest.step)
     return CheckpointInfo.of(where, loaded.name, loaded.manifest, tiers=(tier,))
 
 
-def restore_into(ckpt: Any, state: MutableMapping[str, Any], path: Any, tag: str | None,
+def restore_into(core: Core, state: MutableMapping[str, Any], path: Any, tag: str | None,
                  if_unrestorable: str) -> CheckpointInfo | None:
     """The body of :meth:`unbroken.Checkpointer.restore` once the run is open (see there)."""
     if tag is not None:
-        found = [c for c in ckpt.checkpoints() if tag in c.tags]
+        found = [c for c in core.run.checkpoints() if tag in c.tags]
         if not found:
-            raise NoCheckpointError(f"no checkpoint of {ckpt.location} is tagged {tag!r}")
+            raise NoCheckpointError(f"no checkpoint of {core.location} is tagged {tag!r}")
         path = found[0].path
     if path is not None:
-        opts = ckpt.storage_options if isinstance(path, str) and "://" in path else None
-        loaded = read_path(path, opts, ckpt.comm.rank)
-        ckpt.run.use_base(loaded, path)
-        return apply_checkpoint(ckpt, state, loaded, os.fspath(path))
+        opts = core.storage_options if isinstance(path, str) and "://" in path else None
+        named = read_path(path, opts, core.comm.rank)
+        core.run.use_base(named, path)
+        return apply_checkpoint(core, state, named, os.fspath(path))
     # a read-only run is not written, not even to repair a chunk
-    repair = LiveChunks(ckpt.run.store, ckpt.saved_part(state)) if ckpt.run.chunks is not None and \
-        not ckpt.run.readonly else None
-    loaded, where, tier = ckpt.run.newest_valid(repair)
+    repair = LiveChunks(core.run.store, core.saved_part(state)) if core.run.chunks is not None and \
+        not core.run.readonly else None
+    loaded, where, tier = core.run.newest_valid(repair)
     if loaded is not None:
-        return apply_checkpoint(ckpt, state, loaded, where, tier)
-    lost = ckpt.run.unrestorable()
+        return apply_checkpoint(core, state, loaded, where, tier)
+    lost = core.run.unrestorable()
     if lost and if_unrestorable != "start_fresh" and os.environ.get("UNBROKEN_START_FRESH") != "1":
-        raise NoValidCheckpointError(unrestorable_message(ckpt.location, lost))
-    ckpt.events.publish(Started(None, 0))
+        raise NoValidCheckpointError(unrestorable_message(core.location, lost))
+    core.events.publish(Started(None, 0))
     if lost:
-        ckpt.run.acknowledge(lost)
+        core.run.acknowledge(lost)
         log.warning("starting %s from scratch on purpose, past %d checkpoint(s) that could not be restored (kept "
-                    "where they are, in quarantine/ if they could be moved)", ckpt.location, len(lost))
+                    "where they are, in quarantine/ if they could be moved)", core.location, len(lost))
     else:
-        log.info("no checkpoint in %s; starting from scratch", ckpt.location)
+        log.info("no checkpoint in %s; starting from scratch", core.location)
     return None
 
 

@@ -79,11 +79,11 @@ class Run:
         self.remote_lock = self.remote_store.lock() if self.remote_store is not None else None
         self.uploader: Uploader | None = None
         self._next_seq = 0
-        self._remote_ok = True
+        self.remote_ok = True
         self.last_in_ram = False  # whether the last checkpoint written went to the RAM tier
         self._writing = False
         self.damage = Damage(self.publish)
-        self._remote_unlisted = False  # the remote tier could not be listed by the last restore
+        self.remote_unlisted = False  # the remote tier could not be listed by the last restore
         self._readonly = ""  # why the run cannot be written (set by begin), "" if it can
         self._readonly_errno = errno.EROFS
         self.pruner = Pruner()
@@ -103,7 +103,7 @@ class Run:
             except StorageError as e:
                 if "cannot reach" not in str(e):
                     raise
-                self._remote_ok = False
+                self.remote_ok = False
                 log.warning("%s; training goes on, checkpoints are kept locally and uploaded when it is back", e)
 
     @property
@@ -179,7 +179,7 @@ class Run:
     def _begin_remote(self) -> None:
         assert self.remote_store is not None and self.remote_lock is not None
         try:
-            if not self._remote_ok:  # known down: the uploader takes the lease when it is back
+            if not self.remote_ok:  # known down: the uploader takes the lease when it is back
                 raise ConnectionError("unreachable at start")
             self.remote_lock.acquire()
             for name in self.remote_store.clean_stale():
@@ -196,7 +196,7 @@ class Run:
                                  (self.remote.retry_wait_s, self.remote.retry_max_wait_s))
         self.uploader.start()
         try:  # catch up: local checkpoints newer than the newest remote one (uploads go oldest first)
-            if not self._remote_ok:
+            if not self.remote_ok:
                 raise ConnectionError("unreachable at start")
             remote_seq: int | None = max((m.seq for m in manifests(self.remote_store).values()), default=-1)
         except Exception:  # noqa: BLE001 - an unreachable remote: its checkpoints are unknown
@@ -252,7 +252,7 @@ class Run:
         if not tiered:
             return local
         remote = discover(self.ram.store, "ram") if self.ram is not None else []
-        if self.remote_store is not None and (self._remote_ok or self.uploader is None or not self.uploader.failing):
+        if self.remote_store is not None and (self.remote_ok or self.uploader is None or not self.uploader.failing):
             try:
                 remote += discover(self.remote_store, "remote")
             except Exception as e:  # noqa: BLE001 - the remote tier down: listed without it, said so
@@ -264,7 +264,7 @@ class Run:
             return self._next_seq
         seqs = [c.seq for c in discover(self.store)] + \
             ([m.seq for m in self.ram.manifests().values()] if self.ram is not None else [])
-        if self.remote_store is not None and self._next_seq == 0 and self._remote_ok:
+        if self.remote_store is not None and self._next_seq == 0 and self.remote_ok:
             try:
                 seqs += [m.seq for m in manifests(self.remote_store).values()]
             except Exception as e:  # noqa: BLE001 - the remote tier down: numbered from the local ones
@@ -364,7 +364,7 @@ class Run:
         coordinator looks, every rank gets the list."""
         found: list[tuple[str, str]] = []
         if self.comm.coordinator:
-            unknown = self.remote_store is not None and (not self._remote_ok or self._remote_unlisted)
+            unknown = self.remote_store is not None and (not self.remote_ok or self.remote_unlisted)
             stores = (self.store, self.remote_store, self.ram.store if self.ram is not None else None)
             found = self.damage.unrestorable([s for s in stores if s is not None],
                                              self.remote_store.url if unknown and self.remote_store else None)

@@ -49,6 +49,10 @@ class _DurableFile:
     def flush(self) -> None:
         pass
 
+    @property
+    def closed(self) -> bool:
+        return self._f.closed
+
     @guarded("syncing a checkpoint file")
     def close(self) -> None:
         if not self._f.closed:
