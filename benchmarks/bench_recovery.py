@@ -22,7 +22,7 @@ the environment:
 * ``import``: the first line to ``import torch, unbroken`` and the model code done.
 * ``build``: model (seeded init), AdamW and loader constructed. The first AdamW of a
   process imports ``torch._dynamo`` (~2 s here): a torch cost both sides pay.
-* ``read``: ``Checkpointer(...)`` and ``restore()`` up to ``unbroken.restoring.apply_checkpoint``:
+* ``read``: ``Checkpointer(...)`` and ``restore()`` up to ``unbroken.checkpointer.restoring.apply_checkpoint``:
   the run's lock, finding the newest checkpoint, reading it, verifying every xxh3-128 checksum,
   decoding (``apply_checkpoint`` is wrapped in the child to split it).
 * ``apply``: ``apply_checkpoint`` to the return of ``restore()``: ``load_state_dict`` of model,
@@ -108,8 +108,8 @@ def resume(a: argparse.Namespace, run_dir: Path, launch: float) -> dict[str, Any
     import torch
 
     import unbroken
-    import unbroken.core
-    import unbroken.restoring
+    import unbroken.checkpointer.core
+    import unbroken.checkpointer.restoring
     from bench_train_overhead import build, train_step
     from unbroken.data import ResumableLoader
 
@@ -119,8 +119,8 @@ def resume(a: argparse.Namespace, run_dir: Path, launch: float) -> dict[str, Any
     loader = ResumableLoader(ds, batch_size=a.batch, seed=0, num_workers=0)
     state = {"model": model, "optimizer": opt, "data": loader}
     t["built"] = time.time()
-    cls, env_s = unbroken.core.Core, [0.0]
-    apply, environment = unbroken.restoring.apply_checkpoint, cls.environment
+    cls, env_s = unbroken.checkpointer.core.Core, [0.0]
+    apply, environment = unbroken.checkpointer.restoring.apply_checkpoint, cls.environment
 
     def timed_apply(*args: Any, **kwargs: Any) -> Any:
         t["apply"] = time.time()  # everything before: lock, listing, read, verify, decode
@@ -133,7 +133,7 @@ def resume(a: argparse.Namespace, run_dir: Path, launch: float) -> dict[str, Any
         finally:
             env_s[0] += time.time() - t0
 
-    unbroken.restoring.apply_checkpoint = timed_apply  # what restore() calls once the checkpoint is read
+    unbroken.checkpointer.restoring.apply_checkpoint = timed_apply  # what restore() calls once the checkpoint is read
     cls.environment = timed_environment  # type: ignore[method-assign]
     ckpt = unbroken.Checkpointer(run_dir, save_every=a.resume_step, keep_last=2, preemption=None)
     info = ckpt.restore(state)

@@ -180,7 +180,7 @@ def prepare_async(out, mode=True):
 
 def all_optimizer_held(state):
     """For unbroken_lazy: every tensor of this plain-tensor state counts as optimizer-held."""
-    from unbroken.snapshot import storage_key
+    from unbroken.checkpoint.snapshot import storage_key
     return frozenset(storage_key(t) for t in flatten(state).values() if t.numel())
 
 
@@ -240,9 +240,9 @@ def run_child(name: str, mb: float, out: Path) -> dict:
     if name == "unbroken_async":
         prepare_async(out)
     if name == "unbroken_lazy":
-        import unbroken.manager
+        import unbroken.checkpointer.manager
         held = all_optimizer_held(state)
-        unbroken.manager.step_only_storages = lambda s: held  # computed off the clock
+        unbroken.checkpointer.manager.step_only_storages = lambda s: held  # computed off the clock
         prepare_async(out, "lazy")
     cold, rss0 = prepare_phase()
     t0 = time.perf_counter()

@@ -17,7 +17,7 @@ Configurations, each in a fresh subprocess:
 * ``sync`` / ``async`` / ``lazy``: ``Checkpointer(dir, save_every=--every, keep_last=2,
   preemption=None, async_save=False | True | "lazy")`` and ``ckpt.step(state)`` after every
   ``optimizer.step()``. The background saves' tensor files are written by the writer process
-  (:mod:`unbroken.filewriter`).
+  (:mod:`unbroken.checkpoint.background.filewriter`).
 * ``async_thread`` / ``lazy_thread``: the same, written by the training process's background
   thread instead (``UNBROKEN_WRITER_PROCESS=0``, as before the writer process).
 * ``dcp_async`` / ``dcp_async_process``: PyTorch DCP's ``async_save`` of the model's and the
@@ -233,7 +233,7 @@ def run_child(cfg: str, a: argparse.Namespace, out: Path) -> dict[str, Any]:
     base = statistics.median(opt_times)
     persist = {}
     if ram:  # what the writer process did: persisted checkpoints on disk, their copy times
-        from unbroken.index import RunIndex
+        from unbroken.run.index.index import RunIndex
 
         done = RunIndex(out / "run").events("persisted")
         persist = {"persisted": len(done), "persist_s": statistics.median(e["data"]["took_s"] for e in done)}

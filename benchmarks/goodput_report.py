@@ -109,7 +109,7 @@ def table(rows: list[dict[str, Any]], md: bool) -> str:
 
 def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
     """Goodput and recovery time per configuration, one group of bars per failure kind (matplotlib's
-    object API on the Agg canvas, as src/unbroken/plotting.py draws)."""
+    object API on the Agg canvas, as src/unbroken/run/index/plotting.py draws)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

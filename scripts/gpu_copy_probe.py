@@ -10,8 +10,8 @@ import time
 import torch
 import xxhash
 
-from unbroken.persist import write_snapshot
-from unbroken.snapshot import Snapshotter
+from unbroken.checkpoint.persist import write_snapshot
+from unbroken.checkpoint.snapshot import Snapshotter
 from unbroken.store import open_store
 
 

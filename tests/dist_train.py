@@ -196,7 +196,7 @@ def _make_writes_fail() -> None:
     """Test hook: every tensor file this rank writes fails half-way with ENOSPC."""
     import errno
 
-    from unbroken import persist
+    from unbroken.checkpoint import persist
 
     real = persist.write_tensors
 
@@ -204,7 +204,7 @@ def _make_writes_fail() -> None:
         raise OSError(errno.ENOSPC, f"No space left on device (injected on rank {dist.get_rank()})")
 
     persist.write_tensors = failing
-    import unbroken.collective as coll
+    import unbroken.run.collective as coll
 
     coll.write_tensors = failing
     _ = real

@@ -1,4 +1,4 @@
-"""unbroken.agreement in one process: which inputs are agreed when, over a recording fake of two ranks.
+"""unbroken.checkpointer.agreement in one process: which inputs are agreed when, over a recording fake of two ranks.
 
 The end-to-end checks (real torchrun, gloo, signals, time triggers, loss spikes) are in
 tests/test_signals_torchrun.py, tests/test_distributed.py and tests/test_recovery.py.
@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-import unbroken.agreement as agreement
-from unbroken.agreement import LONG, SAVE, SIGNAL, SPIKE, StepAgreement
+import unbroken.checkpointer.agreement as agreement
+from unbroken.checkpointer.agreement import LONG, SAVE, SIGNAL, SPIKE, StepAgreement
 from unbroken.policies import AtEpochEnd, EveryMinutes, EveryNSteps, OnImprovement
 
 

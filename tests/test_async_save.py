@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import unbroken
-from unbroken import persist
-from unbroken.filewriter import FileWriter
+from unbroken.checkpoint import persist
+from unbroken.checkpoint.background.filewriter import FileWriter
 from unbroken.demo import compare, run_attempt
 
 STEPS, SAVE_EVERY = 12, 3
@@ -179,7 +179,7 @@ def test_the_process_does_not_end_before_the_last_save_committed(tmp_path: Path,
     script.write_text(textwrap.dedent(f"""
         import time, torch, unbroken
         from unbroken import persist
-        from unbroken.filewriter import FileWriter
+        from unbroken.checkpoint.background.filewriter import FileWriter
         real, real_process = persist.write_tensors, FileWriter.write
         def slow(*a):
             time.sleep(0.5)
@@ -232,7 +232,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def cmd(base: Path, *extra: str, mode: str = "copy") -> list[str]:
-    return [sys.executable, "-m", "unbroken.demo_train", "--run-dir", str(base / "run"), "--out", str(base / "out"),
+    return [sys.executable, "-m", "unbroken.demo.train", "--run-dir", str(base / "run"), "--out", str(base / "out"),
             "--steps", "30", "--save-every", "5", "--hidden", "64", "--seed", "3", "--async-save", mode, *extra]
 
 
@@ -310,7 +310,7 @@ def test_unbroken_save_in_the_background_is_committed_before_the_process_ends(tm
     script.write_text(textwrap.dedent(f"""
         import time, torch, unbroken
         from unbroken import persist
-        from unbroken.filewriter import FileWriter
+        from unbroken.checkpoint.background.filewriter import FileWriter
         real, real_process = persist.write_tensors, FileWriter.write
         def slow(*a):
             time.sleep(0.5)

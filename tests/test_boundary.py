@@ -27,7 +27,7 @@ import torch
 
 import unbroken
 from unbroken.errors import StorageError, UnbrokenError
-from unbroken.reader import read_manifest
+from unbroken.checkpoint.reader import read_manifest
 from unbroken.store import COMMIT_FILE, open_store
 
 CLI = [sys.executable, "-m", "unbroken.cli"]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import unbroken
-from unbroken.manager import UnbrokenWarning
+from unbroken.checkpointer.manager import UnbrokenWarning
 from unbroken.store.local import _tag
 
 
@@ -388,7 +388,7 @@ def test_rng_false_leaves_global_rng_alone(tmp_path):
 
 # ----------------------------------------------------- mismatch & reserved keys
 
-@pytest.mark.filterwarnings("ignore::unbroken.manager.UnbrokenWarning")
+@pytest.mark.filterwarnings("ignore::unbroken.checkpointer.manager.UnbrokenWarning")
 def test_strict_key_mismatch_changes_nothing(tmp_path):
     run = tmp_path / "run"
     ckpt = unbroken.Checkpointer(run)
@@ -415,7 +415,7 @@ def test_strict_key_mismatch_changes_nothing(tmp_path):
         assert torch.equal(v, before[k]), k
 
 
-@pytest.mark.filterwarnings("ignore::unbroken.manager.UnbrokenWarning")
+@pytest.mark.filterwarnings("ignore::unbroken.checkpointer.manager.UnbrokenWarning")
 def test_non_strict_restores_common_keys(tmp_path):
     run = tmp_path / "run"
     src = tiny_model(0)

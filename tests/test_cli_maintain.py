@@ -13,7 +13,7 @@ import pytest
 from test_cli import as_json, invoke, make_state, snapshot, train
 
 import unbroken
-from unbroken.index import RunIndex
+from unbroken.run.index.index import RunIndex
 
 TESTS = Path(__file__).parent
 HOLDER = """

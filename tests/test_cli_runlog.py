@@ -14,8 +14,8 @@ from test_cli import as_json, invoke, make_state, snapshot, train
 
 import unbroken
 from unbroken.demo import Attempt, plot_losses
-from unbroken.index import RunIndex
-from unbroken.plotting import Curve, Marker, figure, plot_curves, run_curves
+from unbroken.run.index.index import RunIndex
+from unbroken.run.index.plotting import Curve, Marker, figure, plot_curves, run_curves
 
 TAB10 = {"C0": (0x1F, 0x77, 0xB4), "C1": (0xFF, 0x7F, 0x0E)}  # the colours of the first two curves
 

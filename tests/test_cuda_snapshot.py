@@ -70,10 +70,10 @@ def test_a_gpu_tensor_changed_in_the_lazy_window_fails_the_save(tmp_path: Path) 
 
 
 def test_shared_staging_is_page_locked_and_written_by_the_writer_process(tmp_path: Path) -> None:
-    """The writer process's staging (unbroken.shm) is registered with CUDA: device copies into it
+    """The writer process's staging (unbroken.checkpoint.background.shm) is registered with CUDA: device copies into it
     are asynchronous (``is_pinned``), and the checkpoint holds the step's exact values."""
-    from unbroken.shm import SharedArena
-    from unbroken.snapshot import Snapshotter
+    from unbroken.checkpoint.background.shm import SharedArena
+    from unbroken.checkpoint.snapshot import Snapshotter
 
     arena = SharedArena(pin=True)
     t = torch.arange(1 << 20, dtype=torch.float32, device="cuda")

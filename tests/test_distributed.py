@@ -281,7 +281,7 @@ def test_ddp_on_s3_saves_and_resumes_bitwise(reference, tmp_path, s3, s3_url) ->
     store = open_store(s3_url, s3.storage_options)
     names = store.list_committed()
     assert names == [f"step-{SAVE_EVERY:09d}", f"step-{2 * SAVE_EVERY:09d}"] and not store.list_uncommitted()
-    files = set(store._objects()[names[-1]])
+    files = set(store.objects()[names[-1]])
     assert {"manifest.json", "state.json", "rank-00000.json", "rank-00001.json"} <= files
     code, out = run(torchrun(2, *args), env=env)
     assert code == 0 and f"resumed from step {2 * SAVE_EVERY}" in out, out
@@ -292,7 +292,7 @@ def test_ddp_on_s3_saves_and_resumes_bitwise(reference, tmp_path, s3, s3_url) ->
 def check_chunks(run_dir: Path) -> None:
     """Every committed checkpoint verifies; the chunks are exactly those they use."""
     import unbroken
-    from unbroken.reader import read_manifest
+    from unbroken.checkpoint.reader import read_manifest
 
     store = open_store(run_dir)
     used: set[str] = set()
@@ -330,7 +330,7 @@ def test_fsdp_incremental_saved_by_2_ranks_restores_exactly_on_1(fsdp_saved: Pat
     code, out = run(torchrun(2, *job(tmp_path, "--steps", "20", "--stop-at", "8", "--incremental", mode="fsdp")))
     assert code == 0, out
     store = open_store(tmp_path / "run")
-    from unbroken.reader import read_manifest
+    from unbroken.checkpoint.reader import read_manifest
 
     m = read_manifest(store, f"step-{8:09d}")
     assert m.format_version == 3 and {"s00000.chunks.json", "s00001.chunks.json"} <= set(m.files), sorted(m.files)

@@ -1,6 +1,6 @@
 """End to end: real training subprocesses killed with real SIGKILLs, resumed, compared bitwise.
 
-Every run is the demo's training job (unbroken.demo_train): dropout, shuffled data,
+Every run is the demo's training job (unbroken.demo.train): dropout, shuffled data,
 random augmentation, AdamW, warmup+cosine, gradient accumulation, GradScaler. The
 uninterrupted reference run is made once; each test then kills and resumes a run
 and compares final parameters, optimizer state, scheduler, scaler and every logged
@@ -25,7 +25,7 @@ ENV = dict(os.environ, PYTHONUNBUFFERED="1")
 
 
 def cmd(base: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "unbroken.demo_train", "--run-dir", str(base / "run"), "--out",
+    return [sys.executable, "-m", "unbroken.demo.train", "--run-dir", str(base / "run"), "--out",
             str(base / "out"), "--steps", str(STEPS), "--save-every", str(SAVE_EVERY),
             "--hidden", str(HIDDEN), "--seed", "3", *extra]
 

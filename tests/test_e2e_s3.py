@@ -1,11 +1,11 @@
 """End to end on S3: training runs whose only storage is an S3 bucket, SIGKILLed and resumed.
 
-The same training job as tests/test_e2e_kill.py (unbroken.demo_train: dropout, shuffled
+The same training job as tests/test_e2e_kill.py (unbroken.demo.train: dropout, shuffled
 data, augmentation, AdamW, warmup+cosine, gradient accumulation, GradScaler), but with
 ``--run-dir s3://...`` on the test SeaweedFS server (credentials and endpoint from the
 AWS_* variables, as a real job would get them). Each test kills real subprocesses with
 SIGKILL, at seeded random steps or inside a save at a fault point (UNBROKEN_FAULTS, see
-src/unbroken/_faults.py), resumes from S3, and compares the final parameters, optimizer
+src/unbroken/_support/faultpoints.py), resumes from S3, and compares the final parameters, optimizer
 state, scheduler, scaler and every per-step loss bitwise with an uninterrupted run.
 
 On S3 a checkpoint commits when its manifest.json is PUT, after every data object; a
@@ -37,7 +37,7 @@ FILES_PER_SAVE = 3
 
 def cmd(run_dir: str, out: Path, *extra: str, steps: int = STEPS, save_every: int = SAVE_EVERY,
         hidden: int = HIDDEN) -> list[str]:
-    return [sys.executable, "-m", "unbroken.demo_train", "--run-dir", run_dir, "--out", str(out),
+    return [sys.executable, "-m", "unbroken.demo.train", "--run-dir", run_dir, "--out", str(out),
             "--steps", str(steps), "--save-every", str(save_every), "--hidden", str(hidden), "--seed", "3",
             *extra]
 
@@ -166,7 +166,7 @@ def test_incremental_on_s3_killed_at_steps_in_saves_and_in_the_collection(s3, s3
     only storage: SIGKILLs at a seeded random step, inside a save, and inside the collection of
     unused chunks (retention keeps 3). Every committed checkpoint verifies after each kill; at the
     end the bucket's chunks are exactly those the committed checkpoints use; bitwise."""
-    from unbroken.reader import read_manifest
+    from unbroken.checkpoint.reader import read_manifest
 
     extra = ("--incremental", "--freeze-first")
     env, out = env_for(s3), tmp_path / "out"

@@ -1,4 +1,4 @@
-"""``unbroken.environment``: what a fingerprint records (versions, git, config, data), how
+"""``unbroken.checkpointer.environment``: what a fingerprint records (versions, git, config, data), how
 two fingerprints are diffed and classified, and what each ``check`` policy does."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import unbroken
-from unbroken import environment as envmod
-from unbroken.environment import (
+from unbroken.checkpointer import environment as envmod
+from unbroken.checkpointer.environment import (
     MISSING,
     Change,
     check,

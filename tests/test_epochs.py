@@ -1,4 +1,4 @@
-"""The epoch boundary (:mod:`unbroken.epochs`): epoch loops resume exactly wherever they stopped.
+"""The epoch boundary (:mod:`unbroken.checkpointer.epochs`): epoch loops resume exactly wherever they stopped.
 
 A small loop — dropout, a ``ResumableLoader``, an evaluation over a plain ``DataLoader`` (its
 iterator draws from the global RNG), ``StepLR`` stepped per epoch — is trained once without
@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import unbroken
 import unbroken.data
 from unbroken.faults import EXIT_PREEMPTED
-from unbroken.manager import UnbrokenWarning
+from unbroken.checkpointer.manager import UnbrokenWarning
 from unbroken.policies import AtEpochEnd
 
 # resumed at the last step of epoch 0, the new process's optimizer has not stepped before the epoch's

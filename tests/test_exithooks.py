@@ -11,7 +11,7 @@ from pathlib import Path
 
 SCRIPT = """
 import multiprocessing, os, sys
-from unbroken.exithooks import at_exit
+from unbroken._support.exithooks import at_exit
 
 log = sys.argv[1]
 

@@ -1,5 +1,6 @@
-"""The writer process of background saves (:mod:`unbroken.filewriter`) and its shared-memory staging
-(:mod:`unbroken.shm`): the files it writes are the bytes the training process would write; its
+"""The writer process of background saves (:mod:`unbroken.checkpoint.background.filewriter`) and its shared-memory
+staging
+(:mod:`unbroken.checkpoint.background.shm`): the files it writes are the bytes the training process would write; its
 errors fail the save like any write error (raised in the loop, nothing committed); a writer killed
 during a save is replaced and the save still commits; it dies with a SIGKILLed trainer and leaves
 nothing the next start does not clean; it ends at ``close()``."""
@@ -24,9 +25,9 @@ import pytest
 import torch
 
 import unbroken
-from unbroken.filewriter import FileWriter
-from unbroken.shm import SharedArena
-from unbroken.snapshot import Snapshotter
+from unbroken.checkpoint.background.filewriter import FileWriter
+from unbroken.checkpoint.background.shm import SharedArena
+from unbroken.checkpoint.snapshot import Snapshotter
 
 
 def build() -> dict[str, Any]:
@@ -55,7 +56,7 @@ def writers(parent: int | None = None) -> list[int]:
             ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):
             continue
-        if b"unbroken.filewriter" in cmd and ppid == parent:
+        if b"unbroken.checkpoint.background.filewriter" in cmd and ppid == parent:
             out.append(int(d.name))
     return out
 
@@ -237,7 +238,7 @@ def test_close_ends_the_writer_though_a_forked_worker_holds_its_socket(
 
 def test_shared_arena_buffers_are_aligned_located_and_started_over_when_mostly_abandoned(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import unbroken.shm as shm
+    import unbroken.checkpoint.background.shm as shm
 
     monkeypatch.setattr(shm, "MIN_SEGMENT", 1 << 20)
     arena = SharedArena()

@@ -53,7 +53,7 @@ import unbroken
 from unbroken.errors import CorruptCheckpointError, NewerFormatError, StateMismatchError
 from unbroken.format.manifest import FORMAT_VERSION, MANIFEST, TRAILER_END, TRAILER_KEY, FileEntry, Manifest, new_hasher
 from unbroken.format.tensorfile import ST_TO_DTYPE, TensorEntry, load_tensor_file, parse_header, write_tensor_file
-from unbroken.reader import read_checkpoint
+from unbroken.checkpoint.reader import read_checkpoint
 from unbroken.state.apply import apply_state
 from unbroken.state.decoder import Decoder
 from unbroken.state.rng import GlobalRNG

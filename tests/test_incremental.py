@@ -11,12 +11,12 @@ import pytest
 import torch
 
 import unbroken
-from unbroken.chunks import chunk_id, collect
+from unbroken.checkpoint.chunks import chunk_id, collect
 from unbroken.errors import CorruptCheckpointError
 from unbroken.format import chunkmap
 from unbroken.format.manifest import FileEntry, Manifest
 from unbroken.policies import KeepBest
-from unbroken.reader import read_manifest
+from unbroken.checkpoint.reader import read_manifest
 from unbroken.store import open_store
 
 from typer.testing import CliRunner

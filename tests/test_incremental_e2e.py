@@ -16,7 +16,7 @@ import pytest
 
 import unbroken
 from unbroken.demo import compare, run_attempt
-from unbroken.reader import read_manifest
+from unbroken.checkpoint.reader import read_manifest
 from unbroken.store import open_store
 
 pytestmark = pytest.mark.e2e
@@ -26,7 +26,7 @@ ENV = dict(os.environ, PYTHONUNBUFFERED="1")
 
 
 def cmd(base: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "unbroken.demo_train", "--run-dir", str(base / "run"), "--out",
+    return [sys.executable, "-m", "unbroken.demo.train", "--run-dir", str(base / "run"), "--out",
             str(base / "out"), "--steps", str(STEPS), "--save-every", str(SAVE_EVERY),
             "--hidden", str(HIDDEN), "--seed", "5", "--freeze-first", *extra]
 

@@ -1,4 +1,4 @@
-"""The run index (``unbroken.index.RunIndex``): every method round-trips; it matches the
+"""The run index (``unbroken.run.index.index.RunIndex``): every method round-trips; it matches the
 manifests written by a real ``Checkpointer``; it is rebuilt when deleted or damaged; two
 reader processes and a writer process share it; a writer SIGKILLed at random moments leaves
 a database that opens and, after ``rebuild()``, matches the manifests again."""
@@ -24,9 +24,9 @@ import pytest
 import torch
 
 import unbroken
-from unbroken.discovery import discover
-from unbroken.index import INDEX_FILE, RunIndex
-from unbroken.reader import read_manifest
+from unbroken.checkpoint.discovery import discover
+from unbroken.run.index.index import INDEX_FILE, RunIndex
+from unbroken.checkpoint.reader import read_manifest
 from unbroken.store.local import LocalStore as LocalStorage
 
 SRC = str(Path(unbroken.__file__).resolve().parents[1])
@@ -441,7 +441,7 @@ def test_readonly_never_writes(tmp_path):
 READER = """
     import sys, time
     from pathlib import Path
-    from unbroken.index import RunIndex
+    from unbroken.run.index.index import RunIndex
     run, me, reopen = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
     idx = RunIndex(run, readonly=True)
     assert not idx.in_memory

@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file
 
 from test_distributed import run
-from unbroken.reader import read_manifest
+from unbroken.checkpoint.reader import read_manifest
 from unbroken.store import open_store
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -194,7 +194,7 @@ def test_incremental_checkpoints_killed_at_a_step_and_inside_a_save(references, 
     last = attempt(tmp_path, "unbroken", "--incremental")
     assert last.rc == 0 and last.resumed_at > 0, last.stderr[-3000:]
     import unbroken
-    from unbroken.reader import read_manifest
+    from unbroken.checkpoint.reader import read_manifest
     from unbroken.store import open_store
 
     store = open_store(tmp_path / "run")

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import unbroken
-from unbroken.lazy import step_only_storages
-from unbroken.snapshot import Snapshot, Snapshotter, storage_key
+from unbroken.checkpoint.background.lazy import step_only_storages
+from unbroken.checkpoint.snapshot import Snapshot, Snapshotter, storage_key
 
 
 def build() -> dict[str, Any]:

@@ -74,7 +74,7 @@ def test_large_files_written_in_parallel_round_trip_and_a_failure_commits_nothin
     import errno
     import threading
 
-    from unbroken import persist
+    from unbroken.checkpoint import persist
 
     monkeypatch.setattr(persist, "PARALLEL_MIN", 1)
     real, threads = persist.write_tensors, set()

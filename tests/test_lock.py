@@ -291,7 +291,7 @@ def test_a_lock_removed_while_a_save_is_being_written_stops_its_commit(tmp_path:
 
 
 def test_a_writer_whose_lock_file_was_removed_deletes_and_tags_nothing(tmp_path: Path) -> None:
-    from unbroken.scheduling import Schedule
+    from unbroken.run.scheduling import Schedule
 
     run = tmp_path / "run"
     ckpt = unbroken.Checkpointer(run, preemption=None, keep_last=None)

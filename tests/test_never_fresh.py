@@ -22,9 +22,9 @@ import pytest
 import torch
 
 import unbroken
-from unbroken.index import RunIndex
-from unbroken.chunks import chunk_id
-from unbroken.reader import read_manifest
+from unbroken.run.index.index import RunIndex
+from unbroken.checkpoint.chunks import chunk_id
+from unbroken.checkpoint.reader import read_manifest
 from unbroken.store import open_store
 
 from test_incremental import ckpt, flat, make, same, train

@@ -1,6 +1,6 @@
 """Preemption and failures through real processes: signals, exceptions, torchrun restarts.
 
-The training job is the demo's (unbroken.demo_train). A signal (SIGTERM, SIGUSR1) sent
+The training job is the demo's (unbroken.demo.train). A signal (SIGTERM, SIGUSR1) sent
 at a random step must lose no completed step: the process saves at the next step
 boundary, exits with EXIT_PREEMPTED, and the next attempt resumes from exactly that
 step. An exception raised before or after optimizer.step() leaves an exact emergency
@@ -27,7 +27,7 @@ ENV = dict(os.environ, PYTHONUNBUFFERED="1")
 
 
 def cmd(base: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "unbroken.demo_train", "--run-dir", str(base / "run"), "--out",
+    return [sys.executable, "-m", "unbroken.demo.train", "--run-dir", str(base / "run"), "--out",
             str(base / "out"), "--steps", str(STEPS), "--save-every", str(SAVE_EVERY),
             "--hidden", str(HIDDEN), "--seed", "5", *extra]
 
@@ -95,7 +95,7 @@ def test_torchrun_restarts_resume_automatically(reference: Path, tmp_path: Path)
     """torchrun --max-restarts restarts the crashed worker; restore() needs no extra code."""
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-         "--max-restarts=3", "--monitor-interval=0.5", "-m", "unbroken.demo_train", "--run-dir",
+         "--max-restarts=3", "--monitor-interval=0.5", "-m", "unbroken.demo.train", "--run-dir",
          str(tmp_path / "run"), "--out", str(tmp_path / "out"), "--steps", str(STEPS), "--save-every",
          str(SAVE_EVERY), "--hidden", str(HIDDEN), "--seed", "5", "--crash-before-opt", "7",
          "--crash-after-opt", "18", "--crash-before-opt", "33"],

@@ -3,7 +3,7 @@ launchers do): during a step, in the middle of a save, and while the workers sta
 time: one complete checkpoint of a step boundary, the preemption exit code (75), and a
 resumed run bitwise equal to the uninterrupted one.
 
-The training job is unbroken.demo_train with ``--workers 2``, started in its own session so
+The training job is unbroken.demo.train with ``--workers 2``, started in its own session so
 ``killpg`` reaches the main process and its workers, as a scheduler's signal would.
 """
 
@@ -30,7 +30,7 @@ ENV = dict(os.environ, PYTHONUNBUFFERED="1")
 
 
 def cmd(base: Path) -> list[str]:
-    return [sys.executable, "-m", "unbroken.demo_train", "--run-dir", str(base / "run"), "--out", str(base / "out"),
+    return [sys.executable, "-m", "unbroken.demo.train", "--run-dir", str(base / "run"), "--out", str(base / "out"),
             "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--hidden", str(HIDDEN), "--seed", "4",
             "--workers", "2"]
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import unbroken
-from unbroken.probe import compare, run_probe
+from unbroken.checkpointer.probe import compare, run_probe
 
 BATCH = (torch.arange(32.0).reshape(8, 4) / 10, torch.arange(8.0).reshape(8, 1) / 8)
 

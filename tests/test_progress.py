@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import unbroken
-from unbroken import progress
+from unbroken._support import progress
 
 
 class FakeTerminal(io.StringIO):

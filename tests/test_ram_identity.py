@@ -24,7 +24,7 @@ import torch
 
 import unbroken
 from unbroken.errors import StorageError
-from unbroken.index import RunIndex
+from unbroken.run.index.index import RunIndex
 
 
 def _state(seed: int = 0) -> dict:

@@ -1,4 +1,4 @@
-"""The RAM tier (unbroken.ram): real training subprocesses killed with real signals, resumed from
+"""The RAM tier (unbroken.tiers.ram): real training subprocesses killed with real signals, resumed from
 shared memory (or, after a simulated node loss, from the disk), compared bitwise with a run that
 was never interrupted; the writer process outliving the trainer; a copy killed half-way; the
 memory bound on a real, small tmpfs; clean-up.
@@ -26,7 +26,7 @@ import torch
 import unbroken
 from unbroken.demo import compare, run_attempt
 from unbroken.errors import InsufficientSpaceError
-from unbroken.index import RunIndex
+from unbroken.run.index.index import RunIndex
 
 from conftest import real_pid
 
@@ -40,7 +40,7 @@ def env_for(tmp: Path, **extra: str) -> dict[str, str]:
 
 
 def cmd(base: Path, *extra: str, save_every: int = 1, ram: int = PERSIST) -> list[str]:
-    return [sys.executable, "-m", "unbroken.demo_train", "--run-dir", str(base / "run"), "--out", str(base / "out"),
+    return [sys.executable, "-m", "unbroken.demo.train", "--run-dir", str(base / "run"), "--out", str(base / "out"),
             "--steps", str(STEPS), "--save-every", str(save_every), "--hidden", str(HIDDEN), "--seed", "3",
             *(["--ram", str(ram)] if ram else []), *extra]
 
@@ -147,7 +147,7 @@ def _writer_pid(trainer: int) -> int | None:
         if p.name.isdigit():
             try:
                 if Path(p / "stat").read_text().rsplit(")", 1)[1].split()[1] == str(trainer) and \
-                        b"unbroken.ramwriter" in (p / "cmdline").read_bytes():
+                        b"unbroken.tiers.ramwriter" in (p / "cmdline").read_bytes():
                     return int(p.name)
             except OSError:
                 continue
@@ -246,8 +246,8 @@ def test_the_next_start_collects_ram_folders_no_process_owns(tmp_path: Path) -> 
     def start_b() -> list[str]:
         with pytest.MonkeyPatch.context() as mp:
             messages: list[str] = []
-            mp.setattr("unbroken.ram.log.warning", lambda msg, *args: messages.append(msg % args))
-            mp.setattr("unbroken.ram.log.info", lambda msg, *args: messages.append(msg % args))
+            mp.setattr("unbroken.tiers.ram.log.warning", lambda msg, *args: messages.append(msg % args))
+            mp.setattr("unbroken.tiers.ram.log.info", lambda msg, *args: messages.append(msg % args))
             with unbroken.Checkpointer(tmp_path / "b", save_every=1, ram=tier) as ckpt:
                 ckpt.restore(state)
                 ckpt.step(state)

@@ -126,7 +126,7 @@ def test_sigterm_to_the_whole_process_group_exits_75_and_resumes_bitwise(tmp_pat
     env = dict(os.environ, PYTHONUNBUFFERED="1", UNBROKEN_RAM_ROOT=str(tmp_path / "shm"))
 
     def cmd(base: Path) -> list[str]:
-        return [sys.executable, "-m", "unbroken.demo_train", "--run-dir", str(base / "run"), "--out",
+        return [sys.executable, "-m", "unbroken.demo.train", "--run-dir", str(base / "run"), "--out",
                 str(base / "out"), "--steps", str(STEPS), "--save-every", "1", "--hidden", str(HIDDEN), "--seed", "3",
                 "--ram", "3"]
 

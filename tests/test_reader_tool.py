@@ -40,7 +40,7 @@ import torch
 import xxhash
 
 import unbroken
-from unbroken.reader import read_checkpoint as library_read
+from unbroken.checkpoint.reader import read_checkpoint as library_read
 from unbroken.store import split_checkpoint
 from unbroken.policies import OnImprovement
 from unbroken.state.codec import StatefulValue

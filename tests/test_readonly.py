@@ -269,7 +269,7 @@ def test_readonly_index_with_a_write_ahead_log_left_by_a_killed_writer(tmp_path:
     make_run(run)
     code = textwrap.dedent("""
         import os, sys
-        from unbroken.index import RunIndex
+        from unbroken.run.index.index import RunIndex
         index = RunIndex(sys.argv[1])
         index._conn.execute("PRAGMA wal_autocheckpoint=0")
         index.event("only_in_the_wal", "written, then the process died")

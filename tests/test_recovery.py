@@ -23,12 +23,12 @@ from safetensors.torch import load_file
 from torch.utils.data import TensorDataset
 
 import unbroken
-from unbroken import persist
+from unbroken.checkpoint import persist
 from unbroken.data import ResumableLoader
 from unbroken.errors import ConfigurationError
 from unbroken.events import RolledBack
-from unbroken.index import RunIndex
-from unbroken.recovery import LossSpike, Policy
+from unbroken.run.index.index import RunIndex
+from unbroken.faults.recovery import LossSpike, Policy
 
 SCRIPT = str(Path(__file__).parent / "recovery_train.py")
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
@@ -116,7 +116,7 @@ def test_transient_failures_roll_back_in_place_bitwise(tmp_path: Path, reference
 def test_without_dropping_the_gradients_it_would_not_be_exact(tmp_path: Path, reference: dict[str, torch.Tensor],
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative control: the failure comes after backward(), so the partial gradients must go."""
-    monkeypatch.setattr("unbroken.recovery.drop_gradients", lambda state: None)
+    monkeypatch.setattr("unbroken.faults.recovery.drop_gradients", lambda state: None)
     state = build()
     with unbroken.Checkpointer(tmp_path / "run", save_every=3, preemption=None) as ckpt:
         ckpt.restore(state)

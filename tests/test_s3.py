@@ -287,7 +287,7 @@ def test_cli_lists_verifies_and_inspects_a_remote_run(s3, s3_url) -> None:
 
 # --------------------------------------------------------------- the index
 def test_the_index_of_a_remote_run_is_a_local_cache_rebuilt_from_the_manifests(s3, s3_url) -> None:
-    from unbroken.index import RunIndex
+    from unbroken.run.index.index import RunIndex
 
     state = multi_file_state()
     with unbroken.Checkpointer(s3_url, storage_options=s3.storage_options, preemption=None) as ckpt:

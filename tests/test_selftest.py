@@ -46,7 +46,7 @@ def script(name: str, *args: str) -> list[str]:
 
 def test_the_demo_training_script_is_identical(tmp_path: Path) -> None:
     code, out, err = selftest("--steps", "30", "--kills", "4", "--seed", "3", "--timeout", "120", "--json", "--",
-                              sys.executable, "-m", "unbroken.demo_train", "--run-dir", str(tmp_path / "ignored"),
+                              sys.executable, "-m", "unbroken.demo.train", "--run-dir", str(tmp_path / "ignored"),
                               "--out", str(tmp_path / "out"), "--hidden", "64", "--save-every", "5")
     doc = json.loads(out)
     assert code == 0, (doc, err)

@@ -1,7 +1,7 @@
 """Repeated signals through real processes: one preemption delivered twice is one request; Ctrl-C
 pressed again seconds later aborts at once, even in the middle of the preemption save.
 
-The job is unbroken.demo_train. Ctrl-C is typed into a real terminal (a pseudo-terminal whose
+The job is unbroken.demo.train. Ctrl-C is typed into a real terminal (a pseudo-terminal whose
 line discipline sends SIGINT to the foreground process group), and the long save is a real save
 frozen at a fault point (``UNBROKEN_FAULT_ACTION=stop``), so no timing decides the outcome.
 """
@@ -33,7 +33,7 @@ ENV = dict(os.environ, PYTHONUNBUFFERED="1")
 
 
 def cmd(base: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "unbroken.demo_train", "--run-dir", str(base / "run"), "--out", str(base / "out"),
+    return [sys.executable, "-m", "unbroken.demo.train", "--run-dir", str(base / "run"), "--out", str(base / "out"),
             "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--hidden", str(HIDDEN), "--seed", "3", *extra]
 
 

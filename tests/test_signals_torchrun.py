@@ -134,7 +134,7 @@ def test_workers_whose_agent_was_sigkilled_save_exit_and_free_the_run(reference:
 def test_sigterm_to_one_worker_only_every_rank_saves_the_same_step_exits_75_and_resumes_bitwise(
         reference: Path, tmp_path: Path) -> None:
     """Only rank 1 gets the signal (not the agent, not rank 0). The ranks learn of it through the
-    non-blocking reduction each step starts (unbroken.agreement): both act on it at the same later
+    non-blocking reduction each step starts (unbroken.checkpointer.agreement): both act on it at the same later
     step, save that step together and exit 75."""
     sent: list[int] = []
 

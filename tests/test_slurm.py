@@ -49,7 +49,7 @@ SIGNAL_AFTER = 20  # send USR1 once the job has printed this step
 
 
 def train_args(base: Path) -> list[str]:
-    return ["-m", "unbroken.demo_train", "--run-dir", str(base / "run"), "--out", str(base / "out"),
+    return ["-m", "unbroken.demo.train", "--run-dir", str(base / "run"), "--out", str(base / "out"),
             "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--hidden", str(HIDDEN),
             "--seed", str(SEED), "--requeue"]
 
@@ -125,9 +125,9 @@ def test_preempt_requeue_resume_bitwise(cluster: SlurmCluster, tmp_path: Path) -
     """USR1 -> save at the step boundary -> scontrol requeue -> resumed by SLURM -> bitwise equal."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env["PYTHONUNBUFFERED"] = "1"
-    helptext = subprocess.run([sys.executable, "-m", "unbroken.demo_train", "--help"], env=env,
+    helptext = subprocess.run([sys.executable, "-m", "unbroken.demo.train", "--help"], env=env,
                               capture_output=True, text=True, timeout=60).stdout
-    assert "--requeue" in helptext, f"unbroken.demo_train has no --requeue option:\n{helptext}"
+    assert "--requeue" in helptext, f"unbroken.demo.train has no --requeue option:\n{helptext}"
 
     t0 = time.monotonic()
     timings: dict[str, float] = {}

@@ -21,7 +21,7 @@ from torch.utils.data import Dataset
 
 import unbroken
 import unbroken.data
-from unbroken import persist
+from unbroken.checkpoint import persist
 from unbroken.faults import EXIT_PREEMPTED
 
 STEPS, SAVE_EVERY, FAIL_AT = 9, 3, 5

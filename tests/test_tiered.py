@@ -12,7 +12,7 @@ import torch
 
 import unbroken
 from unbroken.events import Uploaded, UploadFailed
-from unbroken.index import RunIndex
+from unbroken.run.index.index import RunIndex
 from unbroken.store import open_store
 from unbroken.store.retry import Retry
 

@@ -295,7 +295,7 @@ def test_metric_rows_up_to_a_checkpoint_survive_a_sigkill_and_check_finds_a_lost
     covered step deleted from the index (what a lost buffer looked like) makes it fail, naming it."""
     import sqlite3
 
-    from unbroken.index import RunIndex
+    from unbroken.run.index.index import RunIndex
 
     run = tmp_path / "run"
     killed = subprocess.run([sys.executable, "-c", _TRAINER, str(run), "13"], capture_output=True, timeout=120,

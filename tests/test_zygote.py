@@ -194,7 +194,7 @@ def test_the_refusals(tmp_path: Path) -> None:
     req = lambda args, **kw: dict(dict(args=args, env=z.env, cwd=str(tmp_path), identity=z.identity), **kw)  # noqa: E731
     assert z._refuse(req(["x.py"])) is None
     assert z._refuse(req(["x.py"], env=dict(z.env, PYTHONHASHSEED="2"))) == "PYTHONHASHSEED differs"
-    assert "depends on its parent" in z._refuse(req(["-m", "unbroken.filewriter", "3"]))
+    assert "depends on its parent" in z._refuse(req(["-m", "unbroken.checkpoint.background.filewriter", "3"]))
     assert "namespace" in z._refuse(req(["x.py"], identity="Uid: 1000"))
     assert z._refuse(req(["x.py"], env=dict(z.env, TORCH_LOGS="+dynamo"))) == "TORCH_LOGS differs"
     assert z._refuse(req(["x.py"], env=dict(z.env, UNBROKEN_X="1"))) is None

@@ -90,7 +90,7 @@ FRAMEWORK_ENV = ("HF_", "TRANSFORMERS", "TOKENIZERS", "HUGGINGFACE", "SAFETENSOR
                  "LIGHTNING", "PL_", "WANDB", "USE_", "MLFLOW", "COMET", "TENSORBOARD", "NEPTUNE", "DISABLE_", "TQDM",
                  "NCCL", "KINETO", "DATASETS", "PEFT", "XDG_", "HOME")
 # helper processes of the library that rely on their parent (PR_SET_PDEATHSIG, getppid)
-PLAIN_MODULES = {"unbroken.filewriter", "unbroken.ramwriter"}
+PLAIN_MODULES = {"unbroken.checkpoint.background.filewriter", "unbroken.tiers.ramwriter"}
 _HDR = struct.Struct("!I")
 
 

@@ -29,8 +29,10 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported for real
     from .api import CheckpointInfo, PendingSave, load, save, verify
+    from .checkpointer.environment import EnvCheck
+    from .checkpointer.manager import Checkpointer
+    from .checkpointer.probe import probe_step
     from .dist.comm import init_distributed
-    from .environment import EnvCheck
     from .errors import (
         CorruptCheckpointError,
         EnvironmentMismatchError,
@@ -45,26 +47,24 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported for re
         UnsupportedStateError,
     )
     from .faults import Preemption
-    from .manager import Checkpointer
-    from .probe import probe_step
-    from .ram import RamTier
     from .state.stateful import Gradients, PerRank, Progress, Stateful, Vars
-    from .tiers import Remote
+    from .tiers.ram import RamTier
+    from .tiers.remote import Remote
 
 _WHERE: dict[str, str] = {
     # name -> the module (relative to this package) that defines it
     **dict.fromkeys(("CheckpointInfo", "PendingSave", "load", "save", "verify"), ".api"),
     "init_distributed": ".dist.comm",
-    "EnvCheck": ".environment",
+    "EnvCheck": ".checkpointer.environment",
     **dict.fromkeys(("CorruptCheckpointError", "EnvironmentMismatchError", "InsufficientSpaceError",
                      "NewerFormatError", "NoCheckpointError", "NoValidCheckpointError", "RunLockedError",
                      "StateMismatchError", "StorageError", "UnbrokenError", "UnsupportedStateError"), ".errors"),
     "Preemption": ".faults",
-    "Checkpointer": ".manager",
-    "probe_step": ".probe",
+    "Checkpointer": ".checkpointer.manager",
+    "probe_step": ".checkpointer.probe",
     **dict.fromkeys(("Gradients", "PerRank", "Progress", "Stateful", "Vars"), ".state.stateful"),
-    "Remote": ".tiers",
-    "RamTier": ".ram",
+    "Remote": ".tiers.remote",
+    "RamTier": ".tiers.ram",
 }
 
 __all__ = [

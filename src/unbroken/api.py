@@ -13,14 +13,14 @@ from collections.abc import Mapping, MutableMapping
 from concurrent.futures import Future
 from typing import Any, Literal, overload
 
-from .adapting import adapt
-from .background import in_thread
+from ._support.exithooks import at_exit
+from .checkpoint.adapting import adapt
+from .checkpoint.background.thread import in_thread
+from .checkpoint.manifests import CheckpointInfo, is_run
+from .checkpoint.persist import write_snapshot
+from .checkpoint.reader import LoadedCheckpoint, read_checkpoint, vanished, verify_all
+from .checkpoint.snapshot import Snapshotter
 from .errors import NoCheckpointError, UnbrokenError
-from .exithooks import at_exit
-from .manifests import CheckpointInfo, is_run
-from .persist import write_snapshot
-from .reader import LoadedCheckpoint, read_checkpoint, vanished, verify_all
-from .snapshot import Snapshotter
 from .state.apply import apply_state
 from .state.checks import clean_metrics
 from .state.codec import StatefulValue
@@ -137,7 +137,7 @@ def read_run(location: str | os.PathLike[str], storage_options: Mapping[str, Any
     is taken, so a job that only reads can run beside the training that writes. If the training
     prunes the checkpoint being read, the run is listed again (a newer one has committed: retention
     never deletes the newest), rather than falling back to older ones that are being pruned too."""
-    from .discovery import newest_valid, tagged  # discovery builds on this module
+    from .checkpoint.discovery import newest_valid, tagged  # discovery builds on this module
 
     store = open_store(location, storage_options, readonly=True)
     bad: set[str] = set()

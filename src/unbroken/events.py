@@ -2,7 +2,7 @@
 
 The :class:`~unbroken.Checkpointer` publishes what happens (a checkpoint saved,
 uploaded, restored, quarantined, pruned, a preemption, ...); collaborators such as the
-run index (:mod:`unbroken.recorder`), the SLURM submit script and the step guard
+run index (:mod:`unbroken.run.index.recorder`), the SLURM submit script and the step guard
 subscribe with ``ckpt.events.subscribe(listener)`` and never touch the Checkpointer's
 internals. A listener that raises is logged and ignored: no plug-in can stop training.
 """
@@ -60,7 +60,7 @@ class Saved(Event):
     took_s: float
     tags: tuple[str, ...] = ()
     tier: str = "primary"
-    """``"ram"``: committed to the RAM tier (:mod:`unbroken.ram`), not (yet) to the run location."""
+    """``"ram"``: committed to the RAM tier (:mod:`unbroken.tiers.ram`), not (yet) to the run location."""
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class Uploaded(Event):
 @dataclass(frozen=True)
 class Persisted(Event):
     """A RAM checkpoint was copied to the run location by the RAM tier's writer process
-    (:mod:`unbroken.ram`): from now on it survives the loss of the node's memory."""
+    (:mod:`unbroken.tiers.ram`): from now on it survives the loss of the node's memory."""
 
     name: str
     location: str

@@ -171,7 +171,7 @@ def open_checkpoint(location: str) -> tuple[Any, str]:
 def is_run(store: Any) -> bool:
     """Whether ``store`` holds anything of an unbroken run: a committed checkpoint, a
     quarantine, or a run index (local runs). Reads only; creates nothing."""
-    from ..index import INDEX_FILE
+    from ..run.index.index import INDEX_FILE
 
     if store.list_committed() or store.quarantined() is not None or store.list_uncommitted():
         return True

@@ -25,7 +25,7 @@ SHOWN = 80
 
 
 def _short(x: Any) -> str:
-    from ..environment import MISSING  # a field one side does not have (loaded with the comparison)
+    from ..checkpointer.environment import MISSING  # a field one side does not have (loaded with the comparison)
 
     text = "(absent)" if x is MISSING else number(x) if isinstance(x, float) else repr(x)
     return text if len(text) <= SHOWN else text[: SHOWN - 3] + "..."
@@ -33,7 +33,7 @@ def _short(x: Any) -> str:
 
 def _present(changes: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``changes`` for JSON: a side without the field as ``null``."""
-    from ..environment import MISSING
+    from ..checkpointer.environment import MISSING
 
     return [{**c, "a": None if c["a"] is MISSING else c["a"], "b": None if c["b"] is MISSING else c["b"]}
             for c in changes]

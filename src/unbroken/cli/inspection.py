@@ -9,9 +9,9 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from ..checkpoint.manifests import read_manifest
 from ..errors import UnbrokenError
 from ..format.manifest import Manifest, is_chunk
-from ..manifests import read_manifest
 from .base import JSON_OPTION, app, emit_json, fail, metrics_text, number, open_checkpoint, out, size, when
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ def _one_tensor(storage: Any, name: str, m: Manifest, path: str, wanted: str, js
             f"it has {len(names)} tensors; `unbroken inspect {path}` lists them"
         fail(escape(f"no tensor {wanted!r} in {path}; {hint}"))
     fname = found[0]["file"]
-    from ..reader import CheckpointFiles  # torch
+    from ..checkpoint.reader import CheckpointFiles  # torch
 
     t = CheckpointFiles(storage, name, m).tensors(fname)[wanted]  # the file is verified (checksum) first
     stats = {"name": wanted, "file": fname, "verified": True, **tensor_stats(t)}

@@ -28,10 +28,10 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from .. import progress
-from ..discovery import discover
+from .._support import progress
+from ..checkpoint.discovery import discover
+from ..checkpoint.manifests import read_manifest, vanished
 from ..errors import CheckpointVanishedError, UnbrokenError
-from ..manifests import read_manifest, vanished
 from ..store import is_url
 from .base import (
     JSON_OPTION,
@@ -77,7 +77,7 @@ class Row:
 def check(store: Any, name: str) -> tuple[str, str]:
     """Verify every file of checkpoint ``name``: ``("valid", "")``, ``("corrupt", reason)``, or
     ``("pruned", reason)`` if it was deleted while being read (not damaged)."""
-    from ..reader import verify_all  # decodes the state trees: imports torch
+    from ..checkpoint.reader import verify_all  # decodes the state trees: imports torch
 
     try:
         verify_all(store, name)
@@ -94,8 +94,8 @@ def committed_rows(store: Any, remote: str | None) -> list[Row]:
     """Committed checkpoints, newest first (across both tiers with ``remote``), then those
     whose manifest cannot be read."""
     if remote:
-        from ..run import Run
-        from ..tiers import Remote
+        from ..run.run import Run
+        from ..tiers.remote import Remote
 
         infos = Run(store, remote=Remote(remote, storage_options=options_for(remote))).checkpoints()
     else:

@@ -1,11 +1,11 @@
 """``unbroken prune`` and ``unbroken tag``: change a run, the way a Checkpointer would.
 
-Both become the run's writer first (:meth:`unbroken.run.Run.begin`: the run's lock or
+Both become the run's writer first (:meth:`unbroken.run.run.Run.begin`: the run's lock or
 lease), so they are refused while a training process writes the run. Deleting goes
 through :meth:`Run.prune` (the store's crash-safe deletion: renamed away first, then
 removed; ``pruned`` recorded in the run index); tagging through
 :meth:`Checkpointer.tag` (``tags.json``, replaced atomically; ``tagged`` in the index).
-Becoming the writer uses the same machinery as training (:class:`~unbroken.run.Run`), which
+Becoming the writer uses the same machinery as training (:class:`~unbroken.run.run.Run`), which
 imports torch; ``prune --dry-run`` only reads manifests and does not.
 """
 
@@ -18,12 +18,12 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from ..discovery import discover
+from ..checkpoint.discovery import discover
+from ..checkpoint.tags import check_tag
 from ..errors import RunLockedError
 from ..events import EventBus
 from ..policies import CheckpointMeta, KeepBest, KeepLast, KeepTagged, Mode, Retention, Union
-from ..scheduling import Schedule
-from ..tags import check_tag
+from ..run.scheduling import Schedule
 from .base import (
     JSON_OPTION,
     app,
@@ -118,8 +118,8 @@ def prune(run: str = typer.Argument(..., metavar="RUN", help="Run folder or URL.
 
 def _delete(run: str, schedule: Schedule) -> list[str]:
     """Apply ``schedule``'s retention as the run's writer; the names deleted."""
-    from ..recorder import Recorder
-    from ..run import Run  # the writer's machinery: imports torch
+    from ..run.index.recorder import Recorder
+    from ..run.run import Run  # the writer's machinery: imports torch
 
     bus = EventBus()
     writer = Run(run, storage_options=options_for(run), publish=bus.publish)
@@ -159,7 +159,7 @@ def tag(checkpoint: str = typer.Argument(..., metavar="CHECKPOINT", help="A chec
     if ckpt_name not in {c.name for c in discover(storage)}:
         fail(escape(f"{checkpoint} is not a committed checkpoint with a readable manifest; "
                     f"`unbroken ls {storage.url}` lists those of its run"))
-    from ..manager import Checkpointer  # imports torch
+    from ..checkpointer.manager import Checkpointer  # imports torch
 
     writer = Checkpointer(storage.url, keep_last=None, preemption=None, storage_options=options_for(storage.url))
     try:

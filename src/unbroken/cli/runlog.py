@@ -1,7 +1,7 @@
 """``unbroken events``, ``metrics`` and ``plot``: a run's history, from its index.
 
 They read ``<run>/index.sqlite`` read-only, creating nothing beside it (so a run folder nobody
-may write works too: :mod:`unbroken.indexfile`). A folder that is not an unbroken run is
+may write works too: :mod:`unbroken.run.index.indexfile`). A folder that is not an unbroken run is
 refused before anything is opened, so nothing is created in it; a run whose index is
 missing or damaged is shown from an index rebuilt in memory (checkpoints only: no
 metrics, no history), with a warning.
@@ -16,10 +16,10 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from ..continuity import CONTINUOUS, NOT_CHECKED, Continuity
-from ..index import RunIndex
-from ..plotting import made_here, plot_run
-from ..targets import check_target
+from ..checkpoint.targets import check_target
+from ..run.index.continuity import CONTINUOUS, NOT_CHECKED, Continuity
+from ..run.index.index import RunIndex
+from ..run.index.plotting import made_here, plot_run
 from .base import JSON_OPTION, app, emit_json, fail, open_location, out, plural, require_run, warn, when
 
 MESSAGE_CHARS = 100

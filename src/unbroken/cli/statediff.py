@@ -10,7 +10,7 @@ rank 0's own part, its RNG states, under ``(rank 0)/``). RNG streams (the global
 a Checkpointer saves, and generator objects anywhere in the state) are compared whole, by
 state, and those nothing drew from are set apart (:mod:`.rngdiff`). Then the step, progress,
 metrics, kind and world size of the manifests, and the environments
-(:func:`unbroken.environment.diff`).
+(:func:`unbroken.checkpointer.environment.diff`).
 
 *Identical* means: no tensor, value, counted RNG stream or manifest field differs and no
 *significant* environment field does (code, versions, config, data, world size); *info*
@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from ..api import read_path
-from ..environment import MISSING
-from ..environment import diff as environment_diff
+from ..checkpointer.environment import MISSING
+from ..checkpointer.environment import diff as environment_diff
 from ..format.manifest import Manifest
 from ..state.codec import StatefulValue
 from .base import options_for

@@ -21,7 +21,8 @@ its module's weights rebuilt from the fp32 masters every rank saved a piece of
 Tensors that share memory (tied weights) are written once each as separate copies, since
 safetensors cannot store aliases; ``from_pretrained`` ties them again.
 
-Export never destroys what it did not write (:func:`unbroken.targets.check_target`): an existing target file (or,
+Export never destroys what it did not write (:func:`unbroken.checkpoint.targets.check_target`): an existing target
+file (or,
 for ``hf``, an existing ``model.safetensors``/``config.json`` in the folder) is refused unless
 ``force=True`` (``--force``), which replaces it by an atomic rename; a link at the target is
 replaced, never written through; a folder is never replaced (``--format checkpoint`` needs a new
@@ -39,9 +40,9 @@ from typing import Any
 import torch
 
 from ..api import load
+from ..checkpoint.targets import check_target
 from ..errors import TargetExistsError, UnbrokenError
 from ..store.local import fsync_dir, write_file_atomic
-from ..targets import check_target
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
           "fp32": torch.float32, "float32": torch.float32}
@@ -132,11 +133,11 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], to: str | os.PathLike[
     from dataclasses import replace
 
     from ..api import is_run, read_run
+    from ..checkpoint.persist import commit, write_blob, write_tensors
+    from ..checkpoint.reader import verify_all
     from ..format import chunkmap
     from ..format.manifest import FileEntry, Manifest, is_chunk
     from ..format.tensorfile import TensorEntry
-    from ..persist import commit, write_blob, write_tensors
-    from ..reader import verify_all
     from ..store import open_store, split_checkpoint
 
     out = Path(to)

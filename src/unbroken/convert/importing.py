@@ -41,8 +41,8 @@ import numpy as np
 import torch
 
 from ..api import CheckpointInfo
+from ..checkpointer.manager import Checkpointer
 from ..errors import TargetExistsError, UnbrokenError, UnsupportedStateError
-from ..manager import Checkpointer
 from ..state.validate import validate_state
 from .bounds import check_config, check_count, check_tensors, check_tree, read_json
 from .deepspeed import is_deepspeed_folder, read_deepspeed

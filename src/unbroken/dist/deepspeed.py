@@ -1,7 +1,7 @@
 """A DeepSpeed engine in the state, saved completely and resumable at any world size.
 
 Put the engine in the state as it is (``state = {"engine": engine, "data": loader}``);
-:mod:`unbroken.adapting` sees it through :class:`DeepSpeedState`. What is saved:
+:mod:`unbroken.checkpoint.adapting` sees it through :class:`DeepSpeedState`. What is saved:
 
 - ZeRO stages 1, 2 and 3 (and the bf16 optimizer): the fp32 master weights and every
   per-element optimizer state (Adam's moments, ...) **per parameter**: for each parameter,

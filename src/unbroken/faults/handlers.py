@@ -14,9 +14,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..events import Preempted
-from ..recovery import LossSpike
 from . import EXIT_PREEMPTED, slurm
 from .guard import StepGuard
+from .recovery import LossSpike
 
 log = logging.getLogger("unbroken")
 

@@ -6,7 +6,7 @@ checksum. File names are single, plain path components (no ``/``, no ``..``, no
 absolute paths), so a manifest can never make a reader touch a file outside the
 checkpoint folder.
 
-Format version 3 (incremental checkpoints, :mod:`unbroken.chunks`) adds ``chunks``: the
+Format version 3 (incremental checkpoints, :mod:`unbroken.checkpoint.chunks`) adds ``chunks``: the
 content-addressed tensor chunks the checkpoint uses, by SHA-256 id, each with its size and
 xxh3-128 checksum like a file; they live in the run's ``chunks/`` folder, not in the
 checkpoint folder. In memory they sit in :attr:`Manifest.files` under ``@<id>``, so every

@@ -13,7 +13,7 @@ The script is not modified: its :class:`~unbroken.Checkpointer` reads these at c
   exits 75), ``exception`` (raise from ``ckpt.step``), ``between`` (SIGKILL itself when a DataLoader
   other than the training one serves its first batch after that step: inside the work between
   two steps, an evaluation). A kill *inside a save* uses the fault points
-  of :mod:`unbroken._faults` (``UNBROKEN_FAULTS=save.mid_file=1``) instead. Under torchrun only
+  of :mod:`unbroken._support.faultpoints` (``UNBROKEN_FAULTS=save.mid_file=1``) instead. Under torchrun only
   rank 0 carries out the interruption (``save.mid_file@0=1`` for a kill inside a save); the others
   follow it: torchrun tears them down, or unbroken's preemption stops every rank at the same step.
 - ``UNBROKEN_SELFTEST_LINES=1``: record which lines of the script ran (the uninterrupted run only;

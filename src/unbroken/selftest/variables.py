@@ -37,7 +37,7 @@ MAX_NUMEL = 1 << 24
 
 def library(frame: FrameType) -> bool:
     """Whether ``frame`` runs code of unbroken or torch (never the user's loop; the script run as
-    ``__main__`` is the user's even inside unbroken: ``python -m unbroken.demo_train``)."""
+    ``__main__`` is the user's even inside unbroken: ``python -m unbroken.demo.train``)."""
     name = frame.f_code.co_filename
     if name.startswith(_TORCH):
         return True

@@ -5,7 +5,7 @@ A DeepSpeed engine is an ``nn.Module``: its ``state_dict()`` is the module's wei
 moments that a resume needs. Saved as it is, it would resume silently wrong. So the state
 the user passes (``{"engine": engine, "data": loader}``) is seen through :func:`adapt`:
 such a value is replaced, for unbroken only, by an :class:`Adapter` that saves and restores
-the whole training state of the object (:mod:`unbroken.adapting` finds them). The user's
+the whole training state of the object (:mod:`unbroken.checkpoint.adapting` finds them). The user's
 dict is never changed.
 
 An adapter is a ``Stateful`` with three more duties: ``check(saved)`` refuses a checkpoint

@@ -199,7 +199,7 @@ class Store(Protocol):
         ...
 
     # Chunks: content-addressed tensor bytes shared by the checkpoints of an incremental run
-    # (see unbroken.chunks), in the run's ``chunks/`` folder; ids are checked by the callers.
+    # (see unbroken.checkpoint.chunks), in the run's ``chunks/`` folder; ids are checked by the callers.
     def put_chunk(self, cid: str, data: Buffer) -> None:
         """Store chunk ``cid`` atomically (whole or absent; replacing an existing copy, which has
         the same bytes, is harmless); durable once :meth:`sync_chunks` returns."""

@@ -23,7 +23,7 @@ import hashlib
 import logging
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -32,6 +32,7 @@ from .base import CHUNKS, COMMIT_FILE, MAX_META_BYTES, QUARANTINE, Buffer, check
 from .local import MAX_MANIFEST_BYTES
 from .readfile import Hasher, allocate
 from .retry import Retry
+from .upload import FsspecStaging, wait_all
 
 log = logging.getLogger("unbroken")
 PART_SIZE = 64 * 1024 * 1024
@@ -75,7 +76,7 @@ class FsspecStore:
         """``fn(*args, **kwargs)`` with retries; errors become messages about this run."""
         return self.retry.call(f"{what} ({self.url})", lambda: fn(*args, **kwargs))
 
-    def _objects(self) -> dict[str, set[str]]:
+    def objects(self) -> dict[str, set[str]]:
         """``{checkpoint name: {file, ...}}`` from one listing of the run (quarantine excluded)."""
         self.fs.invalidate_cache(self.root)
         try:
@@ -138,9 +139,9 @@ class FsspecStore:
         return FsspecStaging(self, check_name(token, "checkpoint"), joined=True)
 
     def free_name(self, name: str) -> str:
-        taken = set(self._objects())
+        taken = set(self.objects())
         qdir = self.quarantined()
-        taken |= set(qdir._objects()) if qdir is not None else set()
+        taken |= set(qdir.objects()) if qdir is not None else set()
         candidate, n = name, 1
         while candidate in taken:
             n += 1
@@ -160,18 +161,18 @@ class FsspecStore:
 
     def delete(self, name: str) -> None:
         check_name(name, "checkpoint")
-        files = self._objects().get(name, set())
+        files = self.objects().get(name, set())
         if COMMIT_FILE in files:
             self.remove([self.path(name, COMMIT_FILE)])  # un-commit first
         self.remove([self.path(name, f) for f in sorted(files - {COMMIT_FILE})])
 
     def quarantine(self, name: str, reason: str) -> str | None:
-        files = self._objects().get(name)
+        files = self.objects().get(name)
         if not files:
             return None
         qdir = FsspecStore(self.fs, self.path(QUARANTINE), self.url + "/" + QUARANTINE, retry=self.retry)
         target = name
-        existing = set(qdir._objects())
+        existing = set(qdir.objects())
         n = 1
         while target in existing:
             n += 1
@@ -189,7 +190,7 @@ class FsspecStore:
     def clean_stale(self) -> list[str]:
         """Remove every uncommitted checkpoint: call only while holding the run's lease."""
         removed = []
-        for name, files in self._objects().items():
+        for name, files in self.objects().items():
             if COMMIT_FILE not in files:
                 self.remove([self.path(name, f) for f in sorted(files)])
                 removed.append(name)
@@ -200,15 +201,15 @@ class FsspecStore:
 
     # -------------------------------------------------------------------- read
     def list_committed(self) -> list[str]:
-        return sorted(n for n, files in self._objects().items() if COMMIT_FILE in files and _plain(n))
+        return sorted(n for n, files in self.objects().items() if COMMIT_FILE in files and _plain(n))
 
     def list_uncommitted(self) -> list[str]:
-        return sorted(n for n, files in self._objects().items() if COMMIT_FILE not in files)
+        return sorted(n for n, files in self.objects().items() if COMMIT_FILE not in files)
 
     def quarantined(self) -> FsspecStore | None:
         q = FsspecStore(self.fs, self.path(QUARANTINE), self.url + "/" + QUARANTINE, retry=self.retry,
                         readonly=True, chunk_root=self.chunk_root)  # their chunks stay in the run
-        return q if q._objects() else None
+        return q if q.objects() else None
 
     def size_of(self, path: str) -> int | None:
         try:
@@ -333,86 +334,3 @@ def _plain(name: str) -> bool:
         return True
     except CorruptCheckpointError:
         return False
-
-
-def wait_all(futures: list[Future]) -> None:
-    """Wait for every future; on the first failure cancel the rest and raise it."""
-    done, pending = wait(futures, return_when="FIRST_EXCEPTION")
-    for f in done:
-        if f.exception() is not None:
-            for p in pending:
-                p.cancel()
-            wait(pending)
-            raise f.exception()  # type: ignore[misc]
-
-
-class _ManifestBuffer:
-    """The manifest is held until :meth:`FsspecStaging.commit`, where its PUT is the commit."""
-
-    def __init__(self, staging: FsspecStaging) -> None:
-        self.staging, self.data = staging, bytearray()
-
-    def write(self, data: Any) -> int:
-        self.data += data
-        return len(data)
-
-    def close(self) -> None:
-        self.staging.manifest = bytes(self.data)
-
-    def __enter__(self) -> _ManifestBuffer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if exc[0] is None:
-            self.close()
-
-
-class FsspecStaging:
-    """A checkpoint being uploaded: data objects now (in the background), the manifest at commit."""
-
-    def __init__(self, store: FsspecStore, name: str, joined: bool = False) -> None:
-        self.store, self.name, self.token, self.joined = store, name, name, joined
-        self.futures: list[Future] = []
-        self.writers: list[Any] = []
-        self.manifest: bytes | None = None
-
-    def open(self, file: str) -> BinaryIO:
-        if file == COMMIT_FILE:
-            return _ManifestBuffer(self)  # type: ignore[return-value]
-        writer = self.store.open_writer(self.store.path(self.name, check_name(file)), self)
-        self.writers.append(writer)
-        return writer
-
-    def flush(self) -> None:
-        wait_all(self.futures)
-        for w in self.writers:
-            finish = getattr(w, "finish", None)
-            if finish is not None:
-                finish()  # complete multipart uploads
-
-    def commit(self) -> str:
-        if self.joined:
-            raise RuntimeError("only the coordinator commits")
-        self.flush()
-        if self.manifest is None:
-            raise RuntimeError("commit() before the manifest was written")
-        self.store.put(self.store.path(self.name, COMMIT_FILE), self.manifest)
-        return self.name
-
-    def abort(self) -> None:
-        for f in self.futures:
-            f.cancel()
-        wait(self.futures)
-        for w in self.writers:
-            try:
-                getattr(w, "abort", lambda: None)()
-            except Exception:  # noqa: BLE001 - aborting anyway: the upload is not committed
-                pass
-        if self.joined:
-            return  # the coordinator removes the objects
-        try:
-            quick = FsspecStore(self.store.fs, self.store.root, self.store.url, retry=Retry(deadline_s=5))
-            files = quick._objects().get(self.name, set())
-            quick.remove([quick.path(self.name, f) for f in sorted(files)])
-        except Exception as e:  # noqa: BLE001 - the server may be down: the next writer removes the leftover
-            log.info("could not remove the aborted upload %s yet: %s", self.store.describe(self.name), e)

@@ -52,8 +52,8 @@ import uuid
 import weakref
 from typing import Any
 
+from .._support.exithooks import at_exit
 from ..errors import RunLockedError
-from ..exithooks import at_exit
 
 log = logging.getLogger("unbroken")
 LEASE_FILE = ".lock.json"
@@ -282,7 +282,7 @@ if hasattr(os, "register_at_fork"):
 @at_exit
 def _release_all_at_exit() -> None:
     """Leases still held when the interpreter exits (a holder never released, or dropped). A
-    :mod:`threading` exit hook (:func:`~unbroken.exithooks.at_exit`), not ``atexit``: deleting the
+    :mod:`threading` exit hook (:func:`~unbroken._support.exithooks.at_exit`), not ``atexit``: deleting the
     lease is an S3 request, and by ``atexit`` time the thread pools the S3 client resolves
     addresses on are shut down (the delete retried until its deadline: every exit of a process
     that held a lease took 30-60 s)."""

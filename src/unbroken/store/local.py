@@ -54,7 +54,7 @@ from .dirfd import (
     write_file_atomic,
     writer_tag,
 )
-from .lock import FlockLock
+from .lock import FlockLock, RunFolderLock
 from .readfile import Hasher, read_file
 from .staging import JoinedStaging, LocalStaging
 
@@ -121,7 +121,7 @@ class LocalStore:
             pass
 
     def lock(self) -> FlockLock:
-        return _RunLock(self)
+        return RunFolderLock(self.root, self.url, self.ensure)
 
     def local_dir(self) -> Path:
         return self.root
@@ -385,22 +385,6 @@ class LocalStore:
             log.warning("cannot quarantine chunk %s: %s", cid, e)
             return None
         return str(self.root / QUARANTINE / CHUNKS / cid)
-
-
-class _RunLock(FlockLock):
-    """The run's flock (:mod:`.lock`), taken once the run folder exists: a full disk or an odd
-    ``.lock`` (a folder) is a :class:`StorageError` that says what to do, not a raw ``OSError``."""
-
-    def __init__(self, store: LocalStore) -> None:
-        super().__init__(store.root)
-        self.url = store.url
-        self._store = store
-
-    @guarded("taking the run's writer lock (.lock)")
-    def acquire(self) -> None:
-        if not self.held:
-            self._store.ensure()
-        super().acquire()
 
 
 _MANAGED_FILES = {".lock", ".lock.json", "tags.json", "fresh-starts.json", "run-id", QUARANTINE, "submit.slurm", CHUNKS}

@@ -37,10 +37,12 @@ import socket
 import stat
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ReadOnlyRunError, RunLockedError, StorageError
+from .dirfd import guarded
 
 try:
     import fcntl
@@ -253,3 +255,19 @@ class FlockLock:
         if self._release is not None and self._release.detach() is not None and self._held is not None:
             _release(self._key, self._held)
         self._key, self._held, self._release = None, None, None
+
+
+class RunFolderLock(FlockLock):
+    """The run's flock, taken once the run folder exists (``ensure`` makes it): a full disk or an odd
+    ``.lock`` (a folder) is a :class:`StorageError` that says what to do, not a raw ``OSError``."""
+
+    def __init__(self, root: str | os.PathLike[str], url: str, ensure: Callable[[], None]) -> None:
+        super().__init__(root)
+        self.url = url
+        self._ensure = ensure
+
+    @guarded("taking the run's writer lock (.lock)")
+    def acquire(self) -> None:
+        if not self.held:
+            self._ensure()
+        super().acquire()

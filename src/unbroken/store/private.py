@@ -6,7 +6,7 @@ to restore from it, write into it or change the mode of what it points to. :func
 creates with ``mkdir(0700)``, opens with ``O_NOFOLLOW | O_DIRECTORY`` relative to the parent's
 descriptor, checks the owner with ``fstat`` on the opened descriptor, and fixes the mode with
 ``fchmod`` on it; it refuses (never uses) a link, a file, or a folder someone else owns, with a
-message naming the owner and the way out. Used by the RAM tier (:mod:`unbroken.ram`) for its
+message naming the owner and the way out. Used by the RAM tier (:mod:`unbroken.tiers.ram`) for its
 per-user folder and each run's folder in it.
 """
 

@@ -1,6 +1,6 @@
 """The RAM tier's store: a :class:`.local.LocalStore` on a tmpfs, with a capacity rule of its own.
 
-Opened by :func:`unbroken.store.open_ram_store` (see :mod:`unbroken.ram` for the tier). Memory is
+Opened by :func:`unbroken.store.open_ram_store` (see :mod:`unbroken.tiers.ram` for the tier). Memory is
 bounded by ``keep_last`` checkpoints plus one being written; a save that could not keep that many
 is refused before anything is written, with the numbers.
 """

@@ -22,8 +22,9 @@ import threading
 from typing import Any
 
 from ..errors import StorageError
-from .fsspec import FsspecStaging, FsspecStore
+from .fsspec import FsspecStore
 from .retry import Retry
+from .upload import FsspecStaging
 
 log = logging.getLogger("unbroken")
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...adapting import adapter_for
+from ...checkpoint.adapting import adapter_for
 from .fsdp import FSDPState, is_fsdp1
 
 
