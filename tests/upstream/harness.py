@@ -40,7 +40,7 @@ import torch
 
 import unbroken
 from unbroken.data import ResumableLoader
-from unbroken.manager import Checkpointer
+from unbroken.checkpointer.manager import Checkpointer
 
 OUT = Path(sys.argv[1])
 SCRIPT = sys.argv[2]
