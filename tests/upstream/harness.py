@@ -22,7 +22,9 @@ Interruptions (``UPSTREAM_FAULT``), each a real signal this process sends itself
 Negative controls (``UPSTREAM_BREAK``): ``old-loader`` gives a ``ResumableLoader`` restored at the
 end of an epoch the behaviour it had before the epoch boundary existed (it serves the next epoch
 at once); ``no-hidden`` restores an ``unbroken.Vars`` with its ``hidden`` zeroed (a carried RNN state
-left out). Kills inside a save use ``UNBROKEN_FAULTS``, as everywhere in the tests.
+left out); ``no-fetched`` restores an ``unbroken.Vars`` with its ``X`` and ``Y`` set to ``None`` (the batch a
+loop fetched ahead left out: the script fetches a new one). Kills inside a save use ``UNBROKEN_FAULTS``,
+as everywhere in the tests.
 """
 
 from __future__ import annotations
@@ -146,6 +148,14 @@ elif os.environ.get("UPSTREAM_BREAK") == "no-hidden":
         _vars_load(self, {**state, "hidden": zeros})  # as if the script began each resumed epoch afresh
 
     unbroken.Vars.load_state_dict = no_hidden  # type: ignore[method-assign]
+
+elif os.environ.get("UPSTREAM_BREAK") == "no-fetched":
+    _vars_restore = unbroken.Vars.load_state_dict
+
+    def no_fetched(self: Any, state: Any) -> None:  # as if the batch fetched ahead were not in the state
+        _vars_restore(self, {k: None if k in ("X", "Y") else v for k, v in state.items()})
+
+    unbroken.Vars.load_state_dict = no_fetched  # type: ignore[method-assign]
 
 sys.argv = [SCRIPT, *sys.argv[3:]]
 sys.path.insert(0, str(Path(SCRIPT).resolve().parent))
