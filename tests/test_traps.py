@@ -222,6 +222,8 @@ _SCRIPT = textwrap.dedent("""
     import logging, os, sys, torch, unbroken
     if os.environ.get("SILENCE") == "1":
         logging.getLogger("unbroken").setLevel(logging.WARNING)
+    if os.environ.get("HF_STYLE_LOGGING") == "1":  # as transformers' example scripts (run_clm.py) configure it
+        logging.basicConfig(format="%(name)s %(levelname)s %(message)s", handlers=[logging.StreamHandler(sys.stdout)])
     model = torch.nn.Linear(2, 1)
     state = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
     with unbroken.Checkpointer(sys.argv[1], save_every=2) as ckpt:
@@ -248,6 +250,25 @@ def test_one_line_per_save_and_resume_on_stderr_silenceable(tmp_path: Path) -> N
     assert err.splitlines()[0].startswith("unbroken: resumed from ") and "(step 4)" in err
     assert _console(tmp_path / "run", UNBROKEN_QUIET="1") == ""
     assert _console(tmp_path / "run", SILENCE="1") == ""
+
+
+def test_where_a_run_resumed_from_is_shown_whatever_the_script_s_logging(tmp_path: Path) -> None:
+    """A script that configures logging for itself at WARNING (the HF example scripts: the root logger,
+    to stdout) drops unbroken's INFO lines, its choice; but not whether the run resumed, and from where:
+    that line goes through the script's own handler. Silenced only on purpose."""
+    def run(**env: str) -> str:
+        out = subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp_path / "run")], capture_output=True,
+                             text=True, timeout=120, env={**os.environ, "HF_STYLE_LOGGING": "1", **env})
+        assert out.returncode == 0, out.stderr
+        assert "unbroken:" not in out.stderr  # unbroken added no handler of its own
+        return out.stdout
+
+    first = run().splitlines()
+    assert len(first) == 1 and first[0].startswith("unbroken INFO no checkpoint in"), first  # no "saved" lines
+    second = run().splitlines()
+    assert len(second) == 1 and second[0].startswith("unbroken INFO resumed from ") and "(step 4)" in second[0], second
+    assert run(UNBROKEN_QUIET="1") == ""
+    assert run(SILENCE="1") == ""
 
 
 def test_imports_and_saves_without_fcntl(tmp_path: Path) -> None:

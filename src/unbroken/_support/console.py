@@ -6,6 +6,11 @@ Otherwise the first :class:`~unbroken.Checkpointer` adds a stderr handler at ``I
 prints ``unbroken: saved ...`` lines, on rank 0 only (other ranks show warnings and errors).
 Silence it with ``logging.getLogger("unbroken").setLevel(logging.WARNING)`` or
 ``UNBROKEN_QUIET=1``.
+
+Whether a run resumed, and from where, is never lost to a logging configuration that was not
+about unbroken: a script that configures the root logger at ``WARNING`` (the HF example scripts
+do) would drop the ``INFO`` line. :func:`announce` writes such lines through the logger's handlers
+anyway (on rank 0), unless the ``"unbroken"`` logger's own level or ``UNBROKEN_QUIET`` says not to.
 """
 
 from __future__ import annotations
@@ -44,3 +49,19 @@ def install() -> None:
     logger.addHandler(_Stderr())
     if logger.level == logging.NOTSET:
         logger.setLevel(logging.INFO)
+
+
+def announce(msg: str, *args: Any) -> None:
+    """Log ``msg % args`` at ``INFO`` on the ``"unbroken"`` logger, shown even where the logging
+    configuration drops ``INFO`` records (see the module docstring): a line the user must see, such as
+    where a run resumed from. Silenced only on purpose: a level set on the ``"unbroken"`` logger itself,
+    ``UNBROKEN_QUIET``, or a rank other than 0."""
+    logger = logging.getLogger(_LOGGER)
+    if logger.isEnabledFor(logging.INFO):
+        logger.info(msg, *args, stacklevel=2)
+        return
+    if logger.level != logging.NOTSET or os.environ.get("UNBROKEN_QUIET", "") not in ("", "0") \
+            or os.environ.get("RANK", "0") != "0":
+        return
+    logger.handle(logger.makeRecord(logger.name, logging.INFO, __file__, 0, msg, args, None))
+

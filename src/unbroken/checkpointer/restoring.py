@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import xxhash
 
+from .._support.console import announce
 from ..api import RESERVED, CheckpointInfo, read_path
 from ..checkpoint.chunks import LiveChunks
 from ..checkpoint.reader import LoadedCheckpoint, ShardedRef, contains_sharded, substitute
@@ -204,7 +205,7 @@ def apply_checkpoint(core: Core, state: MutableMapping[str, Any], loaded: Loaded
     core.metrics = dict(loaded.manifest.metrics)
     in_run = where == core.run.describe(loaded.name)
     core.events.publish(Restored(loaded.name if in_run else where, where, core.progress.step, tier))
-    log.info("resumed from %s (step %d)", where, loaded.manifest.step)
+    announce("resumed from %s (step %d)", where, loaded.manifest.step)  # whatever the logging configuration
     return CheckpointInfo.of(where, loaded.name, loaded.manifest, tiers=(tier,))
 
 
@@ -236,7 +237,7 @@ def restore_into(core: Core, state: MutableMapping[str, Any], path: Any, tag: st
         log.warning("starting %s from scratch on purpose, past %d checkpoint(s) that could not be restored (kept "
                     "where they are, in quarantine/ if they could be moved)", core.location, len(lost))
     else:
-        log.info("no checkpoint in %s; starting from scratch", core.location)
+        announce("no checkpoint in %s; starting from scratch", core.location)
     return None
 
 
