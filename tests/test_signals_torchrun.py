@@ -130,6 +130,24 @@ def test_workers_whose_agent_was_sigkilled_save_exit_and_free_the_run(reference:
     check_one_preemption_and_resume(reference, tmp_path, out)
 
 
+def test_a_rank_still_exiting_when_the_agent_signals_it_exits_75_too(reference: Path, tmp_path: Path) -> None:
+    """Rank 1 is still exiting after the preemption save when rank 0 has exited with 75, and torchrun's agent
+    SIGTERMs it. Before: it ended by that SIGTERM (-15, and no exit record), although its checkpoint was
+    saved (issue 35)."""
+    sent: list[int] = []
+
+    def on_line(line: str, proc: subprocess.Popen) -> None:
+        if not sent and f"rank 1 step {TARGET}" in line:
+            sent.append(worker_pids(tmp_path)[0])
+            os.kill(sent[0], signal.SIGTERM)
+
+    _, out = jobs.run(torchrun(tmp_path), dict(ENV, LINGER_RANK="1", LINGER_S="2"), 400, on_line,
+                      workers=tmp_path / "out")
+    assert sent, out
+    assert f"Sending process {worker_pids(tmp_path)[1]} closing signal SIGTERM" in out, out  # while rank 1 exited
+    check_one_preemption_and_resume(reference, tmp_path, out)
+
+
 # ------------------------------------------------- several ranks, no blocking collective per step
 def test_sigterm_to_one_worker_only_every_rank_saves_the_same_step_exits_75_and_resumes_bitwise(
         reference: Path, tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..events import Preempted
-from . import EXIT_PREEMPTED, slurm
+from . import EXIT_PREEMPTED, signals, slurm
 from .guard import StepGuard
 from .recovery import LossSpike
 
@@ -52,7 +52,9 @@ def exit_preempted(ckpt: Any, sig: signal.Signals, received_at: float, checkpoin
                                   took, grace, ckpt.preemption.requeue))
     if ckpt.preemption.requeue and ckpt.comm.coordinator:
         slurm.requeue()
+    signals.exiting_after_preemption()  # torchrun SIGTERMs the other ranks as soon as one exits: still 75
     ckpt.close()
+    signals.closed_for_exit()
     raise SystemExit(EXIT_PREEMPTED)
 
 

@@ -51,6 +51,15 @@ signal goes back to the handling found before unbroken, and a watched signal tha
 unserved is delivered to it again: the process ends as it would have without unbroken, only
 after closing. A normal exit and ``sys.exit`` (the preemption's exit 75) keep swallowing
 straggling copies as above.
+
+**A saved preemption exits with 75, whatever comes after.** Under torchrun, once the preemption
+checkpoint is saved, the process ignores the watched signals and SIGTERM until it is gone: the agent
+SIGTERMs every other rank the moment one rank exits, and a rank still closing, or still finalizing
+its interpreter, would otherwise end by that signal (-15) instead of the preemption's 75. While the
+Checkpointer closes, the handler swallows them (at most :data:`EXITING_S`); once it is closed they
+are set to ``SIG_IGN`` (Python gives its handlers' signals the default handling back while it
+finalizes, which a Python handler cannot prevent). Nothing is lost by ignoring them: the checkpoint
+is committed, and the agent sends SIGKILL if the exit takes too long.
 """
 
 from __future__ import annotations
@@ -79,6 +88,12 @@ SAME_REQUEST_S = 2.0
 """A repeat of a watched signal within this many seconds of its first arrival is the same
 request (schedulers and torchrun deliver one preemption several times within milliseconds);
 a repeat later aborts the run at once."""
+
+EXITING_S = 30.0
+"""After its preemption checkpoint is saved, a process exiting with 75 ignores the watched signals and
+SIGTERM for this long: torchrun's agent SIGTERMs every other rank as soon as one has exited, and a rank
+still closing (its process group, its writer, its logs) would otherwise end by that SIGTERM instead of
+75. The agent itself sends SIGKILL 30 s after its SIGTERM."""
 
 _UNCATCHABLE = {getattr(signal, n) for n in ("SIGKILL", "SIGSTOP") if hasattr(signal, n)}
 _FAULTS = {getattr(signal, n) for n in ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGTRAP", "SIGABRT", "SIGSYS")
@@ -173,6 +188,8 @@ class _Dispatcher:
         self.arrivals = Arrivals()  # when signals arrived (their handler may run seconds later)
         self.handled: dict[signal.Signals, float] = {}  # when the handler last ran, per signal
         self.requested: set[signal.Signals] = set()  # arrived while watched, since the newest watcher came
+        self.exiting_until = 0.0  # a preemption saved: until then, the process is exiting with 75
+        self.ignoring: set[signal.Signals] = set()  # set to SIG_IGN for the exit (see ignore_until_exit)
 
     @property
     def watchers(self) -> list[SignalWatcher]:
@@ -184,6 +201,11 @@ class _Dispatcher:
     def add(self, w: SignalWatcher) -> None:
         self._watchers = [weakref.ref(x) for x in self.watchers] + [weakref.ref(w)]
         self.requested.clear()  # a new run: what arrived before was served (or the run abandoned)
+        self.exiting_until = 0.0  # (a process that caught the preemption's SystemExit and trains again)
+        for s in self.ignoring:
+            if signal.getsignal(s) == signal.SIG_IGN:
+                signal.signal(s, self._handle)  # ours again; self.found keeps the handling found before
+        self.ignoring.clear()
         for s in w.signals:
             self.lingering.pop(s, None)  # a new run watches it: its next arrival is a new request
             if s not in self.found or signal.getsignal(s) != self._handle:
@@ -212,6 +234,8 @@ class _Dispatcher:
         for s in [s for s, t in self.lingering.items() if now - t > SAME_REQUEST_S]:
             del self.lingering[s]
         still = {s for x in live for s in x.signals} | set(self.lingering)
+        if now < self.exiting_until:
+            still |= set(self.found)  # kept until the process is gone (see exiting())
         if _SIGCHLD is not None and any(x.received for x in live):
             still.add(signal.Signals(_SIGCHLD))  # a preemption is still under way
         for s in [s for s in self.found if s not in still]:
@@ -250,6 +274,11 @@ class _Dispatcher:
         # arrivals since the last handling: several if they came while the main thread was busy in C
         arrived = self.arrivals.take(sig, self.handled.get(sig, float("-inf"))) or [now]
         self.handled[sig] = now
+        if now < self.exiting_until:  # the preemption is saved, the process on its way out with 75
+            if os.getpid() == self._pid:
+                log.warning("%s while exiting after the preemption checkpoint: ignored, the process exits with "
+                            "the preemption's status", sig.name)
+            return
         watching = [w for w in self.watchers if sig in w.signals]
         prev = self._previous(sig)
         if not watching:  # the run closed: a straggling copy of its preemption, or the handling found
@@ -289,6 +318,30 @@ class _Dispatcher:
             log.warning("%s again %.1f s after the first: aborting now, without a checkpoint (the run resumes "
                         "from its last committed one)", sig.name, after)
         self._deliver(sig, signal.SIG_DFL if prev is signal.default_int_handler else prev, frame)
+
+    def exiting(self, seconds: float, also: Iterable[signal.Signals]) -> None:
+        """A preemption saved its checkpoint and the process exits with 75: for ``seconds``, every
+        delivery of a watched signal or of ``also`` is ignored (see :data:`EXITING_S`). Main thread only."""
+        if os.getpid() != self._pid or threading.current_thread() is not threading.main_thread():
+            return
+        self.exiting_until = time.monotonic() + seconds
+        for s in also:
+            if s not in self.found:
+                prev = signal.signal(s, self._handle)
+                self.found[s] = signal.SIG_DFL if prev == self._handle else prev
+        self.arrivals.own(self._owned())
+
+    def ignore_until_exit(self) -> None:
+        """The Checkpointers are closed and the process exits with 75 now: the signals this dispatcher
+        handles are ignored by the kernel from here on. A Python handler would not do: the interpreter
+        gives the default handling back while it finalizes (a second or more with torch loaded), and
+        torchrun's SIGTERM then ends the process with -15. Main thread only."""
+        if os.getpid() != self._pid or threading.current_thread() is not threading.main_thread():
+            return
+        for s in list(self.found):
+            if s != _SIGCHLD and signal.getsignal(s) == self._handle:
+                signal.signal(s, signal.SIG_IGN)
+                self.ignoring.add(s)
 
     def step_aside(self) -> None:
         """The process is ending after an uncaught exception: every signal back to the handling found
@@ -344,6 +397,28 @@ class _Dispatcher:
 
 
 _dispatcher = _Dispatcher()
+
+
+def _under_torchrun() -> bool:
+    """A worker of torchrun's agent, which SIGTERMs every other worker once one has exited."""
+    return bool(os.environ.get("TORCHELASTIC_RUN_ID"))
+
+
+def exiting_after_preemption(seconds: float = EXITING_S) -> None:
+    """Under torchrun, the preemption checkpoint is saved and the process is about to close and exit with
+    75: ignore the watched signals and SIGTERM from now on (the Checkpointer's close included, at most
+    ``seconds``, :data:`EXITING_S`); :func:`closed_for_exit` then hands them to the kernel to ignore.
+    Elsewhere nothing signals a process that is exiting, and a caller that catches the ``SystemExit``
+    (a notebook) keeps its signals as they were."""
+    if _under_torchrun():
+        _dispatcher.exiting(seconds, (signal.SIGTERM,))
+
+
+def closed_for_exit() -> None:
+    """After :func:`exiting_after_preemption` and the close, under torchrun: the kernel ignores those
+    signals until the process is gone (its interpreter's finalization included)."""
+    if _under_torchrun():
+        _dispatcher.ignore_until_exit()
 
 
 def _step_aside_at_exit() -> None:
