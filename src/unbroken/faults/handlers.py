@@ -11,17 +11,21 @@ import logging
 import signal
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..events import Preempted
 from . import EXIT_PREEMPTED, signals, slurm
 from .guard import StepGuard
 from .recovery import LossSpike
 
+if TYPE_CHECKING:
+    from ..api import CheckpointInfo
+    from .host import Host
+
 log = logging.getLogger("unbroken")
 
 
-def preempt_and_exit(ckpt: Any, state: Mapping[str, Any], sig: signal.Signals, received_at: float) -> None:
+def preempt_and_exit(ckpt: Host, state: Mapping[str, Any], sig: signal.Signals, received_at: float) -> None:
     """Save (unless just saved), wait for the upload if tiered, requeue, exit 75."""
     grace = ckpt.preemption.grace_period
     waited = time.monotonic() - received_at
@@ -41,7 +45,7 @@ def preempt_and_exit(ckpt: Any, state: Mapping[str, Any], sig: signal.Signals, r
     exit_preempted(ckpt, sig, received_at, last.name if last else None, took)
 
 
-def exit_preempted(ckpt: Any, sig: signal.Signals, received_at: float, checkpoint: str | None,
+def exit_preempted(ckpt: Host, sig: signal.Signals, received_at: float, checkpoint: str | None,
                    took: float = 0.0) -> None:
     """The end of every preemption: wait for the upload (tiered), record, requeue, exit 75."""
     grace = ckpt.preemption.grace_period
@@ -58,7 +62,7 @@ def exit_preempted(ckpt: Any, sig: signal.Signals, received_at: float, checkpoin
     raise SystemExit(EXIT_PREEMPTED)
 
 
-def step_failed(ckpt: Any, guard: StepGuard, exc: BaseException | None, preempted: tuple[Any, float] | None) -> None:
+def step_failed(ckpt: Host, guard: StepGuard, exc: BaseException | None, preempted: tuple[Any, float] | None) -> None:
     """A step raised inside ``ckpt.guard``: write the exact emergency checkpoint; if a preemption
     signal had arrived, the exception is its consequence (a DataLoader worker killed by the same
     SIGTERM to the process group): end as a preemption, exit 75, instead of a crash."""
@@ -71,7 +75,7 @@ def step_failed(ckpt: Any, guard: StepGuard, exc: BaseException | None, preempte
         exit_preempted(ckpt, sig, received_at, last.name if last else None)
 
 
-def emergency_save(ckpt: Any, guard: StepGuard, exc: BaseException | None) -> Any:
+def emergency_save(ckpt: Host, guard: StepGuard, exc: BaseException | None) -> CheckpointInfo | None:
     """The exact emergency checkpoint after a step raised, or none (logged with the reason) when the
     live state cannot be proven to be one instant (see :mod:`unbroken.faults.guard`)."""
     what = f"{type(exc).__name__}: {exc}" if exc is not None else "an exception"
@@ -94,6 +98,7 @@ def emergency_save(ckpt: Any, guard: StepGuard, exc: BaseException | None) -> An
         ckpt.progress.step += 1
         ckpt.progress.micro_step = 0
         info = ckpt.save(guard.end_state(), kind="emergency")
+        assert info is not None  # an emergency save is written now, never in the background
         log.error("step %d raised %s after the optimizer stepped; emergency checkpoint of the "
                   "post-step state: %s", ckpt.progress.step, what, info.name)
         return info
@@ -105,12 +110,13 @@ def emergency_save(ckpt: Any, guard: StepGuard, exc: BaseException | None) -> An
                   "at its start", start.progress["step"] + 1, what, last.name)
         return None
     info = ckpt.save(start.rebuild(guard.state), kind="emergency", progress=start.progress, rng=start.rng)
+    assert info is not None  # an emergency save is written now, never in the background
     log.error("step %d raised %s; emergency checkpoint of the state at its start: %s "
               "(resuming re-runs the step)", start.progress["step"] + 1, what, info.name)
     return info
 
 
-def _fallback(ckpt: Any) -> str:
+def _fallback(ckpt: Host) -> str:
     """What the restart resumes from when no emergency checkpoint is written."""
     last = ckpt.last_saved
     if last is None:

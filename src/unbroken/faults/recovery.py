@@ -68,7 +68,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -77,6 +77,9 @@ from ..data.loader import ResumableLoader
 from ..errors import ConfigurationError, UnbrokenError
 from ..events import RolledBack
 from ..state.walk import instances
+
+if TYPE_CHECKING:
+    from .host import Host
 
 log = logging.getLogger("unbroken")
 
@@ -145,7 +148,7 @@ def check(on: Any, retries: Any, rollback_if: Any, skip_batches: Any, state: Map
     return classes
 
 
-def ensure_target(ckpt: Any, state: Mapping[str, Any]) -> None:
+def ensure_target(ckpt: Host, state: Mapping[str, Any]) -> None:
     """Save the live state unless it is the run's newest checkpoint (see the module docstring)."""
     ckpt.flush()  # a failed background save is raised here: the user sees it before training
     try:
@@ -161,7 +164,7 @@ def ensure_target(ckpt: Any, state: Mapping[str, Any]) -> None:
         log.info("recover: saved step %d first, as the rollback target", ckpt.progress.step)
 
 
-def run(ckpt: Any, fn: Callable[[], Any], state: MutableMapping[str, Any], policy: Policy,
+def run(ckpt: Host, fn: Callable[[], Any], state: MutableMapping[str, Any], policy: Policy,
         after_rollback: Callable[[], None]) -> Any:
     """Call ``fn`` until it returns, rolling back on the exceptions of ``policy`` (module docstring)."""
     ensure_target(ckpt, state)
@@ -212,7 +215,7 @@ def agree_timeout_s() -> float:
     return float(os.environ.get("UNBROKEN_RECOVER_AGREE_S", "60"))
 
 
-def rollback(ckpt: Any, state: MutableMapping[str, Any], policy: Policy, failed: int, error: str, attempt: int,
+def rollback(ckpt: Host, state: MutableMapping[str, Any], policy: Policy, failed: int, error: str, attempt: int,
              spike: bool) -> None:
     """Steps 1-4 of the module docstring."""
     ckpt.flush(raise_errors=False)  # a save in flight commits, or is logged and not used
@@ -251,7 +254,7 @@ def drop_gradients(state: Mapping[str, Any]) -> None:
             stages.clear()  # a defaultdict: every optimizer back to READY
 
 
-def skip(ckpt: Any, state: MutableMapping[str, Any], n: int) -> int:
+def skip(ckpt: Host, state: MutableMapping[str, Any], n: int) -> int:
     """Move the data position ``n`` batches on; the number skipped (see the module docstring)."""
     if n == 0:
         return 0

@@ -43,7 +43,7 @@ import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -56,6 +56,9 @@ from . import protocol
 from .fingerprint import digest, generator_state, rng_streams, state_components
 from .lines import Lines
 from .variables import caller, loop_frame, snapshot, where
+
+if TYPE_CHECKING:
+    from ..faults.host import Host
 
 _PACKAGE = str(Path(__file__).resolve().parent.parent)
 _active: Hooks | None = None  # the recorder the process-wide hooks report to
@@ -122,7 +125,7 @@ def _loader_of(it: Any) -> int:
 class Hooks:
     """Records the fingerprints of one process of a selftest run and carries out its interruption."""
 
-    def __init__(self, ckpt: Any) -> None:
+    def __init__(self, ckpt: Host) -> None:
         global _active
         self.dir = Path(os.environ[protocol.DIR])
         self.segment = int(os.environ.get(protocol.SEGMENT, "0") or 0)
@@ -261,7 +264,7 @@ class Hooks:
         out["unsaved generators"] = self.unsaved_generators(state)
         return out
 
-    def step_ended(self, ckpt: Any, state: Mapping[str, Any], metrics: Mapping[str, Any]) -> None:
+    def step_ended(self, ckpt: Host, state: Mapping[str, Any], metrics: Mapping[str, Any]) -> None:
         """In ``ckpt.step``, after the step's bookkeeping and before any save: one record."""
         with self.untraced():
             self._record(ckpt, state, metrics)
@@ -270,7 +273,7 @@ class Hooks:
             self.write({"kind": "injected", "what": "sigterm", "step": self.step})
             os.kill(os.getpid(), signal.SIGTERM)  # the preemption handler runs now: this step saves and exits 75
 
-    def _record(self, ckpt: Any, state: Mapping[str, Any], metrics: Mapping[str, Any]) -> None:
+    def _record(self, ckpt: Host, state: Mapping[str, Any], metrics: Mapping[str, Any]) -> None:
         step = self.step = ckpt.progress.step
         frame = caller(1)
         if frame is not None:
@@ -322,7 +325,7 @@ class Hooks:
                 e["v"], e["vf"] = start["v"], start["vf"]
         return e
 
-    def after_step(self, ckpt: Any) -> None:
+    def after_step(self, ckpt: Host) -> None:
         """At the end of ``ckpt.step`` (after a save): the planned interruption or the planned stop."""
         step = ckpt.progress.step
         if self.kill in ("sigkill", "exception") and step >= self.kill_at:

@@ -23,7 +23,11 @@ The script is not modified: its :class:`~unbroken.Checkpointer` reads these at c
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..faults.host import Host
+    from .hooks import Hooks
 
 DIR, RUN, SEGMENT, STOP, KILL, LINES = ("UNBROKEN_SELFTEST", "UNBROKEN_SELFTEST_RUN", "UNBROKEN_SELFTEST_SEGMENT",
                                         "UNBROKEN_SELFTEST_STOP", "UNBROKEN_SELFTEST_KILL", "UNBROKEN_SELFTEST_LINES")
@@ -51,7 +55,7 @@ def run_location(location: Any) -> Any:
     return override if override and active() else location
 
 
-def attach(ckpt: Any) -> Any:
+def attach(ckpt: Host) -> Hooks | None:
     """The in-process recorder for ``ckpt`` (:class:`unbroken.selftest.hooks.Hooks`), or ``None``
     outside selftest mode (then nothing else of this package is imported)."""
     if not active():
