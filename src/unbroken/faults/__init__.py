@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 from ..errors import ConfigurationError
-from .signals import DEFAULT_SIGNALS, check_signals
+from .watchable import DEFAULT_SIGNALS, check_signals
 
 EXIT_PREEMPTED = 75
 """Exit status after a signal-triggered save (``EX_TEMPFAIL``: "try again later").

@@ -76,12 +76,10 @@ from collections.abc import Iterable
 from types import FrameType
 from typing import Any
 
-from ..errors import ConfigurationError
 from . import launcher
 from .arrivals import Arrivals
 
 log = logging.getLogger("unbroken")
-DEFAULT_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 _SIGCHLD = getattr(signal, "SIGCHLD", None)
 
 SAME_REQUEST_S = 2.0
@@ -94,43 +92,6 @@ EXITING_S = 30.0
 SIGTERM for this long: torchrun's agent SIGTERMs every other rank as soon as one has exited, and a rank
 still closing (its process group, its writer, its logs) would otherwise end by that SIGTERM instead of
 75. The agent itself sends SIGKILL 30 s after its SIGTERM."""
-
-_UNCATCHABLE = {getattr(signal, n) for n in ("SIGKILL", "SIGSTOP") if hasattr(signal, n)}
-_FAULTS = {getattr(signal, n) for n in ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGTRAP", "SIGABRT", "SIGSYS")
-           if hasattr(signal, n)}
-
-
-def check_signals(signals: Any) -> tuple[signal.Signals, ...]:
-    """The signals a :class:`~unbroken.Preemption` may watch, as ``signal.Signals``, or a
-    :class:`~unbroken.errors.ConfigurationError` that names the one refused and why."""
-    if isinstance(signals, (int, str, bytes)) or not hasattr(signals, "__iter__"):
-        raise ConfigurationError(f"Preemption(signals={signals!r}): pass a tuple of signals, e.g. "
-                                 "signals=(signal.SIGTERM, signal.SIGUSR1), or () to watch none")
-    out: list[signal.Signals] = []
-    for s in signals:
-        if isinstance(s, bool) or not isinstance(s, int):
-            raise ConfigurationError(f"Preemption(signals=...): {s!r} is not a signal; use the constants of the "
-                                     "signal module, e.g. signal.SIGTERM")
-        try:
-            sig = signal.Signals(s)
-        except ValueError:
-            raise ConfigurationError(f"Preemption(signals=...): {s} is not a signal number of this system "
-                                     "(see signal.valid_signals())") from None
-        if sig in _UNCATCHABLE:
-            raise ConfigurationError(f"Preemption(signals=...): {sig.name} cannot be caught, so no checkpoint "
-                                     "can be saved on it; watch SIGTERM or SIGUSR1 instead (what schedulers "
-                                     "send before they kill)")
-        if sig in _FAULTS:
-            raise ConfigurationError(f"Preemption(signals=...): {sig.name} reports a fault of the process itself "
-                                     "(a handler that returns runs into it again); it cannot be watched")
-        if sig == _SIGCHLD:
-            raise ConfigurationError("Preemption(signals=...): SIGCHLD reports a child process that ended (a "
-                                     "DataLoader worker), not a preemption; it cannot be watched")
-        if sig in out:
-            raise ConfigurationError(f"Preemption(signals=...): {sig.name} is listed twice; list each signal once")
-        out.append(sig)
-    return tuple(out)
-
 
 class SignalWatcher:
     """Records the first of ``signals`` that arrives while installed (see the module docstring)."""
