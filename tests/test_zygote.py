@@ -178,6 +178,24 @@ def test_what_an_import_read_from_the_environment_is_what_a_plain_interpreter_re
     assert got == ["20", "20"], got
 
 
+def test_the_reads_recorded_are_reads_by_name_not_scans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the zygote compares: variables read by name while it imports; not every variable present when
+    an import copied or iterated over the whole environment (fsspec's ``dict(os.environ)``, tqdm's
+    ``items()``: that made every launch with another value of any variable start plainly)."""
+    for name in ("ZYG_A", "ZYG_B", "ZYG_C"):
+        monkeypatch.setenv(name, "1")
+    getitem = type(os.environ).__getitem__
+
+    def scans() -> None:
+        assert dict(os.environ)["ZYG_C"] == "1" and [k for k, _ in os.environ.items() if k.startswith("ZYG")]
+
+    with zygote_server.reads_of_environ() as read:
+        os.environ.get("ZYG_A"), "ZYG_B" in os.environ, os.getenv("ZYG_NONE")
+        scans()
+    assert {"ZYG_A", "ZYG_B", "ZYG_NONE"} <= read and "ZYG_C" not in read, read
+    assert type(os.environ).__getitem__ is getitem  # put back
+
+
 def test_parse() -> None:
     assert zygote.parse(["-u", "x.py", "-m", "y"]) == ("script", "x.py", ["-u"], ["-m", "y"])
     assert zygote.parse(["-X", "faulthandler", "-mpkg.mod", "a"]) == ("-m", "pkg.mod", ["faulthandler"], ["a"])

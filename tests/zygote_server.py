@@ -8,6 +8,7 @@ import signal
 import socket
 import sys
 import time
+from typing import Any
 
 from zygote import (
     EMULATED,
@@ -40,22 +41,32 @@ MAX_FRAMEWORK_ZYGOTES = 6  # per worker (each rank of a job has its own: RANK is
 class reads_of_environ:
     """The environment variables read while it is entered (``with reads_of_environ() as read:``): every
     ``os.environ[name]``, ``name in os.environ``, ``os.environ.get`` and ``os.getenv``, whoever reads them, but
-    not a scan of all of them (``os.environ.items()``, ``.values()``: tqdm and fsspec look for their prefixes,
-    ``zygote.SENSITIVE`` holds those). What an import reads there is fixed in the zygote for every child
-    (torch's elastic logger takes its level from ``LOGLEVEL`` when imported, inductor's config ``CXX``...):
+    not a scan of all of them (``os.environ.items()``, ``dict(os.environ)``: what code that iterated over the
+    environment reads next; tqdm and fsspec look for their prefixes that way, ``zygote.SENSITIVE`` holds
+    those). What an import reads there is fixed in the zygote for every child (torch's elastic logger takes
+    its level from ``LOGLEVEL`` when imported, inductor's config ``CXX``...):
     a launch whose value differs starts plainly. Variables read by native code (``getenv`` in C: OpenMP,
     the allocator) do not pass here: ``zygote.SENSITIVE`` names those."""
 
     def __enter__(self) -> set[str]:
         cls = type(os.environ)
-        self.saved = cls.__getitem__, cls.__contains__
-        getitem, contains = self.saved
+        self.saved = cls.__getitem__, cls.__contains__, cls.__iter__
+        getitem, contains, iterate = self.saved
         read: set[str] = set()
+        # the frames that iterated over the whole environment (dict(os.environ), items()): what they read
+        # next is a scan (fsspec copies it all, then looks for FSSPEC_), kept alive so their ids stay theirs
+        self.scanning: dict[int, object] = {}
+        scanning = self.scanning
+
+        def outer(frame: Any) -> Any:
+            while frame is not None and "_collections_abc" in frame.f_code.co_filename:
+                frame = frame.f_back
+            return frame
 
         def note(key: object) -> None:
-            frame = sys._getframe(2)
-            if "_collections_abc" in frame.f_code.co_filename and frame.f_code.co_name == "__iter__":
-                return  # a scan (items(), values())
+            frame = outer(sys._getframe(2))
+            if frame is not None and id(frame) in scanning:
+                return
             if isinstance(key, str):
                 read.add(key)
 
@@ -67,12 +78,19 @@ class reads_of_environ:
             note(key)
             return contains(self, key)
 
-        cls.__getitem__, cls.__contains__ = __getitem__, __contains__  # type: ignore[method-assign]
+        def __iter__(self: os._Environ) -> Any:
+            frame = outer(sys._getframe(1))
+            if frame is not None:
+                scanning[id(frame)] = frame
+            return iterate(self)
+
+        cls.__getitem__, cls.__contains__, cls.__iter__ = __getitem__, __contains__, __iter__  # type: ignore[method-assign]
         return read
 
     def __exit__(self, *_: object) -> None:
         cls = type(os.environ)
-        cls.__getitem__, cls.__contains__ = self.saved  # type: ignore[method-assign]
+        cls.__getitem__, cls.__contains__, cls.__iter__ = self.saved  # type: ignore[method-assign]
+        self.scanning.clear()
 
 
 class Framework:
