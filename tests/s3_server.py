@@ -167,8 +167,23 @@ class S3Server:
         return f"{self._bucket}/{uuid.uuid4().hex[:16]}"
 
     def new_bucket(self) -> str:
+        """A fresh bucket, created and readable after a write: SeaweedFS answers a GET right after the first
+        PUT of a new bucket with NoSuchKey for a moment (the lease tests then saw no lease at all)."""
         name = f"t-{uuid.uuid4().hex[:16]}"
-        self.fs().mkdir(name)
+        fs = self.fs()
+        fs.mkdir(name)
+        deadline = time.monotonic() + 30
+        while True:
+            fs.pipe(f"{name}/.probe", b"ok")
+            try:
+                if self.fs().cat(f"{name}/.probe") == b"ok":
+                    break
+            except FileNotFoundError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the new bucket {name} does not read back what was written to it")
+            time.sleep(0.2)
+        fs.rm(f"{name}/.probe")
         return name
 
     def kill(self) -> None:

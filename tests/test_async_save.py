@@ -178,7 +178,7 @@ def test_the_process_does_not_end_before_the_last_save_committed(tmp_path: Path,
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(f"""
         import time, torch, unbroken
-        from unbroken import persist
+        from unbroken.checkpoint import persist
         from unbroken.checkpoint.background.filewriter import FileWriter
         real, real_process = persist.write_tensors, FileWriter.write
         def slow(*a):
@@ -309,7 +309,7 @@ def test_unbroken_save_in_the_background_is_committed_before_the_process_ends(tm
     script = tmp_path / "save.py"
     script.write_text(textwrap.dedent(f"""
         import time, torch, unbroken
-        from unbroken import persist
+        from unbroken.checkpoint import persist
         from unbroken.checkpoint.background.filewriter import FileWriter
         real, real_process = persist.write_tensors, FileWriter.write
         def slow(*a):
