@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_upstream_loops import ENV, HARNESS, compare, records
+from test_upstream_loops import compare, records, under_harness
 from typer.testing import CliRunner
 
 from unbroken.cli import app
@@ -29,16 +29,7 @@ MAX_ITERS, SAVE_EVERY, EVAL_INTERVAL = 30, 4, 10  # as in the script: steps 1..3
 
 
 def attempt(work: Path, fault: str | None = None, **env: str):
-    import subprocess
-
-    child = dict(ENV, **env)
-    if fault and fault.startswith("save."):
-        child["UNBROKEN_FAULTS"] = fault
-    elif fault:
-        child["UPSTREAM_FAULT"] = fault
-    work.mkdir(exist_ok=True)
-    return subprocess.run([sys.executable, str(HARNESS), str(work), str(SCRIPT)], cwd=work, env=child,
-                          capture_output=True, text=True, timeout=600)
+    return under_harness(SCRIPT, work, fault, **env)
 
 
 @pytest.fixture(scope="module")

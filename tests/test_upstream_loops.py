@@ -55,13 +55,19 @@ for _var in ("UPSTREAM_FAULT", "UPSTREAM_BREAK", "UNBROKEN_FAULTS"):
 
 def attempt(name: str, work: Path, fault: str | None = None, **env: str) -> subprocess.CompletedProcess:
     """One process of the script under the harness, in ``work`` (its run folder and files)."""
+    return under_harness(SCRIPTS[name], work, fault, **env)
+
+
+def under_harness(script: Path, work: Path, fault: str | None = None, **env: str) -> subprocess.CompletedProcess:
+    """One process of ``script`` under the harness, in ``work``; ``fault``: a harness interruption
+    (``step:N:SIGNAL``, ``eval:N:K:SIGNAL``) or a fault point (``save.mid_file=1``)."""
     child = dict(ENV, **env)
     if fault and fault.startswith("save."):
         child["UNBROKEN_FAULTS"] = fault
     elif fault:
         child["UPSTREAM_FAULT"] = fault
     work.mkdir(exist_ok=True)
-    return subprocess.run([sys.executable, str(HARNESS), str(work), str(SCRIPTS[name])], cwd=work, env=child,
+    return subprocess.run([sys.executable, str(HARNESS), str(work), str(script)], cwd=work, env=child,
                           capture_output=True, text=True, timeout=600)
 
 
