@@ -39,12 +39,15 @@ class _Stderr(logging.StreamHandler):
         pass
 
 
+def _quiet() -> bool:
+    """``UNBROKEN_QUIET`` set, or not rank 0 (the other ranks show warnings and errors only)."""
+    return os.environ.get("UNBROKEN_QUIET", "") not in ("", "0") or os.environ.get("RANK", "0") != "0"
+
+
 def install() -> None:
     """Add the default console handler, unless logging is configured, quiet, or this is not rank 0."""
     logger = logging.getLogger(_LOGGER)
-    if logger.handlers or logging.getLogger().handlers or os.environ.get("UNBROKEN_QUIET", "") not in ("", "0"):
-        return
-    if os.environ.get("RANK", "0") != "0":
+    if logger.handlers or logging.getLogger().handlers or _quiet():
         return
     logger.addHandler(_Stderr())
     if logger.level == logging.NOTSET:
@@ -60,8 +63,7 @@ def announce(msg: str, *args: Any) -> None:
     if logger.isEnabledFor(logging.INFO):
         logger.info(msg, *args, stacklevel=2)
         return
-    if logger.level != logging.NOTSET or os.environ.get("UNBROKEN_QUIET", "") not in ("", "0") \
-            or os.environ.get("RANK", "0") != "0":
+    if logger.level != logging.NOTSET or _quiet():
         return
     logger.handle(logger.makeRecord(logger.name, logging.INFO, __file__, 0, msg, args, None))
 

@@ -78,9 +78,9 @@ from typing import Any
 
 from . import launcher
 from .arrivals import Arrivals
+from .watchable import CHILD_SIGNAL as _SIGCHLD
 
 log = logging.getLogger("unbroken")
-_SIGCHLD = getattr(signal, "SIGCHLD", None)
 
 SAME_REQUEST_S = 2.0
 """A repeat of a watched signal within this many seconds of its first arrival is the same

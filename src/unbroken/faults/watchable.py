@@ -9,7 +9,8 @@ from typing import Any
 from ..errors import ConfigurationError
 
 DEFAULT_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-_SIGCHLD = getattr(signal, "SIGCHLD", None)
+CHILD_SIGNAL = getattr(signal, "SIGCHLD", None)
+"""SIGCHLD where the system has it: reports a child that ended, never a preemption."""
 _UNCATCHABLE = {getattr(signal, n) for n in ("SIGKILL", "SIGSTOP") if hasattr(signal, n)}
 _FAULTS = {getattr(signal, n) for n in ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGTRAP", "SIGABRT", "SIGSYS")
            if hasattr(signal, n)}
@@ -38,7 +39,7 @@ def check_signals(signals: Any) -> tuple[signal.Signals, ...]:
         if sig in _FAULTS:
             raise ConfigurationError(f"Preemption(signals=...): {sig.name} reports a fault of the process itself "
                                      "(a handler that returns runs into it again); it cannot be watched")
-        if sig == _SIGCHLD:
+        if sig == CHILD_SIGNAL:
             raise ConfigurationError("Preemption(signals=...): SIGCHLD reports a child process that ended (a "
                                      "DataLoader worker), not a preemption; it cannot be watched")
         if sig in out:
