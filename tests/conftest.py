@@ -273,6 +273,38 @@ def _no_process_left_running() -> Iterator[None]:
                     pytrace=False)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A test closes every Checkpointer it opens, or drops it: a Checkpointer still alive after its test
+    keeps watching the preemption signals in this worker, and a later test that checks signal handling
+    (``test_faults_unit.py``) then fails far from its cause (it did, in CI). Checked once the test is torn
+    down (pytest has then dropped the log records that hold exceptions and their frames): dropped ones
+    in reference cycles are collected first; one still alive fails the test's teardown, naming its holders."""
+    outcome = yield
+    if call.when == "setup":
+        item.stash[_WATCHERS_BEFORE] = _watcher_ids()
+    if call.when != "teardown":
+        return
+    before = item.stash.get(_WATCHERS_BEFORE, set())
+    if not _watcher_ids() - before:
+        return
+    gc.collect()
+    left = _watcher_ids() - before
+    report = outcome.get_result()
+    if left and report.passed:
+        report.outcome = "failed"
+        report.longrepr = (f"this test left {len(left)} Checkpointer(s) open and alive (their signal watchers): "
+                           "close() them, or drop every reference (a stored exception holds its frames)")
+
+
+_WATCHERS_BEFORE = pytest.StashKey[set[int]]()
+
+
+def _watcher_ids() -> set[int]:
+    mod = sys.modules.get("unbroken.faults.signals")
+    return {id(w) for w in mod._dispatcher.watchers} if mod is not None else set()
+
+
 ZYGOTE = os.environ.get("UNBROKEN_TEST_ZYGOTE", "1") != "0"
 ZYGOTE_MODULES: set[str] = {
     "test_zygote", "test_e2e_kill", "test_async_save", "test_data_e2e", "test_e2e_s3", "test_emergency_exact",
