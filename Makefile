@@ -17,6 +17,16 @@ export UNBROKEN_TEST_CACHE ?= $(HOME)/.cache/unbroken-test
 
 .PHONY: demo test test-fast lint install bench bench-peers clean system-deps test-slurm
 
+# The demo needs unbroken and its own dependencies only (torch, numpy, safetensors, ...): `make demo`
+# installs those; `make test` adds the test stack (DeepSpeed, transformers, Lightning, ...: ~1.8 GB).
+DEMO_STAMP := $(VENV)/.demo-installed
+
+$(DEMO_STAMP): pyproject.toml constraints.txt Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) torch==2.13.0
+	$(PIP) -e .
+	touch $(DEMO_STAMP)
+
 $(STAMP): pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0
@@ -25,7 +35,7 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 
 install: $(STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(VENV)/bin/unbroken demo
 
 system-deps:

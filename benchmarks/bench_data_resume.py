@@ -69,7 +69,7 @@ def median_time(fn, reps: int) -> float:
 
 
 def unbroken_resume(ds: Virtual, b: int, p: int, reps: int) -> tuple[float, float]:
-    loader = ResumableLoader(ds, b, seed=1, num_workers=0)
+    loader = ResumableLoader(ds, b, shuffle=True, seed=1, num_workers=0)
     state = dict(loader.state_dict(), position=p, samples_seen=p)
     batch = None
 

@@ -80,7 +80,7 @@ def setup(a: argparse.Namespace, run_dir: Path, pt: Path) -> dict[str, Any]:
 
     torch.set_num_threads(a.threads)
     model, opt, ds = build(a.layers, a.dim, a.seq, a.vocab)
-    loader = ResumableLoader(ds, batch_size=a.batch, seed=0, num_workers=0)
+    loader = ResumableLoader(ds, batch_size=a.batch, shuffle=True, seed=0, num_workers=0)
     state = {"model": model, "optimizer": opt, "data": loader}
     ckpt = unbroken.Checkpointer(run_dir, save_every=a.resume_step, keep_last=2, preemption=None)
     it = iter(loader)
@@ -116,7 +116,7 @@ def resume(a: argparse.Namespace, run_dir: Path, launch: float) -> dict[str, Any
     t = {"imported": time.time()}
     torch.set_num_threads(a.threads)
     model, opt, ds = build(a.layers, a.dim, a.seq, a.vocab)
-    loader = ResumableLoader(ds, batch_size=a.batch, seed=0, num_workers=0)
+    loader = ResumableLoader(ds, batch_size=a.batch, shuffle=True, seed=0, num_workers=0)
     state = {"model": model, "optimizer": opt, "data": loader}
     t["built"] = time.time()
     cls, env_s = unbroken.checkpointer.core.Core, [0.0]

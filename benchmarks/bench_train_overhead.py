@@ -176,7 +176,7 @@ def run_child(cfg: str, a: argparse.Namespace, out: Path) -> dict[str, Any]:
         torch.use_deterministic_algorithms(True, warn_only=True)
     model, opt, ds = build(a.layers, a.dim, a.seq, a.vocab)
     model.to(a.device)
-    loader = ResumableLoader(ds, batch_size=a.batch, seed=0, num_workers=0)
+    loader = ResumableLoader(ds, batch_size=a.batch, shuffle=True, seed=0, num_workers=0)
     state = {"model": model, "optimizer": opt, "data": loader}
     ckpt = None
     ram = cfg in RAM_CONFIGS

@@ -31,7 +31,7 @@ class Loop:
     def __init__(self, model: Any, opt: Any, ds: Any, a: Any, events: Any, faults: Any, fault_type: type) -> None:
         self.model, self.opt, self.a = model, opt, a
         self.events, self.faults, self.fault_type = events, faults, fault_type
-        self.loader = ResumableLoader(ds, batch_size=a.batch, seed=0, num_workers=0)
+        self.loader = ResumableLoader(ds, batch_size=a.batch, shuffle=True, seed=0, num_workers=0)
         if a.config == "ram":
             self.ckpt = unbroken.Checkpointer(a.run_dir, save_every=1, keep_last=2, ram=unbroken.RamTier(
                 keep_last=2, persist_every=a.save_every))

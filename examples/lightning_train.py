@@ -57,7 +57,7 @@ class Classifier(pl.LightningModule):
                                        torch.nn.Linear(64, 4))
 
     def train_dataloader(self):
-        return unbroken.data.ResumableLoader(Blobs(), batch_size=8, seed=0)   # a resumable data position
+        return unbroken.data.ResumableLoader(Blobs(), batch_size=8, shuffle=True, seed=0)   # a resumable data position
 
     def training_step(self, batch, batch_idx):
         x, y = batch

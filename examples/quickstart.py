@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     scaler = torch.amp.GradScaler("cpu", enabled=False)  # float32 on CPU: off, but a scaler is state too
 
     # ---- the README's loop ------------------------------------------------------------------
-    loader = unbroken.data.ResumableLoader(dataset, batch_size=32, seed=0, num_workers=args.workers)  # +1
+    loader = unbroken.data.ResumableLoader(dataset, batch_size=32, shuffle=True, seed=0, num_workers=args.workers)  # +1
     ckpt = unbroken.Checkpointer(args.run_dir, save_every=args.save_every, keep_last=3)                 # +2
     state = {"model": model, "optimizer": opt, "scheduler": sched, "scaler": scaler, "data": loader}  # +3
     info = ckpt.restore(state)             # +4  newest *valid* checkpoint, or a fresh start

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=40, gamma=0.5)
     # rank and world size come from torch.distributed: rank r takes the r-th slice of each global batch
-    loader = unbroken.data.ResumableLoader(Blobs(), batch_size=args.batch_size, seed=0)
+    loader = unbroken.data.ResumableLoader(Blobs(), batch_size=args.batch_size, shuffle=True, seed=0)
 
     ckpt = unbroken.Checkpointer(args.run_dir, save_every=args.save_every, keep_last=3)  # the same on every rank
     state = {"model": model, "optimizer": opt, "scheduler": sched, "data": loader}

@@ -139,7 +139,7 @@ def main(args) -> int:
     if args.mode == "unbroken":
         from unbroken.integrations.accelerate import Checkpointer, ResumableLoader
 
-        train = ResumableLoader(data, batch_size=args.batch, seed=SEED)
+        train = ResumableLoader(data, batch_size=args.batch, shuffle=True, seed=SEED)
         model, opt, train, eval_loader, sched = accelerator.prepare(model, opt, train, eval_loader, sched)
         ckpt = Checkpointer(accelerator, args.run_dir, save_every=args.save_every, keep_last=3,
                             resume=args.resume_from or True, eval_loaders=[eval_loader])

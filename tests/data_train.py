@@ -84,7 +84,7 @@ def build_data(args):
     if args.mode == "hfmap":
         ds = hf_map(96)
         ds.set_transform(augment, columns=["x"], output_all_columns=True)
-        return ud.ResumableLoader(ud.Seeded(ds), batch_size=8, seed=3, num_workers=args.workers)
+        return ud.ResumableLoader(ud.Seeded(ds), batch_size=8, shuffle=True, seed=3, num_workers=args.workers)
     if args.mode == "stream":
         return ud.StreamLoader(stream(), batch_size=8, num_workers=args.workers)
     if args.mode == "stream-sdl":
@@ -105,7 +105,8 @@ def build_data(args):
         mix = ud.Mixture(sources, weights, seed=11, block=16)
         return mix.loader(batch_size=8, num_workers=args.workers)
     if args.mode == "packer":
-        loader = ud.ResumableLoader(tokens(64), batch_size=3, seed=2, num_workers=args.workers, collate_fn=list)
+        loader = ud.ResumableLoader(tokens(64), batch_size=3, shuffle=True, seed=2, num_workers=args.workers,
+                                    collate_fn=list)
         return ud.CarryOver(loader, ud.Packer(seq_len=12, batch_size=2, eos=0))
     raise SystemExit(f"unknown mode {args.mode}")
 

@@ -125,7 +125,7 @@ def main() -> int:
     (out / f"pid-r{rank}").write_text(str(os.getpid()))  # for the tests that kill one rank
 
     model, opt, sched = model_and_optimizer(args.mode, args.ddp_options)
-    loader = unbroken.data.ResumableLoader(Data(), batch_size=args.batch, seed=5)
+    loader = unbroken.data.ResumableLoader(Data(), batch_size=args.batch, shuffle=True, seed=5)
     ckpt = unbroken.Checkpointer(args.run_dir, save_every=args.save_every, keep_last=3,
                                  preemption=unbroken.Preemption(requeue=args.requeue),
                                  async_save={None: False, "copy": True, "lazy": "lazy"}[args.async_save],

@@ -5,7 +5,9 @@
 The state is ``{"engine": engine, "data": loader}``: the engine as DeepSpeed returns it,
 an unbroken ResumableLoader sharded by rank. The global batch is fixed (16 samples per
 optimizer step): 4 per rank per micro-batch, ``16 / (4 * world)`` micro-batches per step,
-so 1, 2 or 4 ranks train on the same samples per step. Dropout draws from each rank's
+so 1, 2 or 4 ranks train on the same samples per step, across epoch ends too: an epoch is 104
+samples (6.5 steps) and the loader is ``continuous`` (the epoch's last step is completed from
+the next epoch's order). Dropout draws from each rank's
 global RNG; AdamW with a LambdaLR schedule handed to DeepSpeed. Every rank appends one
 line per optimizer step to ``OUT/losses-r<rank>.jsonl`` (its micro-batch losses and the
 samples it consumed). With ``--dump-at N`` rank 0 writes the consolidated fp32 master
@@ -41,7 +43,7 @@ from torch.utils.data import Dataset
 import unbroken
 import unbroken.data
 
-N, D, C, MICRO, GLOBAL = 512, 16, 4, 4, 16
+N, D, C, MICRO, GLOBAL = 104, 16, 4, 4, 16  # 104: an epoch ends inside step 7
 
 
 class Data(Dataset):
@@ -133,7 +135,7 @@ def main() -> int:
     (out / f"pid-r{rank}").write_text(str(os.getpid()))
 
     engine = build(args.stage, world, args.buffer)
-    loader = unbroken.data.ResumableLoader(Data(), batch_size=MICRO, seed=5)
+    loader = unbroken.data.ResumableLoader(Data(), batch_size=MICRO, shuffle=True, seed=5, continuous=True)
     ckpt = unbroken.Checkpointer(args.run_dir, save_every=args.save_every, keep_last=3,
                                  strict=not args.restore_nonstrict)
     state = {"engine": engine, "data": loader}

@@ -40,7 +40,7 @@ def build(loop: str) -> dict:
                                 torch.nn.Dropout(0.2), torch.nn.Linear(16, 3))
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(96, 8, generator=g), torch.randint(0, 3, (96,), generator=g))
-    state: dict = {"model": model, "data": unbroken.data.ResumableLoader(data, batch_size=8, seed=3)}
+    state: dict = {"model": model, "data": unbroken.data.ResumableLoader(data, batch_size=8, shuffle=True, seed=3)}
     if loop == "two":
         state["optimizer"] = torch.optim.AdamW(list(model[0].parameters()) + list(model[1].parameters()), lr=0.05)
         state["head_optimizer"] = torch.optim.SGD(model[4].parameters(), lr=0.1, momentum=0.9)

@@ -76,7 +76,7 @@ class Model(pl.LightningModule):
             fully_shard(self.net, mesh=mesh)
 
     def train_dataloader(self):
-        return unbroken.data.ResumableLoader(Data(), batch_size=self.args.batch, seed=7)
+        return unbroken.data.ResumableLoader(Data(), batch_size=self.args.batch, shuffle=True, seed=7)
 
     def training_step(self, batch, batch_idx):
         x, y, idx = batch

@@ -80,7 +80,7 @@ class Training:
     def train_dataloader(self):
         if self.args.data == "plain":
             return DataLoader(Data(), batch_size=BATCH, shuffle=True)
-        return unbroken.data.ResumableLoader(Data(), batch_size=BATCH, seed=7)
+        return unbroken.data.ResumableLoader(Data(), batch_size=BATCH, shuffle=True, seed=7)
 
     def training_step(self, batch, batch_idx):
         a = self.args

@@ -141,7 +141,7 @@ def main() -> int:
         model = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.05 * s))
-    loader = unbroken.data.ResumableLoader(Data(), batch_size=8, seed=5)
+    loader = unbroken.data.ResumableLoader(Data(), batch_size=8, shuffle=True, seed=5)
     state = {"model": model, "optimizer": opt, "scheduler": sched, "data": loader}
     ram = dict(ram=unbroken.RamTier(keep_last=2, persist_every=4)) if args.ram else {}
     ckpt = unbroken.Checkpointer(args.run_dir, save_every=args.save_every, keep_last=None,

@@ -305,6 +305,32 @@ def test_inspect_lists_tensors(run: Path) -> None:
     assert doc["environment"]["torch"] == torch.__version__
 
 
+def test_inspect_shows_the_values_that_are_not_tensors(tmp_path: Path) -> None:
+    """Loop variables, an optimizer's hyperparameters, a loader's position, strings and None: shown by path;
+    tensors and RNG states left out (the tensor table has the tensors)."""
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.25, momentum=0.5)
+    loop = unbroken.Vars(lr=0.125, best=None, note="warm-up", steps=[1, 2, 3])
+    loader = unbroken.data.ResumableLoader(torch.utils.data.TensorDataset(torch.arange(10.0)), 2, True, seed=4)
+    state = {"model": model, "optimizer": opt, "loop": loop, "data": loader}
+    with unbroken.Checkpointer(tmp_path / "run", save_every=1) as ckpt:
+        ckpt.restore(state)
+        for _ in loader:
+            ckpt.step(state)
+            break
+    doc = as_json(invoke("inspect", tmp_path / "run" / "step-000000001", "--json"))
+    values = doc["values"]
+    assert values["loop/lr"] == "0.125" and values["loop/best"] == "None" and values["loop/note"] == "'warm-up'"
+    assert values["loop/steps"] == "[1, 2, 3]"
+    assert values["optimizer/param_groups/0/lr"] == "0.25" and values["optimizer/param_groups/0/momentum"] == "0.5"
+    assert values["data/position"] == "2" and values["data/seed"] == "4"
+    assert not any(k.startswith("model/") for k in values)  # tensors: the other table
+    res = invoke("inspect", tmp_path / "run" / "step-000000001")
+    assert res.exit_code == 0 and "loop/lr" in res.stdout and "'warm-up'" in res.stdout
+    flip_byte(tmp_path / "run" / "step-000000001" / "state.json")
+    assert "checksum" in as_json(invoke("inspect", tmp_path / "run" / "step-000000001", "--json"))["values"][""]
+
+
 def test_inspect_one_tensor(run: Path) -> None:
     weight = unbroken.load(run / "step-000000004")["model"]["weight"].double()
     res = invoke("inspect", run / "step-000000004", "--tensor", "model/weight", "--json")

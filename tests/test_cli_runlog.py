@@ -98,6 +98,13 @@ def test_metrics_per_step(resumed: Path) -> None:
     assert float(lines[0].split("\t")[1]) == doc["values"][0]["value"]
 
 
+def test_metrics_without_a_name_lists_the_names(resumed: Path) -> None:
+    assert invoke("metrics", resumed).stdout.splitlines() == ["loss"]
+    assert as_json(invoke("metrics", resumed, "--json"))["names"] == ["loss"]
+    res = invoke("metrics", resumed, "--check")
+    assert res.exit_code == 1 and "needs a metric NAME" in res.output
+
+
 def test_a_metric_never_logged_names_the_known_ones(resumed: Path) -> None:
     for args in (["metrics", resumed, "accuracy"], ["metrics", resumed, "accuracy", "--check"],
                  ["plot", resumed, "--metric", "accuracy"]):
@@ -218,6 +225,29 @@ def test_a_process_that_died_before_its_first_logged_step_is_drawn_with_its_kill
     assert shown["curves"] == [c.label for c in curves]
     assert shown["points"]["interruption"] == [(4.0, at4)] and shown["points"]["resume"] == [(4.0, at4)]
     assert shown["counts"] == {"resume-count": "×2"}
+
+
+def test_a_kill_right_after_the_save_the_next_process_resumed_from_is_marked(tmp_path: Path) -> None:
+    """A process SIGKILLed right after its save of step 4 (nothing lost: the next one resumes from step 4)
+    left no ``closed`` event, unlike a process that ended: its kill is marked at step 4 (0.1 could not
+    tell it from a clean exit). The process that ended normally gets no interruption marker."""
+    import signal
+    import subprocess
+    import sys
+    run = tmp_path / "run"
+    code = (f"import os, signal, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); from pathlib import Path; "
+            f"from test_cli import train; train(Path({str(run)!r}), 2); "
+            f"import unbroken; unbroken.Checkpointer.close = lambda self: os.kill(os.getpid(), signal.SIGKILL); "
+            f"train(Path({str(run)!r}), 4)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == -signal.SIGKILL, res.stderr[-2000:]
+    train(run, 6)
+    with RunIndex(run, readonly=True) as index:
+        assert [e["segment"] for e in index.events("closed")] == [1, 3]  # the killed one (2) left none
+        curves, markers = run_curves(index, "loss")
+        v4 = next(v for s, v, g in index.metric("loss") if s == 4)
+    assert len(curves) == 3
+    assert [m for m in markers if m.kind == "interruption"] == [Marker("interruption", 4, v4)]
 
 
 def test_two_kills_between_the_same_checkpoints_are_two_kills(tmp_path: Path) -> None:

@@ -52,7 +52,7 @@ class Buckets:
 
 
 def packed(workers: int = 0, collator=None) -> ud.CarryOver:
-    loader = ud.ResumableLoader(Docs(), batch_size=3, seed=1, num_workers=workers, collate_fn=list)
+    loader = ud.ResumableLoader(Docs(), batch_size=3, shuffle=True, seed=1, num_workers=workers, collate_fn=list)
     return ud.CarryOver(loader, collator or ud.Packer(seq_len=6, batch_size=2, eos=-1))
 
 

@@ -60,7 +60,7 @@ def resumed(make, k: int, state=None) -> list[list[int]]:
 @pytest.mark.parametrize("fmt", [None, "torch"])
 def test_map_dataset_works_through_resumable_loader(fmt) -> None:
     ds = table() if fmt is None else table().with_format(fmt)
-    make = lambda w=0: ud.ResumableLoader(ds, batch_size=5, seed=1, num_workers=w)  # noqa: E731
+    make = lambda w=0: ud.ResumableLoader(ds, batch_size=5, shuffle=True, seed=1, num_workers=w)  # noqa: E731
     ref = ids(make())
     assert sorted(i for b in ref for i in b) == list(range(48))
     assert ids(make(2)) == ref  # the same batches with workers
@@ -90,11 +90,11 @@ def test_random_transform_is_exact_with_seeded_and_not_without() -> None:
     resume changes that (measured), ``Seeded`` keys them by the sample."""
     for wrap, expect in ((lambda d: d, False), (ud.Seeded, True)):
         ds = wrap(noisy())
-        ref = xs(ud.ResumableLoader(ds, batch_size=4, seed=1, num_workers=2))
-        first = ud.ResumableLoader(ds, batch_size=4, seed=1, num_workers=2)
+        ref = xs(ud.ResumableLoader(ds, batch_size=4, shuffle=True, seed=1, num_workers=2))
+        first = ud.ResumableLoader(ds, batch_size=4, shuffle=True, seed=1, num_workers=2)
         it = iter(first)
         got = xs([next(it) for _ in range(5)])
-        second = ud.ResumableLoader(ds, batch_size=4, seed=1, num_workers=2)
+        second = ud.ResumableLoader(ds, batch_size=4, shuffle=True, seed=1, num_workers=2)
         second.load_state_dict(first.state_dict())
         del it
         got += xs(second)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import json
+from collections import Counter
 import random
 import warnings
 from typing import Any
@@ -53,6 +54,7 @@ def expected_sample(ds: AugDataset, index: int, epoch: int) -> torch.Tensor:
 
 def make(n: int = N, batch_size: int = B, **kw: Any) -> ResumableLoader:
     kw.setdefault("seed", SEED)
+    kw.setdefault("shuffle", True)
     return ResumableLoader(AugDataset(n), batch_size, **kw)
 
 
@@ -408,7 +410,9 @@ def test_load_warns_when_global_batch_changes_off_boundary() -> None:
         warnings.simplefilter("error")
         make(batch_size=6).load_state_dict(state)  # 12 is a multiple of 6: no warning
         make(batch_size=4).load_state_dict(state)  # unchanged: no warning
-        make(batch_size=3, rank=0, world_size=2).load_state_dict(state)  # 12 % 6 == 0
+    with pytest.warns(UserWarning, match="world size changed from 1 to 2") as seen:  # 12 % 6 == 0: only that
+        make(batch_size=3, rank=0, world_size=2).load_state_dict(state)
+    assert len(seen) == 1
 
 
 @pytest.mark.parametrize("kwarg", [{"sampler": [0, 1]}, {"batch_sampler": [[0]]}, {"generator": torch.Generator()}])
@@ -472,3 +476,121 @@ def take_iter(loader: ResumableLoader, k: int):
             done += 1
             if done == k:
                 return
+
+
+# ----------------------------------------------------------------- DataLoader's defaults
+def test_the_arguments_and_defaults_are_dataloaders() -> None:
+    """Replacing ``DataLoader(ds, ...)`` by ``ResumableLoader(ds, ...)`` with the same arguments changes
+    nothing of the uninterrupted run: the same defaults (no shuffling), the same batches in the same order."""
+    import inspect
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    ours, theirs = inspect.signature(ResumableLoader).parameters, inspect.signature(DataLoader).parameters
+    for name in ("batch_size", "shuffle", "drop_last"):  # (DataLoader's shuffle=None means False)
+        assert (ours[name].default or False) == (theirs[name].default or False), name
+    assert list(ours)[:3] == list(theirs)[:3] == ["dataset", "batch_size", "shuffle"]  # positional like DataLoader's
+    ds = TensorDataset(torch.randn(10, 3))
+    for args, kw in (((), {}), ((4,), {}), ((3,), {"drop_last": True})):
+        want = [b[0] for b in DataLoader(ds, *args, **kw)]
+        got = [b[0] for b in ResumableLoader(ds, *args, **kw)]
+        assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), (args, kw)
+
+
+def test_a_checkpoint_of_the_old_shuffling_default_names_the_argument() -> None:
+    state = make(shuffle=True).state_dict()
+    with pytest.raises(ValueError, match="shuffle=True was the default"):
+        make(shuffle=False).load_state_dict(state)
+
+
+# ----------------------------------------------------------------- continuous epochs
+def _stream(loader: ResumableLoader):
+    """Batches of every epoch, one epoch after another (a loop that draws with ``next()``)."""
+    while True:
+        yield from loader
+
+
+def _samples(world: int, accumulate: int, steps: int, **kw: Any) -> tuple[list[list[tuple[int, float]]], dict]:
+    """Each step's samples (index and the augmented tensor's sum: it depends on the epoch's randomness),
+    and the loaders' state after the last step."""
+    n, micro = kw.pop("n", 104), kw.pop("micro", 4)
+    state = kw.pop("state", None)
+    loaders = [ResumableLoader(AugDataset(n), micro, True, seed=SEED, rank=r, world_size=world, **kw)
+               for r in range(world)]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for ld in loaders:
+            if state is not None:
+                ld.load_state_dict(state)
+    streams = [_stream(ld) for ld in loaders]
+    out = []
+    for _ in range(steps):
+        step = []
+        for _ in range(accumulate):
+            for s in streams:
+                idx, x = next(s)
+                step += [(int(i), float(v.sum())) for i, v in zip(idx, x, strict=True)]
+        out.append(sorted(step))
+    return out, {"state": loaders[0].state_dict(), "warnings": [str(w.message) for w in seen]}
+
+
+def test_continuous_epochs_give_every_step_the_same_samples_on_any_number_of_ranks() -> None:
+    """104 samples, 16 per optimizer step (6.5 steps per epoch): on 1, 2 and 4 ranks (micro-batch 4, accumulating
+    4, 2 and 1 micro-batches) every step of 3 epochs trains on the same samples with the same augmentation;
+    without ``continuous`` the padding of each epoch's end depends on the world size, and the steps after
+    the first epoch end differ (the condition the docs state)."""
+    steps = 20
+    runs = {w: _samples(w, 4 // w, steps, continuous=True)[0] for w in (1, 2, 4)}
+    assert runs[1] == runs[2] == runs[4]
+    two_epochs = Counter(i for step in runs[1][:13] for i, _ in step)  # 13 steps of 16: 2 epochs of 104
+    assert two_epochs == dict.fromkeys(range(104), 2)  # each sample once per epoch, nothing padded or repeated
+    padded = {w: _samples(w, 4 // w, steps, continuous=False)[0] for w in (2, 4)}
+    assert padded[2][:6] == padded[4][:6] and padded[2][7:] != padded[4][7:]
+
+
+def test_a_continuous_run_resumed_on_another_number_of_ranks_goes_on_with_the_same_samples_across_epoch_ends() -> None:
+    """Saved by 2 ranks after step 5 (mid-epoch), resumed by 4 and by 1: every later step, through two epoch
+    ends, trains on the samples of the run that never stopped; no warning. Without ``continuous`` the
+    resume warns that the epochs' ends will differ."""
+    whole, _ = _samples(2, 2, 20, continuous=True)
+    first, info = _samples(2, 2, 5, continuous=True)
+    assert first == whole[:5]
+    for world in (4, 1):
+        rest, after = _samples(world, 4 // world, 15, continuous=True, state=info["state"])
+        assert rest == whole[5:], world
+        assert after["warnings"] == [], after["warnings"]
+    _, padded = _samples(2, 2, 5, continuous=False)
+    _, resumed = _samples(4, 1, 1, continuous=False, state=padded["state"])
+    assert any("continuous=True) keeps them" in w for w in resumed["warnings"]), resumed["warnings"]
+
+
+def test_continuous_refuses_what_it_cannot_keep() -> None:
+    with pytest.raises(ValueError, match="drop_last"):
+        ResumableLoader(AugDataset(), 4, continuous=True, drop_last=True)
+    with pytest.raises(ValueError, match="at least one global batch"):
+        ResumableLoader(AugDataset(6), 4, continuous=True, rank=0, world_size=2)
+    with pytest.raises(ValueError, match="continuous=True"):
+        make(continuous=False).load_state_dict(make(continuous=True).state_dict())
+
+
+def test_batches_done_is_where_a_resumed_epoch_s_batch_index_goes_on() -> None:
+    """Stopped after ``cut`` batches of an epoch and resumed: ``enumerate(loader, loader.batches_done())``
+    goes on with the uninterrupted epoch's indices (37 samples in batches of 4: 10 batches in epoch 0;
+    continuous, epoch 1 begins after the 3 samples epoch 0's last batch took)."""
+    for kw in ({}, {"continuous": True}):
+        for epoch, cut in ((0, 1), (0, 4), (0, 9), (1, 3)):
+            ref = make(**kw)
+            for _ in range(epoch):
+                list(ref)
+            total = len(list(ref))
+            first = make(**kw)
+            for _ in range(epoch):
+                list(first)
+            stream = iter(first)
+            for _ in range(cut):
+                next(stream)
+            resumed = make(**kw)
+            resumed.load_state_dict(first.state_dict())
+            stream.close()
+            indices = [i for i, _ in enumerate(resumed, resumed.batches_done())]
+            assert indices == list(range(cut, total)), (kw, epoch, cut, indices, total)

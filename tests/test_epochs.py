@@ -60,7 +60,7 @@ def train(run: Path, shape: str, stop: str | None = None, log: dict | None = Non
     opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     train_set, val_set = data()
-    loader = unbroken.data.ResumableLoader(train_set, batch_size=B, seed=2)
+    loader = unbroken.data.ResumableLoader(train_set, batch_size=B, shuffle=True, seed=2)
     val_loader = DataLoader(val_set, batch_size=4)
     state = {"model": model, "optimizer": opt, "scheduler": sched, "data": loader}
     ckpt = unbroken.Checkpointer(run, save_every=save_every, keep_last=None, trigger=AtEpochEnd() if trigger else None,
@@ -197,7 +197,7 @@ def test_at_epoch_end_saves_after_the_epoch_end_work_even_at_a_saved_step(refere
 # ----------------------------------------------------------------------- the loader alone
 def test_a_loader_restored_at_its_epochs_last_batch_ends_that_epoch_first() -> None:
     train_set, _ = data()
-    make = lambda: unbroken.data.ResumableLoader(train_set, batch_size=B, seed=2)  # noqa: E731
+    make = lambda: unbroken.data.ResumableLoader(train_set, batch_size=B, shuffle=True, seed=2)  # noqa: E731
     loader = make()
     # strict=False: zip stops at the range, before it asks the loader for more (the loop not ended)
     served = [b for _, b in zip(range(N // B), loader, strict=False)]  # the last batch handed out
@@ -221,7 +221,7 @@ def make_at(make, epoch: int):
 
 def test_set_epoch_keeps_the_position_inside_the_same_epoch() -> None:
     train_set, _ = data()
-    loader = unbroken.data.ResumableLoader(train_set, batch_size=B, seed=2)
+    loader = unbroken.data.ResumableLoader(train_set, batch_size=B, shuffle=True, seed=2)
     next(iter(loader))
     loader.set_epoch(0)
     assert (loader.epoch, loader.position) == (0, B)
@@ -299,7 +299,7 @@ def test_batches_refuses_a_dataloader_and_passes_a_resumable_loader_through(tmp_
     ckpt = unbroken.Checkpointer(tmp_path / "run", preemption=None)
     with pytest.raises(TypeError, match="ResumableLoader"):
         ckpt.batches(DataLoader(data()[0], batch_size=4))
-    loader = unbroken.data.ResumableLoader(data()[0], batch_size=B, seed=2)
+    loader = unbroken.data.ResumableLoader(data()[0], batch_size=B, shuffle=True, seed=2)
     assert len(list(ckpt.batches(loader))) == N // B and ckpt.progress.batch == 0
     with pytest.raises(TypeError):
         ckpt.epochs({}, 2.5)  # type: ignore[arg-type]

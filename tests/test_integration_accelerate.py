@@ -222,7 +222,7 @@ def test_what_would_break_exactness_is_refused_with_the_fix(accelerator, tmp_pat
                                                    r"dataset, batch_size=4.*eval_loaders=\[that_loader\]"):
         Checkpointer(acc, tmp_path / "run")
     assert not (tmp_path / "run").exists()  # refused before anything was opened
-    loader = acc.prepare(ResumableLoader(data, batch_size=2, seed=0))
+    loader = acc.prepare(ResumableLoader(data, batch_size=2, shuffle=True, seed=0))
     ckpt = Checkpointer(acc, tmp_path / "run", eval_loaders=[plain])  # an evaluation loader: left out
     assert sorted(ckpt.state) == ["accelerator", "data", "model", "optimizer"] and ckpt.state["data"] is loader
     ckpt.close()
@@ -264,7 +264,7 @@ def test_the_loader_is_registered_as_it_is_and_marks_the_epoch_end_before_its_la
 
     acc = accelerator(gradient_accumulation_steps=2)
     model, opt, data = _parts()
-    loader = ResumableLoader(data, batch_size=4, seed=3)  # 3 batches: 4, 4, 2
+    loader = ResumableLoader(data, batch_size=4, shuffle=True, seed=3)  # 3 batches: 4, 4, 2
     model, opt, prepared = acc.prepare(model, opt, loader)
     assert prepared is loader and acc._dataloaders == [loader]
     seen = []
@@ -282,7 +282,7 @@ def test_after_a_checkpoint_of_an_epochs_last_step_the_next_loop_is_empty(accele
     from unbroken.integrations.accelerate import ResumableLoader
 
     _, _, data = _parts()
-    a, b = ResumableLoader(data, batch_size=4, seed=3), ResumableLoader(data, batch_size=4, seed=3)
+    a, b = ResumableLoader(data, batch_size=4, shuffle=True, seed=3), ResumableLoader(data, batch_size=4, seed=3)
     it = iter(a)
     saved = [next(it) for _ in range(3)] and a.state_dict()  # the last batch handed out, loop not ended
     assert (saved["epoch"], saved["position"]) == (0, 10)
@@ -299,7 +299,7 @@ def test_step_counts_optimizer_steps_and_a_restore_loads_every_part(accelerator,
 
     acc = accelerator(gradient_accumulation_steps=2)
     model, opt, data = _parts()
-    model, opt, loader = acc.prepare(model, opt, ResumableLoader(data, batch_size=2, seed=1))
+    model, opt, loader = acc.prepare(model, opt, ResumableLoader(data, batch_size=2, shuffle=True, seed=1))
     ckpt = Checkpointer(acc, tmp_path / "run")
     assert ckpt.restored is None
     batches = iter(loader)

@@ -43,7 +43,7 @@ def build(seed: int = 0) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(64, 4, generator=g), torch.randint(0, 2, (64,), generator=g))
-    return {"model": model, "optimizer": opt, "data": ResumableLoader(data, batch_size=4, seed=2)}
+    return {"model": model, "optimizer": opt, "data": ResumableLoader(data, batch_size=4, shuffle=True, seed=2)}
 
 
 def train(ckpt: unbroken.Checkpointer, state: dict[str, Any], steps: int, fail: dict[int, list[BaseException]],

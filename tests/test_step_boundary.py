@@ -63,7 +63,7 @@ def build(workers: int):
     opt = HalfStepAdamW(model.parameters(), lr=0.05)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
-    loader = unbroken.data.ResumableLoader(Data(), batch_size=8, seed=3, num_workers=workers)
+    loader = unbroken.data.ResumableLoader(Data(), batch_size=8, shuffle=True, seed=3, num_workers=workers)
     return {"model": model, "optimizer": opt, "scheduler": sched, "scaler": scaler, "data": loader}
 
 

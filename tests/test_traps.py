@@ -107,7 +107,7 @@ def test_allow_unsaved_leaves_the_key_out_knowingly(tmp_path: Path, caplog: pyte
 # ------------------------------------------------------------------ iterators and restore
 def _order_run(tmp_path: Path, started_before: bool, created_before: bool) -> list[int]:
     data = TensorDataset(torch.arange(24))
-    loader = unbroken.data.ResumableLoader(data, batch_size=4, seed=3)
+    loader = unbroken.data.ResumableLoader(data, batch_size=4, shuffle=True, seed=3)
     with unbroken.Checkpointer(tmp_path / "run", save_every=2) as ckpt:
         state = {"data": loader}
         ckpt.restore(state)
@@ -115,7 +115,7 @@ def _order_run(tmp_path: Path, started_before: bool, created_before: bool) -> li
             ckpt.step(state)
             if i == 2:
                 break  # the checkpoint at step 2 is the one restored below
-    loader = unbroken.data.ResumableLoader(data, batch_size=4, seed=3)
+    loader = unbroken.data.ResumableLoader(data, batch_size=4, shuffle=True, seed=3)
     it = iter(loader) if created_before else None
     if started_before:
         assert it is not None
@@ -131,7 +131,7 @@ def test_an_iterator_started_before_restore_refuses_to_serve_the_old_order(tmp_p
 
 
 def test_an_iterator_created_but_not_started_before_restore_serves_the_resumed_order(tmp_path: Path) -> None:
-    ref = unbroken.data.ResumableLoader(TensorDataset(torch.arange(24)), batch_size=4, seed=3)
+    ref = unbroken.data.ResumableLoader(TensorDataset(torch.arange(24)), batch_size=4, shuffle=True, seed=3)
     expected = [int(x) for (batch,) in ref for x in batch][8:]  # the checkpoint at step 2: 8 samples seen
     assert _order_run(tmp_path / "a", started_before=False, created_before=True) == expected
     assert _order_run(tmp_path / "b", started_before=False, created_before=False) == expected

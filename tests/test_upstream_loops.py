@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +41,7 @@ pytestmark = pytest.mark.e2e
 UPSTREAM = Path(__file__).resolve().parent / "upstream"
 HARNESS = UPSTREAM / "harness.py"
 SCRIPTS = {"mnist": UPSTREAM / "mnist_main.py", "wlm": UPSTREAM / "wlm_main.py"}
+ARGS = {"mnist": ["--log-interval", "2"], "wlm": ["--log-interval", "2"]}  # a log line every other step
 STEPS = {"mnist": 32, "wlm": 24}  # 4 epochs of 8 and of 6 steps; saves every 4 and every 3 steps
 # (fault, exit status, the step the *next* process resumes from, and the epochs done there)
 PLANS = {
@@ -55,19 +57,20 @@ for _var in ("UPSTREAM_FAULT", "UPSTREAM_BREAK", "UNBROKEN_FAULTS"):
 
 def attempt(name: str, work: Path, fault: str | None = None, **env: str) -> subprocess.CompletedProcess:
     """One process of the script under the harness, in ``work`` (its run folder and files)."""
-    return under_harness(SCRIPTS[name], work, fault, **env)
+    return under_harness(SCRIPTS[name], work, fault, args=ARGS[name], **env)
 
 
-def under_harness(script: Path, work: Path, fault: str | None = None, **env: str) -> subprocess.CompletedProcess:
-    """One process of ``script`` under the harness, in ``work``; ``fault``: a harness interruption
-    (``step:N:SIGNAL``, ``eval:N:K:SIGNAL``) or a fault point (``save.mid_file=1``)."""
+def under_harness(script: Path, work: Path, fault: str | None = None, args: list[str] | tuple[str, ...] = (),
+                  **env: str) -> subprocess.CompletedProcess:
+    """One process of ``script`` (given ``args``) under the harness, in ``work``; ``fault``: a harness
+    interruption (``step:N:SIGNAL``, ``eval:N:K:SIGNAL``) or a fault point (``save.mid_file=1``)."""
     child = dict(ENV, **env)
     if fault and fault.startswith("save."):
         child["UNBROKEN_FAULTS"] = fault
     elif fault:
         child["UPSTREAM_FAULT"] = fault
     work.mkdir(exist_ok=True)
-    return subprocess.run([sys.executable, str(HARNESS), str(work), str(script)], cwd=work, env=child,
+    return subprocess.run([sys.executable, str(HARNESS), str(work), str(script), *args], cwd=work, env=child,
                           capture_output=True, text=True, timeout=600)
 
 
@@ -81,6 +84,7 @@ def reference(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     name, work = request.param, tmp_path_factory.mktemp(f"{request.param}-reference")
     done = attempt(name, work)
     assert done.returncode == 0, done.stderr[-3000:]
+    (work / "stdout.txt").write_text(done.stdout)
     assert [r["step"] for r in records(work, "steps.jsonl")] == list(range(1, STEPS[name] + 1))
     assert len(records(work, "epochs.jsonl")) == 4
     if name == "wlm":  # the validation loss did not improve once: the LR was annealed
@@ -104,12 +108,18 @@ def compare(reference: Path, work: Path) -> dict[str, bool]:
 def test_killed_everywhere_around_the_epoch_boundary_resumes_bitwise(reference: tuple[str, Path],
                                                                     tmp_path: Path) -> None:
     name, ref = reference
-    work = tmp_path / "interrupted"
+    work, lines = tmp_path / "interrupted", set()
     for i, (fault, code, _, _) in enumerate(PLANS[name]):
         done = attempt(name, work, fault)
         assert done.returncode == code, (i, fault, done.stderr[-3000:])
         if fault and "SIGTERM" in fault:
             assert "preempted at step" in done.stdout
+        lines |= printed(done.stdout)
+    # what the script printed is true: the processes together printed the uninterrupted run's log lines
+    # (the batch index of a resumed epoch, the running loss since the last line), and no other
+    want = printed((ref / "stdout.txt").read_text())
+    assert lines == want, {"printed, not in the uninterrupted run": sorted(lines - want),
+                           "missing": sorted(want - lines)}
     # what each process resumed from: the step, and the epochs done there (inside the epoch at its last
     # step; after the SIGTERM, the epoch whose evaluation it arrived in is done)
     starts = [(r["resumed_from"], r["progress"]["epoch"]) for r in records(work, "attempts.jsonl")]
@@ -119,6 +129,15 @@ def test_killed_everywhere_around_the_epoch_boundary_resumes_bitwise(reference: 
     # the processes resumed at an epoch's last step ran that epoch's end work, once in the result
     ends = [r["step"] for r in records(work, "epochs.jsonl")]
     assert ends.count(STEPS[name] // 2) == 1 and len(set(ends)) == 4, ends
+
+
+_TIMING = re.compile(r"(ms/batch|time:)\s*[\d.]+s?")
+
+
+def printed(stdout: str) -> set[str]:
+    """The script's own log lines (training, evaluation), their timings left out."""
+    return {_TIMING.sub(r"\1 _", line) for line in stdout.splitlines()
+            if line.startswith(("Train Epoch", "Test set", "| "))}
 
 
 # the negative control of each script: what is broken, and where the process is killed

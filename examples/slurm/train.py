@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(4096, 20, generator=g)
     y = (x[:, :3].sum(dim=1) > 0).long()
-    loader = unbroken.data.ResumableLoader(TensorDataset(x, y), batch_size=64, seed=0)
+    loader = unbroken.data.ResumableLoader(TensorDataset(x, y), batch_size=64, shuffle=True, seed=0)
     model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Dropout(0.1),
                                 torch.nn.Linear(64, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)

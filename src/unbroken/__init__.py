@@ -25,7 +25,7 @@ import importlib
 import importlib.util
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported for real
     from .api import CheckpointInfo, PendingSave, load, save, verify

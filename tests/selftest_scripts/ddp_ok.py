@@ -15,7 +15,7 @@ unbroken.init_distributed("gloo")
 rank = dist.get_rank()
 model = torch.nn.parallel.DistributedDataParallel(make_model())
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
-loader = unbroken.data.ResumableLoader(Points(), batch_size=BATCH, seed=0)
+loader = unbroken.data.ResumableLoader(Points(), batch_size=BATCH, shuffle=True, seed=0)
 ckpt = unbroken.Checkpointer("runs/selftest-ddp", save_every=4)  # the selftest overrides the location
 state = {"model": model, "optimizer": opt, "data": loader}
 ckpt.restore(state)

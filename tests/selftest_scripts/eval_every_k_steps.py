@@ -30,7 +30,7 @@ def evaluate(model: torch.nn.Module, loader: DataLoader) -> float:
 
 model = make_model(dropout="--dropout" in sys.argv)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
-loader = unbroken.data.ResumableLoader(Points(), batch_size=BATCH, seed=0)  # 64 steps per epoch
+loader = unbroken.data.ResumableLoader(Points(), batch_size=BATCH, shuffle=True, seed=0)  # 64 steps per epoch
 eval_loader = DataLoader(Points(32, seed=1), batch_size=16)  # a plain DataLoader: its iterator draws a base seed
 ckpt = unbroken.Checkpointer(RUN, save_every=4)
 state = {"model": model, "optimizer": opt, "data": loader}

@@ -18,7 +18,7 @@ class Stats:
 
 model = make_model()
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
-loader = unbroken.data.ResumableLoader(Points(), batch_size=BATCH, seed=0)
+loader = unbroken.data.ResumableLoader(Points(), batch_size=BATCH, shuffle=True, seed=0)
 ckpt = unbroken.Checkpointer(RUN, save_every=5)
 state = {"model": model, "optimizer": opt, "data": loader}
 ckpt.restore(state)

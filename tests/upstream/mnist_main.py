@@ -40,7 +40,7 @@ class Net(nn.Module):
 
 def train(args, model, device, train_loader, optimizer, epoch, ckpt, state):  # ~unbroken
     model.train()
-    for batch_idx, (data, target) in enumerate(train_loader):
+    for batch_idx, (data, target) in enumerate(train_loader, train_loader.batches_done()):  # ~unbroken
         data, target = data.to(device), target.to(device)
         optimizer.zero_grad()
         output = model(data)

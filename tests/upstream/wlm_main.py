@@ -156,7 +156,7 @@ def evaluate(data_source):
 def train():
     # Turn on training mode which enables dropout.
     model.train()
-    total_loss = 0.
+    loop.total_loss = loop.total_loss if ckpt.progress.batch else 0.  # ~unbroken: a resumed epoch goes on with it
     start_time = time.time()
     ntokens = len(corpus.dictionary)
     hidden = loop.hidden if ckpt.progress.batch else model.init_hidden(args.batch_size)  # ~unbroken
@@ -181,25 +181,25 @@ def train():
             for p in model.parameters():
                 p.data.add_(p.grad, alpha=-loop.lr)  # ~unbroken
 
-        total_loss += loss.item()
+        loop.total_loss += loss.item()  # ~unbroken
         loop.hidden = repackage_hidden(hidden)  # +unbroken
-        ckpt.step(state, loss=loss)  # +unbroken
 
         if batch % args.log_interval == 0 and batch > 0:
-            cur_loss = total_loss / args.log_interval
+            cur_loss = loop.total_loss / args.log_interval  # ~unbroken
             elapsed = time.time() - start_time
             print('| epoch {:3d} | {:5d}/{:5d} batches | lr {:02.2f} | ms/batch {:5.2f} | '
                     'loss {:5.2f} | ppl {:8.2f}'.format(
                 epoch, batch, len(train_data) // args.bptt, loop.lr,  # ~unbroken
                 elapsed * 1000 / args.log_interval, cur_loss, math.exp(cur_loss)))
-            total_loss = 0
+            loop.total_loss = 0  # ~unbroken
             start_time = time.time()
+        ckpt.step(state, loss=loss)  # +unbroken: after the log line, which resets the running loss
         if args.dry_run:
             break
 
 
 # Loop over epochs.
-loop = unbroken.Vars(lr=args.lr, best_val_loss=None, hidden=None)  # ~unbroken: was lr = args.lr; best_val_loss = None
+loop = unbroken.Vars(lr=args.lr, best_val_loss=None, hidden=None, total_loss=0.)  # ~unbroken: was lr = args.lr; best_val_loss = None
 ckpt = unbroken.Checkpointer("runs/wlm", save_every=3)  # +unbroken
 state = {"model": model, "loop": loop, **({"optimizer": optimizer} if args.use_optimizer else {})}  # +unbroken
 ckpt.restore(state)  # +unbroken

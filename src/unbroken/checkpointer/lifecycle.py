@@ -88,7 +88,10 @@ class Session:
         core.comm.close()
         for p in self.plugins:
             core.events.unsubscribe(p)
-        if core.recorder is not None:
+        if core.recorder is not None:  # the segment ended in this process (a kill leaves no such event)
+            how = "ended" if ended and failed is None else "stopped"
+            core.recorder.event("closed", how, step=core.progress.step,
+                                data={"signal": received.name if received is not None else None})
             core.recorder.close()
             core.recorder = None
         self.plugins = []

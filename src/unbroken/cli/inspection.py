@@ -51,6 +51,78 @@ def tensor_entries(storage: Any, name: str, manifest: Manifest) -> list[dict[str
     return entries
 
 
+_SKIPPED = {"tensor", "ndarray", "dtensor", "torch_generator", "np_generator", "np_randomstate", "py_random"}
+"""Tagged nodes :func:`state_values` leaves out: tensors (listed by :func:`tensor_entries`) and RNG states."""
+
+
+def state_values(storage: Any, name: str, manifest: Manifest) -> dict[str, str]:
+    """The non-tensor values of the state shared by all ranks (``state.json``: counters, hyperparameters,
+    loop variables, data positions), path -> shown value, in the state's order; tensors and RNG states
+    are left out. ``{"": "<error>"}`` if the file does not verify or parse."""
+    from ..checkpoint.reader import CheckpointFiles  # torch
+
+    if "state.json" not in manifest.files:
+        return {}
+    try:
+        tree = CheckpointFiles(storage, name, manifest).json("state.json")  # its checksum verified first
+    except (UnbrokenError, OSError, ValueError) as e:
+        return {"": f"state.json: {e}"}
+    out: dict[str, str] = {}
+    _walk(tree.get("state", {}) if isinstance(tree, dict) else {}, "", out)
+    return out
+
+
+def _shown(node: Any) -> str | None:
+    """A leaf as it is shown, or ``None`` for a node to walk into (or leave out)."""
+    if node is None or isinstance(node, (bool, int, float, str)):
+        return repr(node)
+    if isinstance(node, list) and all(n is None or isinstance(n, (bool, int, float, str)) for n in node):
+        text = repr(node)
+        return text if len(text) <= 80 else f"[{len(node)} values: {text[1:60]}, ...]"
+    if not isinstance(node, dict):
+        return None
+    tag = node.get("@")
+    if tag in ("float", "dtype", "device", "path", "size"):
+        return str(node.get("v"))
+    if tag == "int":
+        return f"<an integer of {len(str(node.get('hex', ''))) * 4} bits>"
+    if tag in ("bytes", "bytearray"):
+        return f"<{tag}, {len(str(node.get('b64', ''))) * 3 // 4} bytes>"
+    if tag == "np_scalar":
+        return f"<numpy {node.get('dtype')} 0x{node.get('hex')}>"
+    return None
+
+
+def _walk(node: Any, path: str, out: dict[str, str]) -> None:
+    shown = _shown(node)
+    if shown is not None:
+        out[path] = shown
+        return
+    if isinstance(node, list):
+        for i, n in enumerate(node):
+            _walk(n, f"{path}/{i}" if path else str(i), out)
+        return
+    if not isinstance(node, dict):
+        return
+    tag = node.get("@")
+    if tag in _SKIPPED:
+        return
+    if tag == "stateful":
+        _walk(node.get("v"), path, out)
+    elif tag in ("tuple", "set", "frozenset"):
+        _walk(node.get("v"), path, out)
+    elif tag == "dict" and isinstance(node.get("v"), dict):
+        for k, v in node["v"].items():
+            _walk(v, f"{path}/{k}" if path else k, out)
+    elif tag == "dict" and isinstance(node.get("items"), list):
+        for pair in node["items"]:
+            if isinstance(pair, list) and len(pair) == 2:
+                _walk(pair[1], f"{path}/{_shown(pair[0]) or '?'}", out)
+    elif tag is None:  # the document's state object
+        for k, v in node.items():
+            _walk(v, f"{path}/{k}" if path else k, out)
+
+
 def tensor_stats(t: torch.Tensor) -> dict[str, Any]:
     """dtype, shape, element count, min, max, mean, L2 norm and the count of non-finite values
     (computed in float64; min/max/mean are ``None`` for an empty tensor)."""
@@ -104,15 +176,17 @@ def inspect(path: str = typer.Argument(..., metavar="CHECKPOINT", help="A checkp
                                               help="Load and verify this tensor (e.g. model/weight) and show its "
                                                    "dtype, shape, min, max, mean and L2 norm."),
             json_: bool = JSON_OPTION) -> None:
-    """Show a checkpoint's manifest and every tensor (file, name, dtype, shape) without loading data."""
+    """Show a checkpoint's manifest, every tensor (file, name, dtype, shape) without loading data, and the
+    non-tensor values of its state (counters, hyperparameters, loop variables, data positions)."""
     storage, name = open_checkpoint(path)
     m = read_manifest(storage, name)
     if tensor is not None:
         _one_tensor(storage, name, m, path, tensor, json_)
         return
     entries = tensor_entries(storage, name, m)
+    values = state_values(storage, name, m)
     if json_:
-        emit_json({**_summary(path, m), "tensors": entries})
+        emit_json({**_summary(path, m), "tensors": entries, "values": values})
         return
     con = out()
     con.print(f"[bold]{escape(path)}[/]: step {m.step}, seq {m.seq}, {m.kind}, format v{m.format_version}, "
@@ -137,3 +211,10 @@ def inspect(path: str = typer.Argument(..., metavar="CHECKPOINT", help="A checkp
         else:
             table.add_row(escape(e["file"]), escape(e["name"]), e["dtype"], escape(str(e["shape"])))
     con.print(table)
+    if values:
+        shown = Table()
+        shown.add_column("value (state.json)")
+        shown.add_column("")
+        for key, text in values.items():
+            shown.add_row(escape(key), escape(text) if key else f"[red]{escape(text)}[/]")
+        con.print(shown)

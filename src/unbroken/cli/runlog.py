@@ -103,13 +103,25 @@ def _report_check(name: str, report: Continuity, resumes: int, json_: bool, run:
 
 @app.command()
 def metrics(run: str = typer.Argument(..., metavar="RUN", help="Run folder or URL."),
-            name: str = typer.Argument(..., metavar="NAME", help="Metric name, e.g. loss."),
+            name: str | None = typer.Argument(None, metavar="[NAME]", help="Metric name, e.g. loss; without it, "
+                                              "the names of the run's metrics."),
             check: bool = typer.Option(False, "--check", help="Exit 1 unless the steps re-run after a resume logged "
                                        "bitwise identical values (and no saved row is missing); also when no step "
                                        "could be compared (not checked)."),
             json_: bool = JSON_OPTION) -> None:
-    """Print a metric per step (step, value, segment); --check proves resume continuity."""
+    """Print a metric per step (step, value, segment); --check proves resume continuity. Without NAME: the
+    names of the metrics the run logged, one per line."""
     with open_index(run) as index:
+        if name is None:
+            if check:
+                fail("--check needs a metric NAME (`unbroken metrics RUN` lists them)")
+            names = index.metric_names()
+            if json_:
+                emit_json({"run": run, "names": names})
+            else:
+                for n in names:
+                    typer.echo(n)
+            return
         values = index.metric(name)
         if not values:
             fail(_unknown_metric(name, index.metric_names()))

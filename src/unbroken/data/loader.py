@@ -26,6 +26,16 @@ so every rank gets a full batch. With one process, ``drop_last=False`` instead g
 short last batch (no padding is needed). After a resume with a different global batch,
 global batches are counted from the resumed position, so the epoch still ends on a whole
 global batch: fewer than one global batch of samples is dropped or padded.
+
+Padding and dropping depend on the global batch, so after a resume on another number of ranks
+the samples are the uninterrupted run's only until the next epoch end. ``continuous=True``
+removes that condition: the epochs' orders form one stream, the last global batch of an epoch
+is completed with the first samples of the next epoch's order (served by the same iterator),
+and the next epoch starts after them. Global sample ``k`` of the run is then always sample
+``k mod n`` of epoch ``k // n``'s order, and with the same global batch per optimizer step
+(``batch_size * world_size * accumulation``) every step trains on the same samples on any
+number of ranks, across every epoch end. Recommended for jobs that may resume elsewhere
+(elastic jobs, another GPU count).
 """
 
 from __future__ import annotations
@@ -43,7 +53,7 @@ from .checked import count
 from .order import GlobalOrder, mix_ints
 from .sample import SampleIndex
 
-_FORBIDDEN = ("sampler", "batch_sampler", "shuffle", "generator")
+_FORBIDDEN = ("sampler", "batch_sampler", "generator")
 
 
 def _world() -> tuple[int, int]:
@@ -65,11 +75,17 @@ class _RankBatches:
         o = self.owner
         epoch, pos, end = o.epoch, o.position, o.epoch_length
         g, b, lo = o.global_batch, o.batch_size, o.rank * o.batch_size
+        n = o.order.n
         while pos < end:
             stop = min(pos + g, end)
             first, last = pos + lo, min(pos + lo + b, stop)
-            idx = o.order.indices(epoch, first, last) if last > first else []
-            yield [SampleIndex(int(i), o.seed, epoch) for i in idx]
+            if not o.continuous:
+                idx = o.order.indices(epoch, first, last) if last > first else []
+                yield [SampleIndex(int(i), o.seed, epoch) for i in idx]
+            else:  # past n: the next epoch's order, each sample keyed by the epoch it belongs to
+                mine = [SampleIndex(int(i), o.seed, epoch) for i in o.order.indices(epoch, first, min(last, n))]
+                nxt = o.order.indices(epoch + 1, max(first, n) - n, last - n) if last > n else []
+                yield mine + [SampleIndex(int(i), o.seed, epoch + 1) for i in nxt]
             pos = stop
 
     def __len__(self) -> int:
@@ -121,27 +137,38 @@ class ResumableLoader:
     dataset receives :class:`~unbroken.data.SampleIndex` indices (plain ``int`` s
     with ``.generator()`` for per-sample augmentation randomness).
 
+    The arguments and their defaults are ``DataLoader``'s (``batch_size=1``, ``shuffle=False``,
+    ``drop_last=False``), so replacing a ``DataLoader`` changes nothing of the uninterrupted run's
+    order but its source of randomness: ``seed`` instead of the global RNG.
+
     Args:
         dataset: a map-style dataset (``__len__`` and ``__getitem__``).
         batch_size: samples per batch *per rank* (a micro-batch with accumulation).
-        seed: shuffle seed; also keys per-sample randomness and worker base seeds.
         shuffle: shuffle each epoch (a different order per epoch) or keep dataset order.
+        seed: shuffle seed; also keys per-sample randomness and worker base seeds.
         drop_last: drop the epoch's incomplete last global batch instead of padding it.
+        continuous: the epochs form one stream: an epoch's last global batch is completed
+            from the next epoch's order instead of padded or dropped, so that the samples of
+            every step are the same on any number of ranks across epoch ends (see the module
+            docstring). Not with ``drop_last``.
         rank, world_size: this process's slice; default from ``torch.distributed``
             when initialized, else ``RANK``/``WORLD_SIZE``, else 0 and 1.
         **loader_kwargs: passed to ``torch.utils.data.DataLoader`` (``num_workers``,
             ``collate_fn``, ``pin_memory``, ``persistent_workers``, ...). ``sampler``,
-            ``batch_sampler``, ``shuffle`` and ``generator`` are owned by this class.
+            ``batch_sampler`` and ``generator`` are owned by this class.
     """
 
-    def __init__(self, dataset: Dataset, batch_size: int, *, seed: int = 0, shuffle: bool = True,
-                 drop_last: bool = False, rank: int | None = None, world_size: int | None = None,
-                 **loader_kwargs: Any) -> None:
+    def __init__(self, dataset: Dataset, batch_size: int = 1, shuffle: bool = False, *, seed: int = 0,
+                 drop_last: bool = False, continuous: bool = False, rank: int | None = None,
+                 world_size: int | None = None, **loader_kwargs: Any) -> None:
         bad = [k for k in _FORBIDDEN if k in loader_kwargs]
         if bad:
             raise TypeError(f"ResumableLoader owns {bad}; pass seed=/shuffle= instead")
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
+        if continuous and drop_last:
+            raise ValueError("continuous=True completes an epoch's last batch from the next epoch: nothing is "
+                             "dropped; pass one of continuous=True and drop_last=True")
         r, w = _world()
         self.rank = r if rank is None else rank
         self.world_size = w if world_size is None else world_size
@@ -151,7 +178,11 @@ class ResumableLoader:
         self.batch_size = batch_size
         self.seed = seed
         self.drop_last = drop_last
+        self.continuous = bool(continuous)
         self.order = GlobalOrder(len(dataset), seed, shuffle)  # type: ignore[arg-type]
+        if self.continuous and self.order.n < self.global_batch:
+            raise ValueError(f"continuous=True needs at least one global batch of samples: the dataset has "
+                             f"{self.order.n}, a global batch is {self.global_batch}")
         self.epoch = 0
         self.position = 0
         self.samples_seen = 0
@@ -173,6 +204,8 @@ class ResumableLoader:
         another global batch (position not a multiple of it) every rank still gets a full
         last batch (with one process and padding, the epoch ends at ``n``: a short batch)."""
         n, g = self.order.n, self.global_batch
+        if self.continuous:  # completed from the next epoch: whole batches from the position, no wrapping
+            return self.position + max(0, -(-(n - self.position) // g)) * g
         if self.world_size == 1 and not self.drop_last:
             return n
         phase = self.position % g
@@ -188,6 +221,14 @@ class ResumableLoader:
     def batches_left(self) -> int:
         """Batches left in the current epoch."""
         return -(-(self.epoch_length - self.position) // self.global_batch)
+
+    def batches_done(self) -> int:
+        """Batches of the current epoch already served: after a resume, where the epoch's batch index goes
+        on. ``for batch_idx, batch in enumerate(loader, loader.batches_done()):`` prints and logs the
+        uninterrupted run's indices (a plain ``enumerate`` starts a resumed epoch at 0)."""
+        if self.continuous:  # the epoch began after the samples its predecessor took (fewer than a batch)
+            return self.position // self.global_batch
+        return -(-self.position // self.global_batch)
 
     def __iter__(self) -> Iterator[Any]:
         if self.position >= self.epoch_length and self._served_end:
@@ -214,8 +255,10 @@ class ResumableLoader:
             self._next_epoch()
 
     def _next_epoch(self) -> None:
+        # continuous: the samples of the new epoch that the last batch took are behind its start
+        carried = max(0, self.position - self.order.n) if self.continuous else 0
         self.epoch += 1
-        self.position = 0
+        self.position = carried
         self._served_end = False
 
     def set_epoch(self, epoch: int) -> None:
@@ -230,7 +273,8 @@ class ResumableLoader:
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "position": self.position, "samples_seen": self.samples_seen,
                 "seed": self.seed, "n": self.order.n, "shuffle": self.order.shuffle,
-                "world_size": self.world_size, "batch_size": self.batch_size, "drop_last": self.drop_last}
+                "world_size": self.world_size, "batch_size": self.batch_size, "drop_last": self.drop_last,
+                "continuous": self.continuous}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         n = self.order.n
@@ -243,12 +287,25 @@ class ResumableLoader:
             raise ValueError(
                 f"the checkpoint's data order (n={state['n']}, seed={state['seed']}, shuffle={state['shuffle']}) "
                 f"differs from this loader's (n={self.order.n}, seed={self.seed}, shuffle={self.order.shuffle}); "
-                "the dataset or seed changed, so the saved position means nothing here")
-        if state["world_size"] * state["batch_size"] != self.global_batch and state["position"] % self.global_batch:
+                "the dataset or seed changed, so the saved position means nothing here"
+                + ("; shuffle=True was the default of ResumableLoader before 0.2: pass it to resume such a run"
+                   if state["shuffle"] and not self.order.shuffle else ""))
+        if bool(state.get("continuous", False)) != self.continuous:
+            raise ValueError(f"the checkpoint's loader was made with continuous={not self.continuous}, this one "
+                             f"with continuous={self.continuous}: epochs end at other samples, so the saved "
+                             "position means something else here; pass the checkpoint's setting")
+        saved_global = state["world_size"] * state["batch_size"]
+        if saved_global != self.global_batch and state["position"] % self.global_batch:
             warnings.warn(
-                f"global batch changed from {state['world_size'] * state['batch_size']} to {self.global_batch}; "
+                f"global batch changed from {saved_global} to {self.global_batch}; "
                 "continuing exactly from global sample "
                 f"{state['position']} of epoch {state['epoch']} (batch boundaries shift)", stacklevel=2)
+        if state["world_size"] != self.world_size and not self.continuous:
+            warnings.warn(
+                f"world size changed from {state['world_size']} to {self.world_size}: the samples continue exactly, "
+                "but the epoch's last global batch is padded (or dropped) to the new size, so from the next epoch "
+                "on each step's samples differ from a run that kept the old world size; "
+                "ResumableLoader(..., continuous=True) keeps them the same across epoch ends", stacklevel=2)
         self.epoch, self.position, self.samples_seen = epoch, position, samples_seen
         # restored at an epoch's end: its next iterator serves nothing and ends the epoch; unless the
         # state says the loop that consumes it ended the epoch itself (``"epoch_ended": True``, set by

@@ -85,7 +85,7 @@ def train(args: argparse.Namespace) -> int:
     torch.use_deterministic_algorithms(True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    loader = unbroken.data.ResumableLoader(Augmented(args.seed), batch_size=MICRO_BATCH, seed=args.seed,
+    loader = unbroken.data.ResumableLoader(Augmented(args.seed), batch_size=MICRO_BATCH, shuffle=True, seed=args.seed,
                                            num_workers=args.workers)
     model = make_model(args.hidden)
     if args.freeze_first:  # a frozen layer: its bytes never change (what incremental saves skip)

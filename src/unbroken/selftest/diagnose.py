@@ -181,7 +181,8 @@ def _batches(d: Divergence, head: str, resumed: bool) -> Diagnosis:
     if not resumed:
         return Diagnosis(head, "the data order is not reproducible even without an interruption (shuffling "
                          "from an unseeded source, or an order that depends on the file system or the time)",
-                         "seed the order: use unbroken.data.ResumableLoader(dataset, batch_size, seed=...)",
+                         "seed the order: use unbroken.data.ResumableLoader(dataset, batch_size, shuffle=True, "
+                         "seed=...)",
                          "no interruption came before this step")
     born = d.evidence.get("iterator")
     data = _data_key(d.agree)

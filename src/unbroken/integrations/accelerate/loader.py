@@ -45,7 +45,7 @@ class ResumableLoader(_CoreLoader, DataLoader, DataLoaderStateMixin):  # type: i
     """An :class:`unbroken.data.ResumableLoader` that ``accelerator.prepare`` accepts (see the module docstring).
 
     Args:
-        dataset, batch_size, seed, shuffle, drop_last, rank, world_size, **loader_kwargs: as for
+        dataset, batch_size, shuffle, seed, drop_last, continuous, rank, world_size, **loader_kwargs: as for
             :class:`unbroken.data.ResumableLoader`: ``batch_size`` is per process (a micro-batch
             with gradient accumulation); rank and world size default to ``torch.distributed``'s.
         device: where batches go: ``"auto"`` (the Accelerator's device, once one exists), a
@@ -54,11 +54,12 @@ class ResumableLoader(_CoreLoader, DataLoader, DataLoaderStateMixin):  # type: i
 
     _is_accelerate_prepared = True  # accelerator.prepare registers it as it is
 
-    def __init__(self, dataset: Dataset, batch_size: int, *, seed: int = 0, shuffle: bool = True,
-                 drop_last: bool = False, rank: int | None = None, world_size: int | None = None,
-                 device: torch.device | str | None = AUTO, **loader_kwargs: Any) -> None:
-        _CoreLoader.__init__(self, dataset, batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last, rank=rank,
-                             world_size=world_size, **loader_kwargs)
+    def __init__(self, dataset: Dataset, batch_size: int = 1, shuffle: bool = False, *, seed: int = 0,
+                 drop_last: bool = False, continuous: bool = False, rank: int | None = None,
+                 world_size: int | None = None, device: torch.device | str | None = AUTO,
+                 **loader_kwargs: Any) -> None:
+        _CoreLoader.__init__(self, dataset, batch_size, shuffle, seed=seed, drop_last=drop_last,
+                             continuous=continuous, rank=rank, world_size=world_size, **loader_kwargs)
         # DataLoader.__init__ is not called: the DataLoader that iterates is the one inside
         # (``self._loader``); DataLoader attributes this object lacks are read from it.
         self.device = device

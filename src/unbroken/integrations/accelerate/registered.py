@@ -89,7 +89,8 @@ def _loader_problem(dl: Any, i: int, accelerator: Accelerator) -> str | None:
     return (f"accelerator.prepare registered DataLoader #{i} ({type(dl).__name__}, batch_size={batch}"
             f"{', shuffled' if shuffled else ''}); its position in the epoch cannot be saved, so a resume would "
             f"replay or skip batches. Training data: unbroken.integrations.accelerate.ResumableLoader(dataset, "
-            f"batch_size={batch}, seed=..., collate_fn=...), passed to accelerator.prepare as before. An evaluation "
+            f"batch_size={batch}{', shuffle=True' if shuffled else ''}, seed=..., collate_fn=...), passed to "
+            "accelerator.prepare as before. An evaluation "
             "loader, iterated whole every time: Checkpointer(accelerator, ..., eval_loaders=[that_loader]).")
 
 

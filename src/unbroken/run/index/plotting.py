@@ -144,11 +144,12 @@ def run_curves(index: RunIndex, metric: str) -> tuple[list[Curve], list[Marker]]
     starts at the value of the step it resumed from), and markers: saves (``saved`` /
     ``emergency_save`` events, one per place), resumes (that first point, one per segment) and
     interruptions, at most one per segment: its ``preempted`` or ``emergency_save`` event, or,
-    when a later segment exists, where it stopped if the next one re-ran steps it had logged or
-    started over, or where it started if it logged nothing. Two kills at the same place are two
-    markers (drawn once, counted). Not markable: a process that ended right after a save from
-    which the next one resumed, with nothing after it lost: nothing in the run tells that kill
-    from a clean exit."""
+    when a later segment exists, where it stopped if the next one re-ran steps it had logged, started
+    over, or it has no ``closed`` event (the process was killed: SIGKILL, the OOM killer, a lost
+    node), or where it started if it logged nothing. Two kills at the same place are two markers
+    (drawn once, counted). Segments written before ``closed`` events existed (unbroken 0.1) are
+    judged by the other rules only: a kill right after a save the next one resumed from looks like
+    a clean exit there."""
     per_segment: dict[int | None, list[tuple[int, float]]] = {}
     for step, value, segment in index.metric(metric):
         per_segment.setdefault(segment, []).append((step, value))
@@ -171,20 +172,25 @@ def run_curves(index: RunIndex, metric: str) -> tuple[list[Curve], list[Marker]]
             points = [(seg["start_step"], start), *points] if start is not None else points
         label = f"segment {seg['id']} ({how}" + ("" if per_segment.get(seg["id"]) else f"; no {metric} logged") + ")"
         curves.append(Curve(label, [s for s, _ in points], [v for _, v in points]))
-    for e in index.events():
-        if e["step"] is None:
+    events = index.events()
+    for e in events:
+        if e["step"] is None or e["kind"] == "closed":
             continue
         if e["kind"] in ("saved", "emergency_save"):
             markers.append(Marker("save", e["step"], value_at(e["step"], e["segment"])))
         if e["kind"] in ("preempted", "emergency_save") and e["segment"] not in stopped:
             stopped[e["segment"]] = Marker("interruption", e["step"], value_at(e["step"], e["segment"]))
+    closed = [e for e in events if e["kind"] == "closed"]
+    ended = {e["segment"] for e in closed if e["message"] == "ended"}
     for prev, nxt in itertools.pairwise(segments):
         own = per_segment.get(prev["id"])
         if prev["id"] in stopped:
             continue
+        # killed (no close: the process did not end by itself), or closed by an exception
+        abrupt = bool(closed) and prev["id"] not in ended
         if not own:  # it died before logging anything: where it started
             stopped[prev["id"]] = Marker("interruption", prev["start_step"], value_at(prev["start_step"], None))
-        elif nxt["start_step"] < own[-1][0] or not nxt["resumed_from"]:  # steps were lost, or it started over
+        elif abrupt or nxt["start_step"] < own[-1][0] or not nxt["resumed_from"]:  # or steps re-run, or started over
             stopped[prev["id"]] = Marker("interruption", own[-1][0], own[-1][1])
     saves = list(dict.fromkeys(m for m in markers if m.kind == "save"))  # a step saved twice: one point
     return curves, [m for m in markers if m.kind != "save"] + saves + list(stopped.values())
