@@ -212,9 +212,9 @@ def inspect(path: str = typer.Argument(..., metavar="CHECKPOINT", help="A checkp
             table.add_row(escape(e["file"]), escape(e["name"]), e["dtype"], escape(str(e["shape"])))
     con.print(table)
     if values:
-        shown = Table()
-        shown.add_column("value (state.json)")
-        shown.add_column("")
+        rows = Table()
+        rows.add_column("value (state.json)")
+        rows.add_column("")
         for key, text in values.items():
-            shown.add_row(escape(key), escape(text) if key else f"[red]{escape(text)}[/]")
-        con.print(shown)
+            rows.add_row(escape(key), escape(text) if key else f"[red]{escape(text)}[/]")
+        con.print(rows)
