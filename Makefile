@@ -15,7 +15,7 @@ TEST_JOBS ?= 3
 # machine that ran the suite before reuses them, a changed pin rebuilds.
 export UNBROKEN_TEST_CACHE ?= $(HOME)/.cache/unbroken-test
 
-.PHONY: demo test test-fast lint install bench bench-peers clean system-deps test-slurm
+.PHONY: demo test test-fast lint docs install bench bench-peers clean system-deps test-slurm
 
 # The demo needs unbroken and its own dependencies only (torch, numpy, safetensors, ...): `make demo`
 # installs those; `make test` adds the test stack (DeepSpeed, transformers, Lightning, ...: ~1.8 GB).
@@ -46,7 +46,12 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-test: $(STAMP) system-deps lint
+# The docs site (mkdocs.yml): every warning an error (a broken link or anchor, a docstring that names a
+# parameter the signature lacks); the reference pages come from the docstrings. Output: site/.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
+test: $(STAMP) system-deps lint docs
 	$(PY) -m pytest -q -ra -n $(TEST_JOBS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 # The inner loop: every module, unit tests and single-process end-to-end runs (no several ranks, no
@@ -72,4 +77,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_goodput.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info src/*.egg-info
+	rm -rf $(VENV) .pytest_cache build site *.egg-info src/*.egg-info

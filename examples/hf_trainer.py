@@ -1,6 +1,6 @@
 """The Hugging Face Trainer, made resumable by one line: ``enable(trainer, run)``.
 
-    pip install 'unbroken[hf]'
+    pip install -e '.[hf]'
     python examples/hf_trainer.py --run-dir runs/hf --steps 60
 
 Kill it at any moment (``kill -9``, Ctrl-C, a preempted node) and run the same command

@@ -1,6 +1,6 @@
 """PyTorch Lightning, made resumable by one line: ``callbacks=[UnbrokenCallback(run)]``.
 
-    pip install 'unbroken[lightning]'
+    pip install -e '.[lightning]'
     python examples/lightning_train.py --run-dir runs/lightning --steps 60
 
 Kill it at any moment (``kill -9``, a preempted node, an OOM) and run the same command

@@ -1,6 +1,6 @@
 """Checkpoints in S3 (or any S3-compatible server), optionally behind a fast local tier.
 
-    pip install 'unbroken[s3]'
+    pip install -e '.[s3]'
     export AWS_ACCESS_KEY_ID=... AWS_SECRET_ACCESS_KEY=...     # the usual boto variables / profile
     python examples/s3_train.py --run s3://my-bucket/exp1 --endpoint-url http://127.0.0.1:9000 --steps 100
 

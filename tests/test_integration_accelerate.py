@@ -336,4 +336,4 @@ def test_import_without_accelerate_names_the_extra() -> None:
             "except ImportError as e:\n    print('ImportError:', e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "ImportError:" in out.stdout and "pip install 'unbroken[accelerate]'" in out.stdout, out.stdout
+    assert "ImportError:" in out.stdout and "pip install -e '.[accelerate]'" in out.stdout, out.stdout

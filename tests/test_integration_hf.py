@@ -328,4 +328,4 @@ def test_import_without_transformers_names_the_extra() -> None:
             "try:\n    import unbroken.integrations.hf\nexcept ImportError as e:\n    print('ImportError:', e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "ImportError:" in out.stdout and "pip install 'unbroken[hf]'" in out.stdout, out.stdout
+    assert "ImportError:" in out.stdout and "pip install -e '.[hf]'" in out.stdout, out.stdout

@@ -393,4 +393,4 @@ def test_import_without_lightning_names_the_extra() -> None:
             "    print('IMPORTERROR', e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
     assert "IMPORTERROR" in out.stdout, out.stdout + out.stderr
-    assert "pip install 'unbroken[lightning]'" in out.stdout
+    assert "pip install -e '.[lightning]'" in out.stdout

@@ -197,7 +197,7 @@ def _fill_tied(weights: dict[str, torch.Tensor], config: dict[str, Any], path: P
     try:
         import transformers
     except ImportError:
-        return ["tied weights (installing 'unbroken[hf]' lets the import add their second names)"]
+        return ["tied weights (installing transformers lets the import add their second names)"]
     arch = (config.get("architectures") or [None])[0]
     cls = getattr(transformers, arch, None) if isinstance(arch, str) else None
     if cls is None or "model_type" not in config:

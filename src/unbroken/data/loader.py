@@ -151,8 +151,10 @@ class ResumableLoader:
             from the next epoch's order instead of padded or dropped, so that the samples of
             every step are the same on any number of ranks across epoch ends (see the module
             docstring). Not with ``drop_last``.
-        rank, world_size: this process's slice; default from ``torch.distributed``
-            when initialized, else ``RANK``/``WORLD_SIZE``, else 0 and 1.
+        rank: this process's slice; default from ``torch.distributed`` when initialized,
+            else ``RANK``, else 0.
+        world_size: the number of slices; default from ``torch.distributed`` when
+            initialized, else ``WORLD_SIZE``, else 1.
         **loader_kwargs: passed to ``torch.utils.data.DataLoader`` (``num_workers``,
             ``collate_fn``, ``pin_memory``, ``persistent_workers``, ...). ``sampler``,
             ``batch_sampler`` and ``generator`` are owned by this class.

@@ -6,7 +6,7 @@
   trailing slash, ``..``, a symlinked parent, any URL) opens the same run: one
   ``identity`` (the real path), one lock, one index. A ``file://`` URL naming another host
   or a relative path is refused, never read as some other folder;
-- ``s3://bucket/prefix``: :class:`.s3.S3Store` (needs ``pip install 'unbroken[s3]'``);
+- ``s3://bucket/prefix``: :class:`.s3.S3Store` (needs ``pip install -e '.[s3]'``);
 - any other URL fsspec knows (``gs://``, ``az://``, ``abfs://``, ``memory://``, ...):
   :class:`.fsspec.FsspecStore`, with the backend package fsspec names.
 
@@ -115,7 +115,7 @@ def open_store(location: str | os.PathLike[str] | Any, storage_options: Mapping[
         cls = fsspec.get_filesystem_class(scheme)
     except ImportError as e:
         extra = EXTRAS.get(scheme)
-        hint = f"pip install 'unbroken[{extra}]'" if extra else f"install the fsspec backend for {scheme}://"
+        hint = f"pip install -e '.[{extra}]' in unbroken's folder" if extra else f"install the fsspec backend for {scheme}://"
         raise StorageError(f"{redact(url)} needs a package that is not installed ({e}); {hint}") from None
     options = dict(storage_options or {})
     if scheme != "memory":

@@ -29,7 +29,8 @@ from __future__ import annotations
 try:
     import accelerate  # noqa: F401
 except ImportError as e:  # pragma: no cover - exercised in a subprocess by the tests
-    raise ImportError("unbroken.integrations.accelerate needs accelerate: pip install 'unbroken[accelerate]'") from e
+    raise ImportError("unbroken.integrations.accelerate needs accelerate: "
+                      "pip install -e '.[accelerate]' in unbroken's folder") from e
 
 from .checkpointer import Checkpointer
 from .loader import ResumableLoader

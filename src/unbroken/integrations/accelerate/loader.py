@@ -44,10 +44,11 @@ AUTO = "auto"
 class ResumableLoader(_CoreLoader, DataLoader, DataLoaderStateMixin):  # type: ignore[misc]
     """An :class:`unbroken.data.ResumableLoader` that ``accelerator.prepare`` accepts (see the module docstring).
 
+    The arguments are :class:`unbroken.data.ResumableLoader`'s (``batch_size`` is per process: a
+    micro-batch with gradient accumulation; rank and world size default to ``torch.distributed``'s),
+    and one more:
+
     Args:
-        dataset, batch_size, shuffle, seed, drop_last, continuous, rank, world_size, **loader_kwargs: as for
-            :class:`unbroken.data.ResumableLoader`: ``batch_size`` is per process (a micro-batch
-            with gradient accumulation); rank and world size default to ``torch.distributed``'s.
         device: where batches go: ``"auto"`` (the Accelerator's device, once one exists), a
             device, or ``None`` (leave them where the collate function put them).
     """

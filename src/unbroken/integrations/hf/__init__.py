@@ -85,7 +85,7 @@ try:
     from transformers import Trainer
 except ImportError as e:  # pragma: no cover - exercised in a subprocess by the tests
     raise ImportError("unbroken.integrations.hf needs transformers and accelerate: "
-                      "pip install 'unbroken[hf]'") from e
+                      "pip install -e '.[hf]' in unbroken's folder") from e
 
 import torch
 

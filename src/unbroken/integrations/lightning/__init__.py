@@ -10,7 +10,7 @@ Return an :class:`unbroken.data.ResumableLoader` from ``train_dataloader()`` for
 O(1) mid-epoch data position. ``plugins=[UnbrokenCheckpointIO()]`` makes
 ``trainer.save_checkpoint`` and ``ckpt_path=`` go through unbroken too (see
 :mod:`.checkpoint_io`). Works with ``lightning.pytorch`` and ``pytorch_lightning``, either or both
-installed (``pip install 'unbroken[lightning]'``), and with ``enable_checkpointing`` on or off:
+installed (``pip install -e '.[lightning]'``), and with ``enable_checkpointing`` on or off:
 unbroken does not need Lightning's ``ModelCheckpoint``.
 """
 
@@ -21,7 +21,7 @@ from ._compat import installed
 if not installed():
     raise ImportError(
         "unbroken.integrations.lightning needs PyTorch Lightning (lightning.pytorch or pytorch_lightning), "
-        "which is not installed: pip install 'unbroken[lightning]'")
+        "which is not installed: pip install -e '.[lightning]' in unbroken's folder")
 
 from .callback import UnbrokenCallback
 from .checkpoint_io import UnbrokenCheckpointIO
