@@ -250,6 +250,46 @@ def test_a_kill_right_after_the_save_the_next_process_resumed_from_is_marked(tmp
     assert [m for m in markers if m.kind == "interruption"] == [Marker("interruption", 4, v4)]
 
 
+KILLED_LOOP = """
+import os, signal, sys, time, torch, unbroken
+run, kill_after, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 4)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+state = {"model": model, "optimizer": opt}
+ckpt = unbroken.Checkpointer(run, save_every=5)
+ckpt.restore(state)
+while ckpt.progress.step < steps:
+    s = ckpt.progress.step + 1
+    loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(s))).pow(2).mean()
+    loss.backward(); opt.step(); opt.zero_grad()
+    time.sleep(0.15)  # a step of 150 ms
+    ckpt.step(state, loss=loss.item())
+    if s == kill_after:
+        os.kill(os.getpid(), signal.SIGKILL)
+ckpt.close()
+"""
+
+
+def test_metrics_check_after_sigkills_only_compares_the_rows_the_killed_process_committed(tmp_path: Path) -> None:
+    """SIGKILLed after step 13 (last save: 10), resumed from 10: the rows of steps 11-12 were committed while
+    it ran (a commit every 0.25 s at most while the values are on the host; a commit survives a killed
+    process), so --check compares the re-run steps against them and says ok; the row of the last
+    fraction of a second (step 13) died with the process."""
+    import subprocess
+    import sys
+    run, script = tmp_path / "run", tmp_path / "loop.py"
+    script.write_text(KILLED_LOOP)
+    killed = subprocess.run([sys.executable, str(script), str(run), "13", "16"], capture_output=True, timeout=120)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    done = subprocess.run([sys.executable, str(script), str(run), "0", "16"], capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    doc = as_json(invoke("metrics", run, "loss", "--check", "--json"))
+    assert doc["verdict"] == "continuous" and doc["compared"] >= 1, doc
+    res = invoke("metrics", run, "loss", "--check")
+    assert res.exit_code == 0 and "ok" in res.stdout
+
+
 def test_two_kills_between_the_same_checkpoints_are_two_kills(tmp_path: Path) -> None:
     """Killed after step 3 twice, each time resumed from the save at step 2: two interruptions at
     the same point (drawn once, marked ×2), two resumes, three segments."""

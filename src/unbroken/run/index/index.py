@@ -111,18 +111,25 @@ class RunIndex:
     ``readonly``: never write, move or rebuild the file, nor create anything beside it (works in a
     read-only folder: :func:`unbroken.run.index.indexfile.open_readonly`); if it is missing, damaged or cannot
     be read, use an index rebuilt from the manifests in memory (:attr:`in_memory`). Writing methods
-    then raise ``RuntimeError``. Metrics are committed when ``flush_every`` rows are pending or
-    ``flush_seconds`` after the last commit, and with any other write, query or :meth:`close`.
+    then raise ``RuntimeError``. Metrics are committed when ``flush_every`` rows are pending,
+    ``host_flush_seconds`` after the last commit while every pending value is on the host (a number,
+    a CPU tensor: committing reads nothing from a device), else ``flush_seconds`` after it (a GPU
+    tensor is read then: one synchronisation per commit), and with any other write, query or
+    :meth:`close`. A commit survives a killed process (WAL, ``synchronous=NORMAL``): a SIGKILL loses
+    at most the rows of the last ``host_flush_seconds`` (``flush_seconds`` with GPU values), and
+    ``unbroken metrics --check`` compares the steps re-run after the resume against the rest.
     Thread-safe. Call :meth:`start_segment` before :meth:`log_metrics`; events and checkpoint rows
     carry the current segment (``None`` before the first)."""
 
     def __init__(self, run: Any, *, readonly: bool = False, flush_every: int = 256, flush_seconds: float = 5.0,
-                 storage_options: Mapping[str, Any] | None = None) -> None:
+                 host_flush_seconds: float = 0.25, storage_options: Mapping[str, Any] | None = None) -> None:
         self.store = open_store(run, storage_options, readonly=readonly)
         self.run_dir = self.store.local_dir()
         self.path = self.run_dir / INDEX_FILE
         self.readonly, self.in_memory, self._lock = readonly, False, threading.RLock()
         self.flush_every, self.flush_seconds, self._last_flush = flush_every, flush_seconds, time.monotonic()
+        self.host_flush_seconds = host_flush_seconds
+        self._on_device = False  # a pending value is a tensor on a device (reading it synchronises)
         self.segment: int | None = None
         self._pending: list[tuple[int, int, str, Any, float]] = []
         self._scratch: str | None = None  # a private copy read instead of the file (see indexfile)
@@ -195,6 +202,7 @@ class RunIndex:
                 conn.execute("COMMIT")
                 del self._pending[:n]
                 self._last_flush = time.monotonic()
+                self._on_device = bool(self._pending) and self._on_device
             finally:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
@@ -277,7 +285,11 @@ class RunIndex:
             rows.append((int(step), self.segment, str(k), v, now))
         with self._lock:
             self._pending.extend(rows)
-            if len(self._pending) >= self.flush_every or time.monotonic() - self._last_flush >= self.flush_seconds:
+            self._on_device = self._on_device or any(getattr(r[3], "device", None) is not None
+                                                     and r[3].device.type != "cpu" for r in rows)
+            waited = time.monotonic() - self._last_flush
+            if len(self._pending) >= self.flush_every or waited >= self.flush_seconds \
+                    or (not self._on_device and waited >= self.host_flush_seconds):
                 self.flush()
 
     def flush(self) -> None:
