@@ -285,8 +285,8 @@ class RunIndex:
             rows.append((int(step), self.segment, str(k), v, now))
         with self._lock:
             self._pending.extend(rows)
-            self._on_device = self._on_device or any(getattr(r[3], "device", None) is not None
-                                                     and r[3].device.type != "cpu" for r in rows)
+            self._on_device = self._on_device or any(getattr(getattr(r[3], "device", None), "type", "cpu") != "cpu"
+                                                     for r in rows)
             waited = time.monotonic() - self._last_flush
             if len(self._pending) >= self.flush_every or waited >= self.flush_seconds \
                     or (not self._on_device and waited >= self.host_flush_seconds):
