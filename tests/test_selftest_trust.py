@@ -234,3 +234,13 @@ def test_targeted_interruptions_at_an_epoch_end_and_inside_between_step_work(kin
     # already covered: a SIGKILL at an epoch's last step that was saved resumes at the boundary
     assert targeted([Interruption("sigkill", 16)], ["sigkill"], [8, 16], [16], []) == [Interruption("sigkill", 16)]
     assert targeted([], ["sigterm"], [8], [8], [8]) == []  # --kills 0: nothing
+
+
+def test_a_counted_loop_without_a_dataloader_has_its_epoch_ends_seen(tmp_path: Path) -> None:
+    """``ckpt.batches(range(...))``, epochs of 6 steps: the epoch ends come from progress.epoch, so the report
+    says neither that no DataLoader could be seen nor that no epoch ended (it said the first)."""
+    code, out, err = selftest("--steps", "14", "--kills", "1", "--kinds", "sigkill", "--timeout", "120", "--json",
+                              "--seed", "1", "--workdir", str(tmp_path / "w"), *script("counted_batches"))
+    doc = json.loads(out)
+    assert code == 0 and doc["verdict"] == "identical", (doc["diagnosis"], doc["divergence"], err)
+    assert not any("DataLoader" in n or "no epoch" in n for n in doc["not_covered"]), doc["not_covered"]

@@ -61,14 +61,17 @@ class RunShape:
 def not_covered(shape: RunShape, steps: int, kinds: list[str], resumes: list[int], between_killed: bool) -> list[str]:
     """The code paths and interruption places the selftest did not exercise, one sentence each."""
     out: list[str] = []
-    if not shape.loader:
-        out.append("the training batches came from no torch DataLoader the selftest could see: it cannot tell "
-                   "where epochs end, so epoch-end work and a resume at an epoch boundary were not checked")
+    if not shape.loader and not shape.epoch_ends:
+        out.append("the training batches came from no torch DataLoader the selftest could see and the run's "
+                   "progress.epoch never moved: it cannot tell where epochs end, so epoch-end work and a resume "
+                   "at an epoch boundary were not checked")
     elif not shape.epoch_ends:
         per = ""
         if shape.epoch_batches and shape.batches_per_step:
             n = -(-shape.epoch_batches // shape.batches_per_step)
-            per = f" (an epoch is about {n} steps: use --steps above {n})"
+            per = (f" (an epoch is about {n} steps: use --steps above {n})" if n >= steps else
+                   f" (its DataLoader has {shape.epoch_batches} batches, {shape.batches_per_step} per step, yet "
+                   "none ran out: the loop leaves its epochs early, or re-creates the loader)")
         out.append(f"no epoch of the training data ended within the {steps} steps{per}: what runs after an epoch "
                    "(evaluation, per-epoch schedulers, saves at the epoch's end) never ran, and no resume started "
                    "at an epoch boundary")

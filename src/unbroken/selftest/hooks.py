@@ -143,6 +143,7 @@ class Hooks:
         self.loop: Any = None  # the code that calls ckpt.step() (or restore() until the first step)
         self.loop_line: tuple[str, int] | None = None
         self.train_loaders: set[int] = set()  # DataLoaders that served a batch right before optimizer.step()
+        self.epoch: int | None = None  # progress.epoch at the last step recorded (an epoch ended when it moves)
         self.grads: list[tuple[int, str]] = []
         self._fresh()
         self._fd: int | None = None
@@ -288,6 +289,10 @@ class Hooks:
         if not self.trained and self.last is not None:  # no optimizer.step() seen: the last batch's loader
             self.trained.add(self.last_grad if self.last_grad is not None else self.last[0])
         e = self._batches(c)
+        epoch = ckpt.progress.epoch  # moved on by a ResumableLoader, ckpt.batches(), end_epoch, the integrations
+        if self.epoch is not None and epoch > self.epoch:
+            e["epoch_end"] = True
+        self.epoch = epoch
         if "v" not in e and frame is not None:  # no training batch: the variables at the step's end
             e["v_end"], e["vf_end"] = snapshot(frame.f_locals, self._skip()), where(frame)
         for k, v in metrics.items():
