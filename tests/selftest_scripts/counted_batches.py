@@ -17,7 +17,7 @@ sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
 ckpt = unbroken.Checkpointer(RUN, save_every=4)
 state = {"model": model, "optimizer": opt, "scheduler": sched}
 ckpt.restore(state)
-for epoch in ckpt.epochs(state, range(1000)):
+for _epoch in ckpt.epochs(state, range(1000)):
     for i in ckpt.batches(range(0, len(X), BATCH)):
         loss = F.cross_entropy(model(X[i:i + BATCH]), Y[i:i + BATCH])
         loss.backward()
