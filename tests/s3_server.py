@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +27,8 @@ import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
+
+from ports import free_ports
 
 ACCESS_KEY, SECRET_KEY = "unbroken-test-key", "unbroken-test-secret"
 PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
@@ -45,26 +45,9 @@ def weed_binary() -> str | None:
 
 
 def _ports(names: tuple[str, ...]) -> dict[str, int]:
-    """Distinct free ports below the kernel's ephemeral range: a port the kernel hands out for ``bind(0)`` or
-    an outgoing connection is taken again by any process (another worker's server, a client) between this
-    choice and weed binding it; below the range only an explicit choice takes one (the servers of other
-    workers: a collision there is rare and retried, see :meth:`S3Server.start`)."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    rng, out = random.SystemRandom(), {}
-    while len(out) < len(names):
-        port = rng.randrange(10000, max(low, 10000 + 4 * len(names)))
-        if port in out.values():
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        out[names[len(out)]] = port
-    return out
+    """Distinct free ports below the kernel's ephemeral range (:mod:`ports`; a collision with another
+    worker's server is retried, see :meth:`S3Server.start`)."""
+    return dict(zip(names, free_ports(len(names)), strict=True))
 
 
 class S3Server:

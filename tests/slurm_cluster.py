@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
+from ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 INSTALL_SCRIPT = REPO / "scripts" / "install_system_deps.sh"
@@ -109,9 +110,7 @@ def _die_with_parent() -> None:
 
 
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()  # below the ephemeral range (:mod:`ports`)
 
 
 def _memory_mb() -> int:

@@ -3,7 +3,6 @@ TCPStore that still holds an earlier round's keys, as torchrun's agent store doe
 
 from __future__ import annotations
 
-import socket
 import threading
 from datetime import timedelta
 
@@ -12,13 +11,12 @@ import torch.distributed as dist
 
 from unbroken.dist.comm import CoordinationError
 from unbroken.dist.rendezvous import fresh_prefix
+from ports import free_port
 
 
 def server() -> dist.TCPStore:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    return dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=30))
 
 
 def client(master: dist.TCPStore) -> dist.PrefixStore:

@@ -12,7 +12,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ from safetensors.torch import load_file
 import jobs
 from unbroken.faults import EXIT_PREEMPTED
 from unbroken.store import open_store
+from ports import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 SCRIPT = str(Path(__file__).parent / "dist_train.py")
@@ -185,9 +185,7 @@ def test_ddp_plain_init_process_group_rank_killed_twice_restarted_rounds_resume_
 
 def _spawn(world: int, args: list[str], env: dict | None = None) -> list[subprocess.Popen]:
     """Start the ranks by hand (no torchrun), to see each one's exit code."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # below the ephemeral range (:mod:`ports`)
     procs = []
     for rank in range(world):
         e = dict(env or ENV, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",

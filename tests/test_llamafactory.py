@@ -175,6 +175,12 @@ def newest_save(last_step: int) -> int:
     return last_step // SAVE_EVERY * SAVE_EVERY
 
 
+def newest_step(folder: Path, prefix: str = "step-") -> int:
+    """The newest ``<prefix><step>`` folder in ``folder`` (committed checkpoints; 0 if none)."""
+    names = [p.name[len(prefix):] for p in folder.glob(f"{prefix}*") if p.is_dir()]
+    return max((int(n) for n in names if n.isdigit()), default=0)
+
+
 # ----------------------------------------------------------------------------- LLaMA-Factory + unbroken
 
 
@@ -188,11 +194,16 @@ def test_llamafactory_sigkilled_twice_and_sigtermed_resumes_bitwise(lf_python, a
     kill_at = random.Random(5).randint(SAVE_EVERY + 1, 2 * SAVE_EVERY - 1)
     first = run(kill=(signal.SIGKILL, kill_at))
     assert first.rc == -signal.SIGKILL and first.started == "fresh start", first.stderr[-3000:]
+    # the SIGKILL is sent once the step is printed and lands a moment later, under load possibly inside the
+    # save of a later step: the newest checkpoint committed when it died is what the next process resumes
+    committed = newest_step(tmp_path / "run")
+    assert committed in (newest_save(first.last_step), newest_save(first.last_step) - SAVE_EVERY), committed
+    hf_saves = newest_step(tmp_path / "lf", "checkpoint-")  # LLaMA-Factory's own, passed to train() at restart
     # the 7th time a save is half-way through a tensor file (4 files a save): the 2nd save of this process
     second = run(env={"UNBROKEN_FAULTS": "save.mid_file=7"})
     assert second.rc == -signal.SIGKILL, second.stderr[-3000:]
-    assert second.resumed_at == newest_save(first.last_step) > 0
-    hf_ckpt = tmp_path / "lf" / f"checkpoint-{newest_save(first.last_step)}"
+    assert second.resumed_at == committed > 0
+    hf_ckpt = tmp_path / "lf" / f"checkpoint-{hf_saves}"
     assert f"resume_from_checkpoint={str(hf_ckpt)!r} is not a checkpoint of the unbroken run" in second.stderr
     died_in = second.resumed_at + 2 * SAVE_EVERY  # the save of this step was being written
     assert second.last_step == died_in and not (tmp_path / "run" / f"step-{died_in:09d}").exists()
@@ -223,7 +234,9 @@ def test_trl_sfttrainer_sigkilled_resumes_bitwise(lf_python, assets, tmp_path):
     ref = ref_job.result()
     assert ref.rc == 0 and sorted(ref.steps) == list(range(1, STEPS + 1)), ref.stderr[-3000:]
     assert first.rc == -signal.SIGKILL, first.stderr[-3000:]
+    committed = newest_step(out / "run")  # the kill lands a moment after the step printed: maybe in a later save
+    assert committed in (newest_save(first.last_step), newest_save(first.last_step) - SAVE_EVERY), committed
     last = attempt(lf_python, "trl", assets, out)
-    assert last.rc == 0 and last.resumed_at == newest_save(first.last_step) > 0, last.stderr[-3000:]
+    assert last.rc == 0 and last.resumed_at == committed > 0, last.stderr[-3000:]
     ref_final = final(ref_out)
     assert_exact((ref, ref_final), out, [first, last])  # TRL's num_tokens too: kept outside TrainerState

@@ -25,7 +25,6 @@ import pathlib
 import random
 import re
 import shutil
-import socket
 import struct
 import subprocess
 import sys
@@ -44,6 +43,7 @@ from unbroken.checkpoint.reader import read_checkpoint as library_read
 from unbroken.store import split_checkpoint
 from unbroken.policies import OnImprovement
 from unbroken.state.codec import StatefulValue
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "unbroken_reader.py"
@@ -576,9 +576,7 @@ dist.destroy_process_group()
 def run_job(base: Path, *extra: str) -> None:
     """JOB on 2 ranks (gloo, CPU): ``base/run`` and ``base/full``."""
     (base / "job.py").write_text(JOB)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # below the ephemeral range (:mod:`ports`)
     procs = []
     for rank in range(2):
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),

@@ -41,6 +41,7 @@ import pytest
 
 from slurm_cluster import CRED_EXPIRE, TERMINAL_STATES, ClusterError, SlurmCluster, ensure_installed
 from unbroken.demo import compare
+from ports import free_ports
 
 pytestmark = [pytest.mark.slurm, pytest.mark.e2e, pytest.mark.slow]
 
@@ -210,7 +211,6 @@ def test_two_task_job_preempted_requeued_resumed_bitwise(cluster: SlurmCluster, 
     requeues -> SLURM starts the job again -> both ranks resume -> bitwise equal to 2 ranks run
     straight through."""
     import json
-    import socket
 
     import torch
     from safetensors.torch import load_file
@@ -232,11 +232,12 @@ def test_two_task_job_preempted_requeued_resumed_bitwise(cluster: SlurmCluster, 
     work = tmp_path / "slurm"
     work.mkdir()
     out = work / "job.out"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # a port per attempt, below the ephemeral range (:mod:`ports`): the requeued attempt's group found the
+    # one port it shared with the first attempt taken (EADDRINUSE, in CI)
+    first_port, requeued_port = free_ports(2)
     task = (f"RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID MASTER_ADDR=127.0.0.1 "
-            f"MASTER_PORT={port} exec {shlex.join([sys.executable, *args(work)])}")
+            f"MASTER_PORT=$(( ${{SLURM_RESTART_COUNT:-0}} ? {requeued_port} : {first_port} )) "
+            f"exec {shlex.join([sys.executable, *args(work)])}")
     (work / "job.sh").write_text(f"""#!/bin/bash
 #SBATCH --job-name=unbroken-2tasks
 #SBATCH --requeue
