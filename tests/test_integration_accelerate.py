@@ -282,7 +282,7 @@ def test_after_a_checkpoint_of_an_epochs_last_step_the_next_loop_is_empty(accele
     from unbroken.integrations.accelerate import ResumableLoader
 
     _, _, data = _parts()
-    a, b = ResumableLoader(data, batch_size=4, shuffle=True, seed=3), ResumableLoader(data, batch_size=4, seed=3)
+    a, b = (ResumableLoader(data, batch_size=4, shuffle=True, seed=3) for _ in range(2))
     it = iter(a)
     saved = [next(it) for _ in range(3)] and a.state_dict()  # the last batch handed out, loop not ended
     assert (saved["epoch"], saved["position"]) == (0, 10)

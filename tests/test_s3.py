@@ -58,7 +58,7 @@ def test_a_missing_backend_names_the_extra_to_install() -> None:
         pytest.skip("gcsfs is installed here")
     except ImportError:
         pass
-    with pytest.raises(StorageError, match=r"pip install 'unbroken\[gcs\]'"):
+    with pytest.raises(StorageError, match=r"pip install -e '\.\[gcs\]' in unbroken's folder"):
         unbroken.Checkpointer("gs://bucket/run")
 
 
