@@ -47,8 +47,9 @@ def test_snapshot_sees_writes_anywhere_but_tool_caches(tmp_path: Path) -> None:
 def _harness(repo: Path, test_body: str) -> subprocess.CompletedProcess[str]:
     tests = repo / "tests"
     tests.mkdir(parents=True)
-    for name in ("conftest.py", "repo_guard.py", "s3_server.py", "buildcache.py", "hang.py", "timeline.py", "jobs.py"):
-        shutil.copy(HERE / name, tests / name)
+    for helper in HERE.glob("*.py"):  # the conftest and every helper module it may import (not the tests)
+        if not helper.name.startswith("test_"):
+            shutil.copy(helper, tests / helper.name)
     (tests / "test_scratch.py").write_text(textwrap.dedent(test_body))
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp",
                            str(repo.parent / "basetemp"), str(tests / "test_scratch.py")],
