@@ -111,13 +111,10 @@ class RunIndex:
     ``readonly``: never write, move or rebuild the file, nor create anything beside it (works in a
     read-only folder: :func:`unbroken.run.index.indexfile.open_readonly`); if it is missing, damaged or cannot
     be read, use an index rebuilt from the manifests in memory (:attr:`in_memory`). Writing methods
-    then raise ``RuntimeError``. Metrics are committed when ``flush_every`` rows are pending,
-    ``host_flush_seconds`` after the last commit while every pending value is on the host (a number,
-    a CPU tensor: committing reads nothing from a device), else ``flush_seconds`` after it (a GPU
-    tensor is read then: one synchronisation per commit), and with any other write, query or
-    :meth:`close`. A commit survives a killed process (WAL, ``synchronous=NORMAL``): a SIGKILL loses
-    at most the rows of the last ``host_flush_seconds`` (``flush_seconds`` with GPU values), and
-    ``unbroken metrics --check`` compares the steps re-run after the resume against the rest.
+    then raise ``RuntimeError``. Metrics are committed when ``flush_every`` rows are pending, after
+    ``host_flush_seconds`` while every pending value is on the host, else after ``flush_seconds`` (reading
+    a GPU tensor synchronises), and with any other write, query or :meth:`close`. A commit survives a
+    killed process (WAL): a SIGKILL loses only the rows of its last fraction of a second.
     Thread-safe. Call :meth:`start_segment` before :meth:`log_metrics`; events and checkpoint rows
     carry the current segment (``None`` before the first)."""
 
