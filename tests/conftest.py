@@ -279,7 +279,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     keeps watching the preemption signals in this worker, and a later test that checks signal handling
     (``test_faults_unit.py``) then fails far from its cause (it did, in CI). Checked once the test is torn
     down (pytest has then dropped the log records that hold exceptions and their frames): dropped ones
-    in reference cycles are collected first; one still alive fails the test's teardown, naming its holders."""
+    in reference cycles are collected first; one still alive fails the test's teardown."""
     outcome = yield
     if call.when == "setup":
         item.stash[_WATCHERS_BEFORE] = _watcher_ids()
