@@ -173,8 +173,7 @@ def test_killed_in_a_save_sigterm_and_a_killed_rank_resume_bitwise(reference: Re
     2. relaunched (resumes at 3), a SIGTERM to the job's process (rank 0, as a scheduler sends it): every
        rank finishes the step under way, saves it, and exits 75;
     3. relaunched, one rank SIGKILLed at a random step (rank 1 under DDP, rank 0 -- the launcher itself --
-       otherwise): the job exits non-zero (not under DeepSpeed, whose launches cost the most: step 1
-       already killed a rank there);
+       otherwise): the job exits non-zero;
     4. relaunched to the end: bitwise the uninterrupted run."""
     strategy, env = reference.strategy, reference.env
     rng = random.Random(f"lightning-dist-{strategy}")
@@ -194,7 +193,7 @@ def test_killed_in_a_save_sigterm_and_a_killed_rank_resume_bitwise(reference: Re
     assert stopped >= term and committed(tmp_path / "run")[-1] == f"step-{stopped:09d}"
     # 3. a rank SIGKILLed at a step (after the resume's first step; a SIGTERM served late under load,
     # at step 11, leaves none: a killed rank is also test_torchrun_restarts_a_killed_rank_and_resumes_bitwise's)
-    if strategy != "deepspeed" and stopped + 1 <= STEPS - 1:
+    if stopped + 1 <= STEPS - 1:
         kill = rng.randint(min(stopped + 2, STEPS - 1), STEPS - 1)
         on_line, fired = at_step(tmp_path, kill, sigkill_rank(tmp_path, 1 if strategy == "ddp" else 0))
         code, out = launch(tmp_path, job(tmp_path, strategy=strategy), env=env, on_line=on_line)
