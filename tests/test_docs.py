@@ -1,7 +1,6 @@
 """The docs say what exists: every repository path and every ``UNBROKEN_*`` variable they name exists,
 every variable unbroken reads is in the table of docs/environment-variables.md, and every Python block
-of the README and the docs is valid Python (the loops that must also *run* are run by the tests named
-beside them, e.g. the DeepSpeed loop by ``test_deepspeed.py``)."""
+of the README and the docs is valid Python (``test_doc_blocks.py`` runs them)."""
 
 from __future__ import annotations
 
