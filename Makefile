@@ -15,16 +15,16 @@ TEST_JOBS ?= 3
 # machine that ran the suite before reuses them, a changed pin rebuilds.
 export UNBROKEN_TEST_CACHE ?= $(HOME)/.cache/unbroken-test
 
-.PHONY: demo test test-fast lint docs install bench bench-peers clean system-deps test-slurm
+.PHONY: demo test test-fast test-torch lint docs install bench bench-peers clean system-deps test-slurm
 
-# The demo needs unbroken and its own dependencies only (torch, numpy, safetensors, ...): `make demo`
-# installs those; `make test` adds the test stack (DeepSpeed, transformers, Lightning, ...: ~1.8 GB).
+# The demo needs unbroken, its own dependencies (torch, numpy, safetensors, ...) and matplotlib for its
+# picture: `make demo` installs those; `make test` adds the test stack (DeepSpeed, transformers, Lightning, ...: ~1.8 GB).
 DEMO_STAMP := $(VENV)/.demo-installed
 
 $(DEMO_STAMP): pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0
-	$(PIP) -e .
+	$(PIP) -e '.[plot]'
 	touch $(DEMO_STAMP)
 
 $(STAMP): pyproject.toml constraints.txt Makefile
@@ -59,6 +59,17 @@ test: $(STAMP) system-deps lint docs
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -n $(TEST_JOBS) --dist loadfile -m "not slow" --durations=10 $(PYTEST_ARGS)
 
+# The fast tier against another torch (docs/testing.md, "Versions"): `make test-torch TORCH=2.14.1` builds
+# .venv-torch2.14.1 with that torch (the wheel pip finds for it: a CUDA build runs on CPU too) and the test stack.
+TORCH ?= 2.14.1
+TVENV := .venv-torch$(TORCH)
+test-torch:
+	$(PYTHON) -m venv $(TVENV)
+	sed 's/^torch==.*/torch==$(TORCH)/' constraints.txt > $(TVENV)/constraints.txt
+	$(TVENV)/bin/python -m pip install -q --disable-pip-version-check -c $(TVENV)/constraints.txt torch==$(TORCH)
+	$(TVENV)/bin/python -m pip install -q --disable-pip-version-check -c $(TVENV)/constraints.txt -e '.[test]'
+	$(TVENV)/bin/python -m pytest -q -ra -n $(TEST_JOBS) --dist loadfile -m "not slow" --durations=10 $(PYTEST_ARGS)
+
 test-slurm: $(STAMP) system-deps
 	$(PY) -m pytest -q -ra -m slurm $(PYTEST_ARGS)
 
@@ -77,4 +88,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_goodput.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache build site *.egg-info src/*.egg-info
+	rm -rf $(VENV) .venv-torch* .pytest_cache build dist site *.egg-info src/*.egg-info

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -318,6 +319,20 @@ def test_plot_writes_a_png_with_a_colour_per_segment(resumed: Path, tmp_path: Pa
     assert (rgb < 250).any(axis=-1).mean() > 0.02  # not blank
     assert len(found) > 50
     assert near(found, TAB10["C0"]) and near(found, TAB10["C1"])  # segment 1 and segment 2
+
+
+def test_plot_without_matplotlib_says_how_to_install_it(resumed: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """matplotlib is an extra (``plot``): without it, one line that says how to get it, nothing drawn
+    (tests/test_packaging.py checks the same in a fresh environment installed from the wheel)."""
+    for name in [n for n in sys.modules if n == "matplotlib" or n.startswith("matplotlib.")] + ["matplotlib"]:
+        monkeypatch.setitem(sys.modules, name, None)  # what an environment without it finds
+    res = invoke("plot", resumed, "-o", tmp_path / "loss.png")
+    assert res.exit_code == 1, res.output
+    assert "drawing needs matplotlib" in res.output and "pip install -e '.[plot]'" in res.output, res.output
+    assert not (tmp_path / "loss.png").exists()
+    with pytest.raises(ModuleNotFoundError, match="drawing needs matplotlib"):
+        figure([Curve("a", [1], [1.0])])
 
 
 def test_plot_default_file_name_and_metric(resumed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

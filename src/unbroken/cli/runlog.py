@@ -19,7 +19,7 @@ from rich.table import Table
 from ..checkpoint.targets import check_target
 from ..run.index.continuity import CONTINUOUS, NOT_CHECKED, Continuity
 from ..run.index.index import RunIndex
-from ..run.index.plotting import made_here, plot_run
+from ..run.index.plotting import MISSING, available, made_here, plot_run
 from .base import JSON_OPTION, app, emit_json, fail, open_location, out, plural, require_run, warn, when
 
 MESSAGE_CHARS = 100
@@ -148,6 +148,8 @@ def plot(run: str = typer.Argument(..., metavar="RUN", help="Run folder or URL."
 
     An existing FILE.png is replaced only if unbroken drew it (or with --force); never one inside a
     checkpoint or a run's folders, and a link there is replaced, not written through."""
+    if not available():
+        fail(escape(MISSING))
     with open_index(run) as index:
         known = index.metric_names()
         chosen = metric or ("loss" if "loss" in known else known[0] if known else "loss")

@@ -247,13 +247,18 @@ def run_demo(workdir: str | None = None, steps: int = 150, kills: int = 3, seed:
     ok = all(results.values())
     console.print(f"total {time.monotonic() - t0:.1f} s, {len(attempts) - 1} kills")
     console.print(f"bitwise identical: {'yes' if ok else 'no'}", style="bold green" if ok else "bold red")
-    if keep or not ok or workdir is not None:
-        png = base / "losses.png"
+    from rich.markup import escape
+
+    from ..run.index.plotting import MISSING, available
+
+    if not available():
+        console.print(f"loss curves: not drawn: {escape(MISSING)}")
+    elif keep or not ok or workdir is not None:
+        console.print(f"loss curves: {plot_losses(base, attempts, base / 'losses.png')}")
     else:  # the work folder is removed below: the picture gets a file of its own
         fd, name = tempfile.mkstemp(prefix="unbroken-demo-losses-", suffix=".png")
         os.close(fd)
-        png = Path(name)
-    console.print(f"loss curves: {plot_losses(base, attempts, png)}")
+        console.print(f"loss curves: {plot_losses(base, attempts, Path(name))}")
     if keep or not ok:
         console.print(f"files kept in {base}")
     elif workdir is None:

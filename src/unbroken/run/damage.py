@@ -16,7 +16,7 @@ import logging
 import os
 import re
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from ..checkpoint.manifests import read_manifest
@@ -145,7 +145,7 @@ def identity(store: Any, name: str) -> str | None:
 
 def _when(created: Any) -> str:
     try:
-        return datetime.fromtimestamp(float(created), timezone.utc).isoformat(timespec="microseconds")
+        return datetime.fromtimestamp(float(created), UTC).isoformat(timespec="microseconds")
     except (TypeError, ValueError, OverflowError, OSError):
         return "at an unknown time"
 

@@ -29,7 +29,6 @@ import re
 import shutil
 import socket
 import stat
-import sys
 import threading
 import uuid
 import weakref
@@ -233,28 +232,9 @@ def remove_tree(name: str, dir_fd: int) -> None:
         if st is None:
             return
         if stat.S_ISDIR(st.st_mode):
-            if sys.version_info >= (3, 11):
-                shutil.rmtree(name, ignore_errors=True, dir_fd=dir_fd)
-            else:
-                _remove_tree_fwalk(name, dir_fd)
+            shutil.rmtree(name, ignore_errors=True, dir_fd=dir_fd)
         else:
             os.unlink(name, dir_fd=dir_fd)
-    except OSError:
-        pass
-
-
-def _remove_tree_fwalk(name: str, dir_fd: int) -> None:
-    """``shutil.rmtree(name, dir_fd=)`` for Python 3.10 (no ``dir_fd`` there): bottom-up with
-    ``os.fwalk``, which never follows a link; best effort."""
-    for _, dirs, files, fd in os.fwalk(name, topdown=False, dir_fd=dir_fd):
-        for entry in files + dirs:
-            try:
-                st = os.stat(entry, dir_fd=fd, follow_symlinks=False)
-                (os.rmdir if stat.S_ISDIR(st.st_mode) else os.unlink)(entry, dir_fd=fd)
-            except OSError:
-                pass
-    try:
-        os.rmdir(name, dir_fd=dir_fd)
     except OSError:
         pass
 

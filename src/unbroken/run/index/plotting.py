@@ -59,6 +59,18 @@ class Marker:
     value: float | None = None
 
 
+MISSING = ("drawing needs matplotlib, which is not installed (an extra: about 100 MB): "
+           "pip install matplotlib, or pip install -e '.[plot]' in unbroken's folder")
+"""What :func:`figure` raises (as ``ModuleNotFoundError``) without matplotlib; ``unbroken plot`` says it."""
+
+
+def available() -> bool:
+    """Whether matplotlib can be imported (:data:`MISSING` otherwise)."""
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 SOFTWARE = "unbroken plot"
 """Written into every PNG (a tEXt chunk): a later plot may replace a file that carries it."""
 
@@ -68,7 +80,10 @@ def figure(curves: Sequence[Curve], *, markers: Sequence[Marker] = (), title: st
     """The matplotlib figure :func:`plot_curves` saves, to draw or inspect (each curve is one line,
     labelled, gid ``curve``; the markers of each kind one scatter, gid the kind, plus a dashed line per
     interruption; several markers at one place are drawn once, with ``×N`` next to it)."""
-    from matplotlib.figure import Figure
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ModuleNotFoundError(MISSING, name="matplotlib") from e
 
     fig = Figure(figsize=(10, 5), dpi=100, layout="constrained")
     ax = fig.add_subplot()
