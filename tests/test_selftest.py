@@ -105,6 +105,25 @@ def test_the_verdict_in_words(tmp_path: Path) -> None:
     assert "records, run folders and logs kept in" in err
 
 
+def test_a_batch_fetched_ahead_is_named_and_the_fix_it_prints_is_identical(tmp_path: Path) -> None:
+    """A loop that draws its batches itself and fetches the next one inside the step (nanoGPT), the fetched
+    batch not in the state: the variables the resumed process makes only after restore() are compared at
+    the same point as the uninterrupted run's (before: never compared, "cannot tell"), named, and the fix
+    printed -- an ``unbroken.Vars`` in the state before restore() -- is what ``--fixed`` does: identical."""
+    code, out, _ = selftest("--steps", "20", "--kills", "1", "--kinds", "sigkill", "--seed", "1", "--timeout", "120",
+                            "--json", *script("prefetched_batch"))
+    doc = json.loads(out)
+    assert code == 1 and doc["verdict"] == "diverged", doc
+    diagnosis = doc["diagnosis"]
+    assert "`X`, `Y` exist when step" in diagnosis["cause"] and "makes them again after restore()" in \
+        diagnosis["cause"], diagnosis
+    assert "loop = unbroken.Vars(X=None, Y=None); state['loop'] = loop before ckpt.restore(state)" in \
+        diagnosis["fix"] and "loop.X, loop.Y = X, Y before each ckpt.step(state)" in diagnosis["fix"], diagnosis
+    code, out, _ = selftest("--steps", "20", "--kills", "2", "--seed", "1", "--timeout", "120", "--json",
+                            *script("prefetched_batch", "--fixed"))
+    assert code == 0 and json.loads(out)["verdict"] == "identical", out
+
+
 def test_a_script_without_a_checkpointer(tmp_path: Path) -> None:
     code, out, err = selftest("--steps", "10", "--timeout", "120", *script("no_checkpointer"))
     assert code == 2

@@ -169,6 +169,45 @@ def test_a_remote_outage_never_stops_training_and_uploads_catch_up(tmp_path: Pat
     ckpt.close()
 
 
+def test_a_checkpoint_pruned_before_its_upload_does_not_end_the_outage(tmp_path: Path, s3, s3_url, caplog) -> None:
+    """While the remote is down, the uploader reaches a checkpoint retention already deleted locally and
+    skips it without asking the remote anything: the outage is not over. (Before: the skip reset the
+    uploader's failing flag and its attempt count, so until the next failed attempt retention protected
+    every pending checkpoint again: the full run saw 4 local checkpoints with keep_last=2.) Observed
+    without a race: the attempt count goes on after the skip instead of starting again at 1."""
+    caplog.set_level("INFO", logger="unbroken")
+    state = make_state()
+    ckpt = tiered(tmp_path / "run", s3, s3_url, save_every=1, keep_last=2, remote_keep=3)
+    ckpt.run.remote_store.retry = Retry(deadline_s=1.0)
+    ckpt.restore(state)
+    train_step(state)
+    ckpt.step(state)
+    assert ckpt.wait(timeout=60)
+    s3.kill()
+    skipped = "step-000000002 was pruned locally before it could be uploaded"
+    deadline = time.monotonic() + 120
+    while skipped not in caplog.text and time.monotonic() < deadline:  # steps 2, 3, ...: 2 is pruned locally
+        train_step(state)
+        ckpt.step(state)
+        time.sleep(0.2)
+    assert skipped in caplog.text
+
+    def failures() -> tuple[list[str], list[str]]:  # the failed attempts logged before and after the skip
+        messages = [r.getMessage() for r in caplog.records]
+        at = next(i for i, m in enumerate(messages) if skipped in m)
+        failed = [(i, m) for i, m in enumerate(messages) if m.startswith("upload of") and "failed (attempt" in m]
+        return [m for i, m in failed if i < at], [m for i, m in failed if i > at]
+
+    while not failures()[1] and time.monotonic() < deadline:  # the next attempt, after the skip
+        time.sleep(0.1)
+    before, after = failures()
+    assert before and after and "(attempt 1:" not in after[0], (before[-1:], after[:1])
+    assert ckpt.run.uploader.failing
+    s3.start()
+    assert ckpt.wait(timeout=120)
+    ckpt.close()
+
+
 def test_an_unreachable_remote_at_start_only_warns(tmp_path: Path, s3, s3_url, caplog) -> None:
     s3.kill()
     try:

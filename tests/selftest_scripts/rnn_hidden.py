@@ -1,7 +1,7 @@
 """Mistake: an RNN whose hidden state is carried from batch to batch (truncated backpropagation through
 time, ``hidden = repackage_hidden(hidden)``) in a plain variable, not in the state: after a resume it
-starts again from zeros. ``rnn_hidden.py --saved``: the fix the selftest suggests (the hidden state in
-the state, read back after restore()): no mistake."""
+starts again from zeros. ``rnn_hidden.py --saved``: the fix the selftest prints, followed word for word (the
+hidden state in an ``unbroken.Vars`` in the state before restore()): no mistake."""
 import sys
 
 import torch
@@ -26,19 +26,28 @@ loader = unbroken.data.ResumableLoader(Points(), batch_size=BATCH, seed=0, shuff
 ckpt = unbroken.Checkpointer(RUN, save_every=5)
 state = {"model": model, "optimizer": opt, "data": loader}
 hidden = torch.zeros(1, BATCH, HIDDEN)
-if "--saved" in sys.argv:
-    state["hidden"] = hidden
-ckpt.restore(state)
-if "--saved" in sys.argv:
-    hidden = state["hidden"]  # restored in place; read back after restore()
-while ckpt.progress.step < TOTAL:
-    for x, y in loader:
-        hidden = repackage_hidden(hidden)
-        out, hidden = model["rnn"](x.view(-1, 4, 4), hidden)
-        loss = F.cross_entropy(model["head"](out[:, -1]), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        if "--saved" in sys.argv:
-            state["hidden"] = hidden
-        ckpt.step(state, loss=loss)
+if "--saved" not in sys.argv:
+    ckpt.restore(state)
+    while ckpt.progress.step < TOTAL:
+        for x, y in loader:
+            hidden = repackage_hidden(hidden)
+            out, hidden = model["rnn"](x.view(-1, 4, 4), hidden)
+            loss = F.cross_entropy(model["head"](out[:, -1]), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            ckpt.step(state, loss=loss)
+else:  # the fix the selftest prints, followed word for word: "loop = unbroken.Vars(hidden=hidden);
+    # state['loop'] = loop before ckpt.restore(state), and use loop.hidden where the loop used hidden"
+    loop = unbroken.Vars(hidden=hidden)
+    state["loop"] = loop
+    ckpt.restore(state)
+    while ckpt.progress.step < TOTAL:
+        for x, y in loader:
+            loop.hidden = repackage_hidden(loop.hidden)
+            out, loop.hidden = model["rnn"](x.view(-1, 4, 4), loop.hidden)
+            loss = F.cross_entropy(model["head"](out[:, -1]), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            ckpt.step(state, loss=loss)

@@ -281,21 +281,7 @@ def _computed(d: Divergence, head: str, first: str, where: str, resumed: bool) -
     ev = d.evidence
     carried = ev.get("carried") or []
     if carried:
-        names = ", ".join(f"`{c['name']}`" for c in carried[:4])
-        c = carried[0]
-        what = c["interrupted"] if c["interrupted"] == c["uninterrupted"] else \
-            f"{c['interrupted']} after the resume, {c['uninterrupted']} in the uninterrupted run"
-        return Diagnosis(f"{head}, though the batch, the global RNG streams and the restored state agree",
-                         f"a value the loop carries from step to step is not in the state: {names} ({what}) "
-                         f"held another value at the start of step {d.step} than in the uninterrupted run; after "
-                         "a resume it starts again from its initial value",
-                         f"keep it in the state and read it back after restore(): state[{c['name']!r}] = "
-                         f"{c['name']} before each ckpt.step(state), {c['name']} = state[{c['name']!r}] after "
-                         "ckpt.restore(state) (a tensor is restored in place); or reset it where a resume can "
-                         "reproduce it (at each epoch's start)",
-                         f"the loop's variable{'s' if len(carried) > 1 else ''} {names} "
-                         f"{'differ' if len(carried) > 1 else 'differs'} between the runs at the start of step "
-                         f"{d.step}; the state as restored, the batch and the RNG streams agree")
+        return _carried(d, head, carried)
     differing = ev.get("rng_not_drawn") or []
     early = [s for s in differing if ((ev.get("drew_before") or {}).get(s) or [None, None])[1]]
     if early:
@@ -314,3 +300,41 @@ def _computed(d: Divergence, head: str, first: str, where: str, resumed: bool) -
                    "outside the state restarted, and no plain variable of the loop differs at the start of the "
                    "step; what the step reads from elsewhere (an object's attribute, a closure, a module-level "
                    f"cache, a file) was not recorded{also}")
+
+
+def _carried(d: Divergence, head: str, carried: list[dict[str, Any]]) -> Diagnosis:
+    """A value the loop carries from step to step outside the state. The fix is an ``unbroken.Vars`` in the
+    state *before* ``restore()``: a key added to the state only later is never restored."""
+    shown = [c["name"] for c in carried[:4]]
+    names = ", ".join(f"`{n}`" for n in shown)
+    them, plural = ("them", True) if len(shown) > 1 else ("it", False)
+    made = [c for c in carried if c.get("created")]
+    if made:
+        fields, tuple_ = ", ".join(f"{n}=None" for n in shown), ", ".join(shown)
+        loop_tuple = ", ".join(f"loop.{n}" for n in shown)
+        return Diagnosis(
+            f"{head}, though the global RNG streams and the restored state agree",
+            f"{names} {'exist' if plural else 'exists'} when step {d.step - 1} ends in the uninterrupted run, "
+            f"and the loop reads {them} before it sets {them} (a batch fetched ahead, a value carried into the "
+            f"next step); the resumed process makes {them} again after restore(), so the resume trains on "
+            "something else (a batch fetched ahead: the one after it, and every later draw shifts)",
+            f"save {them} with the step that made {them}: loop = unbroken.Vars({fields}); state['loop'] = loop "
+            f"before ckpt.restore(state); after it, {tuple_} = ({loop_tuple}) if loop.{shown[0]} is not None "
+            f"else (as now); and {loop_tuple} = {tuple_} before each ckpt.step(state) (docs/your-loop.md: "
+            "batches drawn by the loop)",
+            f"{names}: at the end of step {d.step - 1} in the uninterrupted run and read first by the loop; not "
+            "yet made at restore() in the resumed process; different at the end of the step")
+    c = carried[0]
+    what = c["interrupted"] if c["interrupted"] == c["uninterrupted"] else \
+        f"{c['interrupted']} after the resume, {c['uninterrupted']} in the uninterrupted run"
+    n = c["name"]
+    return Diagnosis(f"{head}, though the batch, the global RNG streams and the restored state agree",
+                     f"a value the loop carries from step to step is not in the state: {names} ({what}) "
+                     f"held another value at the start of step {d.step} than in the uninterrupted run; after "
+                     "a resume it starts again from its initial value",
+                     f"keep it in the state from before restore(): loop = unbroken.Vars({n}={n}); state['loop'] = "
+                     f"loop before ckpt.restore(state), and use loop.{n} where the loop used {n} (a tensor is "
+                     "restored in place); or reset it where a resume can reproduce it (at each epoch's start)",
+                     f"the loop's variable{'s' if plural else ''} {names} {'differ' if plural else 'differs'} "
+                     f"between the runs at the start of step {d.step}; the state as restored, the batch and the "
+                     "RNG streams agree")

@@ -80,18 +80,26 @@ def skipped_work(recs: Records, rec: dict[str, Any], prev: dict[str, Any]) -> li
 
 
 def carried(ref: dict[str, Any], rec: dict[str, Any], ref_prev: dict[str, Any] | None,
-            prev: dict[str, Any] | None, quiet: set[str]) -> list[dict[str, str]]:
+            prev: dict[str, Any] | None, quiet: set[str]) -> list[dict[str, Any]]:
     """The loop's variables that hold different values in the two runs at the start of this step (see the
-    module docstring); at the first step after a restore without DataLoader batches, the variables of the
-    frame that called ``restore()`` against the uninterrupted run's at the end of the previous step."""
+    module docstring). At the first step after a restore without DataLoader batches, the start of the step
+    is the end of the previous one in the uninterrupted run and ``restore()`` in the resumed process; there a
+    variable also counts when the resumed process makes it only after ``restore()`` (``"created": True``)
+    if the loop reads it before it sets it (a batch fetched ahead); and none counts that holds the same value
+    in both runs at the end of this step (set from the progress on the line after ``restore()``)."""
     (a, fa), (b, fb) = _v(ref), _v(rec)
-    if not (a and b and fa == fb) and prev is not None and prev.get("kind") == "restore":
+    after_restore = not (a and b and fa == fb) and prev is not None and prev.get("kind") == "restore"
+    if after_restore:
         (a, fa), (b, fb) = _v(ref_prev, end=True), _v(prev)
-    if not (a and b and fa == fb):
+    if not (a and fa == fb):
         return []
-    names = [n for n in a if n in b and a[n][1] != b[n][1] and n not in quiet]
+    reads = set((rec.get("e") or {}).get("reads") or ()) if after_restore else set()
+    (end_a, _), (end_b, _) = _v(ref, end=True), _v(rec, end=True)
+    names = [n for n in a if n not in quiet and (n in b and a[n][1] != b[n][1] or n not in b and n in reads)
+             and not (after_restore and n in end_a and n in end_b and end_a[n][1] == end_b[n][1])]
     names.sort(key=lambda n: (not a[n][0].startswith(("a tensor", "an array", "a tuple", "a list")), n))
-    return [{"name": n, "uninterrupted": a[n][0], "interrupted": b[n][0], "where": fa} for n in names]
+    return [{"name": n, "uninterrupted": a[n][0], "interrupted": b[n][0] if n in b else "not yet made",
+             "where": fa, "created": n not in b} for n in names]
 
 
 def gather(recs: Records, rec: dict[str, Any], prev: dict[str, Any] | None, ref: dict[str, Any],

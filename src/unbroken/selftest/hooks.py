@@ -55,7 +55,7 @@ from ..events import Event, Restored, Saved, Started
 from . import protocol
 from .fingerprint import digest, generator_state, rng_streams, state_components
 from .lines import Lines
-from .variables import caller, loop_frame, snapshot, where
+from .variables import caller, loop_frame, read_before_set, snapshot, where
 
 if TYPE_CHECKING:
     from ..faults.host import Host
@@ -293,8 +293,9 @@ class Hooks:
         if self.epoch is not None and epoch > self.epoch:
             e["epoch_end"] = True
         self.epoch = epoch
-        if "v" not in e and frame is not None:  # no training batch: the variables at the step's end
-            e["v_end"], e["vf_end"] = snapshot(frame.f_locals, self._skip()), where(frame)
+        if "v" not in e and frame is not None:  # no training batch: the variables at the step's end, and what
+            e["v_end"], e["vf_end"] = snapshot(frame.f_locals, self._skip()), where(frame)  # the loop reads first
+            e["reads"] = read_before_set(*self.loop_line) if self.loop_line else ()
         for k, v in metrics.items():
             c[f"metric/{k}"] = _metric(v)
         c["progress"] = json.dumps(ckpt.progress.state_dict(), sort_keys=True)

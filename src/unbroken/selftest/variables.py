@@ -15,6 +15,8 @@ and torch. Nothing here changes the frame or draws from a random generator.
 
 from __future__ import annotations
 
+import ast
+import functools
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -120,3 +122,54 @@ def snapshot(scope: Mapping[str, Any], skip: set[int]) -> dict[str, list[str]]:
         except Exception:  # noqa: BLE001 - evidence never stops training (a tensor on a lost device, ...)
             continue
     return out
+
+
+@functools.cache
+def read_before_set(filename: str, line: int) -> tuple[str, ...]:
+    """The names the innermost loop around ``line`` (the ``ckpt.step()`` call) reads in its body before it
+    assigns them there: what each iteration takes from the one before (a batch fetched ahead, a running
+    mean, a counter), as opposed to the temporaries the body makes first (the loss). Statements are taken in
+    source order, an assignment's value before its targets; ``()`` when the source cannot be read."""
+    try:
+        tree = ast.parse(Path(filename).read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return ()
+    loops = [n for n in ast.walk(tree) if isinstance(n, (ast.For, ast.While, ast.AsyncFor))
+             and n.lineno <= line <= (n.end_lineno or n.lineno)]
+    if not loops:
+        return ()
+    loop = max(loops, key=lambda n: n.lineno)
+    assigned: set[str] = set()
+    first_read: list[str] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            if node.value is not None:
+                visit(node.value)
+            if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):  # x += 1 reads x first
+                visit(ast.Name(id=node.target.id, ctx=ast.Load()))
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                visit(target)
+            return
+        if isinstance(node, (ast.For, ast.AsyncFor)):
+            visit(node.iter)
+            visit(node.target)
+            for child in node.body + node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Name):
+            if isinstance(node.ctx, ast.Load) and node.id not in assigned and node.id not in first_read:
+                first_read.append(node.id)
+            elif isinstance(node.ctx, ast.Store):
+                assigned.add(node.id)
+            return
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            return  # defined here, run elsewhere
+        for inner in ast.iter_child_nodes(node):
+            visit(inner)
+
+    if isinstance(loop, (ast.For, ast.AsyncFor)):
+        visit(loop.target)  # the loop's own variables: set by each iteration
+    for stmt in loop.body:
+        visit(stmt)
+    return tuple(first_read)

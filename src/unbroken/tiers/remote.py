@@ -206,7 +206,8 @@ class Uploader:
                     committed = True  # the remote has it already
                 else:
                     committed = self._upload(name)
-                attempt, wait_s, self.failing = 0, self.wait_s[0], False  # the remote answered
+                if committed:  # the remote answered (a checkpoint pruned locally first asked it nothing)
+                    attempt, wait_s, self.failing = 0, self.wait_s[0], False
                 self._settle(name, committed, "" if committed else "deleted locally before its upload")
             except CorruptCheckpointError as e:
                 if name not in self.local.list_committed():
