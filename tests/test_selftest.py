@@ -116,7 +116,7 @@ def test_a_batch_fetched_ahead_is_named_and_the_fix_it_prints_is_identical(tmp_p
     assert code == 1 and doc["verdict"] == "diverged", doc
     diagnosis = doc["diagnosis"]
     assert "`X`, `Y` exist when step" in diagnosis["cause"] and "makes them again after restore()" in \
-        diagnosis["cause"], diagnosis
+        diagnosis["cause"], diagnosis  # not `iter_num`: made after restore() too, but equal at the step's end
     assert "loop = unbroken.Vars(X=None, Y=None); state['loop'] = loop before ckpt.restore(state)" in \
         diagnosis["fix"] and "loop.X, loop.Y = X, Y before each ckpt.step(state)" in diagnosis["fix"], diagnosis
     code, out, _ = selftest("--steps", "20", "--kills", "2", "--seed", "1", "--timeout", "120", "--json",

@@ -23,6 +23,7 @@ ckpt = unbroken.Checkpointer(RUN, save_every=5)
 fetched = unbroken.Vars(X=None, Y=None)
 state = {"model": model, "optimizer": opt, **({"fetched": fetched} if "--fixed" in sys.argv else {})}
 ckpt.restore(state)
+iter_num = ckpt.progress.step  # set from the progress after restore(): right in both runs, never to blame
 X, Y = (fetched.X, fetched.Y) if fetched.X is not None else get_batch()
 while ckpt.progress.step < TOTAL:
     loss = F.cross_entropy(model(X), Y)
@@ -32,3 +33,4 @@ while ckpt.progress.step < TOTAL:
     opt.zero_grad()
     fetched.X, fetched.Y = X, Y
     ckpt.step(state, loss=loss)
+    iter_num += 1

@@ -66,9 +66,11 @@ MISSING = ("drawing needs matplotlib, which is not installed (an extra: about 10
 
 def available() -> bool:
     """Whether matplotlib can be imported (:data:`MISSING` otherwise)."""
-    import importlib.util
-
-    return importlib.util.find_spec("matplotlib") is not None
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 SOFTWARE = "unbroken plot"
