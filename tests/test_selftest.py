@@ -124,6 +124,31 @@ def test_a_batch_fetched_ahead_is_named_and_the_fix_it_prints_is_identical(tmp_p
     assert code == 0 and json.loads(out)["verdict"] == "identical", out
 
 
+# script, a phrase of the fix the selftest prints for it; its ``--fixed`` variant follows that fix word for word
+FIXED = [
+    ("global_rng_sampler", "use unbroken.data.ResumableLoader and put it in the state before ckpt.restore(state)"),
+    ("unsaved_generator", "put the generator in the state before ckpt.restore(state) (state['gen'] = g)"),
+    ("iterator_before_restore", "create the iterator after ckpt.restore(state) (`for batch in loader:` inside the "
+                                "loop); a torch DataLoader draws its iterator's seed from the global RNG, so give "
+                                "it its own: DataLoader(..., generator=torch.Generator())"),
+    ("unsaved_accumulator", "loop = unbroken.Vars(running=<its first value>); state['loop'] = loop before "
+                            "ckpt.restore(state), and use loop.running where the loop used running"),
+    ("rng_after_restore", "move that code before ckpt.restore(state)"),
+]
+
+
+@pytest.mark.parametrize("name,fix", FIXED, ids=[f[0] for f in FIXED])
+def test_the_fix_the_selftest_prints_followed_literally_is_identical(name: str, fix: str, tmp_path: Path) -> None:
+    """Every "fix:" line works as written (issue 35 §2): the same selftest as the mistake's (above) prints
+    this fix, and the script with the fix applied word for word (``--fixed``) is identical."""
+    args = ("--steps", "20", "--kills", "1", "--kinds", "sigkill", "--seed", "1", "--timeout", "120", "--json")
+    code, out, err = selftest(*args, *script(name))
+    doc = json.loads(out)
+    assert code == 1 and fix in doc["diagnosis"]["fix"], (doc.get("diagnosis"), err)
+    code, out, err = selftest(*args, *script(name, "--fixed"))
+    assert code == 0 and json.loads(out)["verdict"] == "identical", (out, err)
+
+
 def test_a_script_without_a_checkpointer(tmp_path: Path) -> None:
     code, out, err = selftest("--steps", "10", "--timeout", "120", *script("no_checkpointer"))
     assert code == 2

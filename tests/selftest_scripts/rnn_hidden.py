@@ -37,9 +37,9 @@ if "--saved" not in sys.argv:
             opt.step()
             opt.zero_grad()
             ckpt.step(state, loss=loss)
-else:  # the fix the selftest prints, followed word for word: "loop = unbroken.Vars(hidden=hidden);
+else:  # the fix the selftest prints, followed word for word: "loop = unbroken.Vars(hidden=<its first value>);
     # state['loop'] = loop before ckpt.restore(state), and use loop.hidden where the loop used hidden"
-    loop = unbroken.Vars(hidden=hidden)
+    loop = unbroken.Vars(hidden=torch.zeros(1, BATCH, HIDDEN))
     state["loop"] = loop
     ckpt.restore(state)
     while ckpt.progress.step < TOTAL:

@@ -191,7 +191,9 @@ def _batches(d: Divergence, head: str, resumed: bool) -> Diagnosis:
             return Diagnosis(head, f"the data position was restored ({describe(data)} agrees), but the batches "
                              "served after the resume do not follow it: the data iterator was created before "
                              "restore(), so it serves the order it started with",
-                             "create the iterator after ckpt.restore(state) (`for batch in loader:` inside the loop)",
+                             "create the iterator after ckpt.restore(state) (`for batch in loader:` inside the "
+                             "loop); a torch DataLoader draws its iterator's seed from the global RNG, so give it "
+                             "its own: DataLoader(..., generator=torch.Generator())",
                              "the training DataLoader's iterator of this step was created before restore()")
         return unknown(d, head, f"the data position was restored ({describe(data)} agrees) and the training "
                        "iterator was created after restore(), so neither an unsaved sampler nor an iterator made "
@@ -204,7 +206,8 @@ def _batches(d: Divergence, head: str, resumed: bool) -> Diagnosis:
                          f"{describe(data)} differs at this step")
     return Diagnosis(head, "the DataLoader's sampler is not in the state: after a restart it begins its epoch "
                      "again, with a new order drawn from the global RNG",
-                     "use unbroken.data.ResumableLoader and put it in the state (state['data'] = loader)",
+                     "use unbroken.data.ResumableLoader and put it in the state before ckpt.restore(state) "
+                     "(state['data'] = loader)",
                      "no state key holds a data position" + (
                          "; the training iterator was created after the resume" if born == "this step" else ""))
 
@@ -276,7 +279,8 @@ def _computed(d: Divergence, head: str, first: str, where: str, resumed: bool) -
         return Diagnosis(f"{head}, though the batch and the global RNG streams agree",
                          "a random generator the script holds outside the state (a torch.Generator, a numpy "
                          "Generator, a random.Random) restarted from its seed at the resume",
-                         "put the generator in the state (state['gen'] = g): unbroken saves and restores it",
+                         "put the generator in the state before ckpt.restore(state) (state['gen'] = g): unbroken saves "
+                         "and restores it",
                          "a generator found in the script's variables was restored to another state than it had")
     ev = d.evidence
     carried = ev.get("carried") or []
@@ -332,9 +336,10 @@ def _carried(d: Divergence, head: str, carried: list[dict[str, Any]]) -> Diagnos
                      f"a value the loop carries from step to step is not in the state: {names} ({what}) "
                      f"held another value at the start of step {d.step} than in the uninterrupted run; after "
                      "a resume it starts again from its initial value",
-                     f"keep it in the state from before restore(): loop = unbroken.Vars({n}={n}); state['loop'] = "
-                     f"loop before ckpt.restore(state), and use loop.{n} where the loop used {n} (a tensor is "
-                     "restored in place); or reset it where a resume can reproduce it (at each epoch's start)",
+                     f"keep it in the state from before restore(): loop = unbroken.Vars({n}=<its first value>); "
+                     f"state['loop'] = loop before ckpt.restore(state), and use loop.{n} where the loop used {n} (a "
+                     "tensor is restored in place); or reset it where a resume can reproduce it (at each epoch's "
+                     "start)",
                      f"the loop's variable{'s' if plural else ''} {names} {'differ' if plural else 'differs'} "
                      f"between the runs at the start of step {d.step}; the state as restored, the batch and the "
                      "RNG streams agree")
