@@ -20,6 +20,7 @@ an entry whose block is gone.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -316,7 +317,8 @@ BLOCKS: dict[tuple[str, str, int], Run | Excerpt | Elsewhere] = {
 }
 
 
-def _blocks() -> dict[tuple[str, str, int], str]:
+@functools.cache
+def _blocks() -> dict[tuple[str, str, int], str]:  # read once per session, not once per block
     found: dict[tuple[str, str, int], str] = {}
     for page in PAGES:
         seen: dict[str, int] = {}

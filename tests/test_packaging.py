@@ -40,9 +40,8 @@ print("restored at", ckpt.progress.step)
 '''
 
 
-def _run(cmd: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    p = subprocess.run([str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    return p
+def _run(cmd: list[object], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
 def _tracked_copy(dest: Path) -> Path:

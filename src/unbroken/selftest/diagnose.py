@@ -312,8 +312,7 @@ def _carried(d: Divergence, head: str, carried: list[dict[str, Any]]) -> Diagnos
     shown = [c["name"] for c in carried[:4]]
     names = ", ".join(f"`{n}`" for n in shown)
     them, plural = ("them", True) if len(shown) > 1 else ("it", False)
-    made = [c for c in carried if c.get("created")]
-    if made:
+    if any(c.get("created") for c in carried):
         fields, tuple_ = ", ".join(f"{n}=None" for n in shown), ", ".join(shown)
         loop_tuple = ", ".join(f"loop.{n}" for n in shown)
         return Diagnosis(
