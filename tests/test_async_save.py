@@ -239,6 +239,7 @@ def cmd(base: Path, *extra: str, mode: str = "copy") -> list[str]:
 # both in the 2nd save (step 10; the demo writes 3 tensor files per save)
 @pytest.mark.parametrize("mode", ["copy", "lazy"])
 @pytest.mark.parametrize("point,nth", [("save.mid_file", 5), ("save.before_commit", 2)])
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_sigkill_while_a_background_write_is_in_flight_resumes_bitwise(
         reference: Path, tmp_path: Path, point: str, nth: int, mode: str) -> None:
     att = run_attempt(cmd(tmp_path, mode=mode), "save", f"{point}={nth}", SLOW)
@@ -251,6 +252,7 @@ def test_sigkill_while_a_background_write_is_in_flight_resumes_bitwise(
 
 
 @pytest.mark.parametrize("mode", ["copy", "lazy"])
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_an_exception_while_a_background_save_is_in_flight_resumes_bitwise(
         reference: Path, tmp_path: Path, mode: str) -> None:
     """The demo job raises after the optimizer step of step 11, while step 10's save is being

@@ -9,7 +9,7 @@ that the RAM tier left no shared memory behind (its root is this test's folder, 
 and that each kill's restart timeline has every mark (torchrun's agent lines, the survivor's exit,
 the new process's phases) and adds up to the measured restart + restore. The node-loss kind (network
 namespaces, root) is left to the full benchmark: it adds two relaunches per configuration. It takes 90-110 s on
-the 2 shared cores (11 jobs of a few seconds each, most of it process start-up).
+the 2 shared cores (8 jobs of a few seconds each, most of it process start-up).
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ SCRIPT = REPO / "benchmarks" / "bench_goodput.py"
 SAVE_EVERY = 5
 TINY = ["--layers", "1", "--dim", "64", "--seq", "16", "--batch", "2", "--vocab", "512", "--steps", "60",
         "--save-every", str(SAVE_EVERY), "--interval", "1", "--max-failures", "1", "--timeout", "240"]
-CONFIGS = ("dcp", "disk", "ram", "inproc")
-UNBROKEN = ("disk", "ram", "inproc")
+CONFIGS = ("disk", "ram", "inproc")
+"""unbroken's configurations; the benchmark's peer, the DIY DCP loop, is measured by ``make bench-peers``
+(benchmarks/peers/test_goodput_dcp_alone.py)."""
 
 
 def test_tiny_run_injects_recovers_and_reports_every_configuration(tmp_path: Path) -> None:
@@ -49,7 +50,7 @@ def test_tiny_run_injects_recovers_and_reports_every_configuration(tmp_path: Pat
     rows = {(r["config"], r["kind"]): r for r in doc["rows"]}
     expected = {(c, k) for c in CONFIGS for k in ("none", "kill", "exception") if not (c == "inproc" and k == "kill")}
     assert set(rows) == expected, set(rows) ^ expected
-    for (config, kind), r in rows.items():
+    for (_config, kind), r in rows.items():
         assert "unavailable" not in r, r
         assert r["finished"], r  # every step of the job done
         assert 0 < r["goodput"] <= 1, r
@@ -61,10 +62,8 @@ def test_tiny_run_injects_recovers_and_reports_every_configuration(tmp_path: Pat
         (f,) = r["per_failure"]
         assert f["recovered"] and f["recovery_s"] > 0, r
         assert abs(f["restart_s"] + f["restore_s"] + f["redo_s"] - f["recovery_s"]) < 1e-6, f
-        assert isinstance(r["exact"], bool), r  # reported for every configuration
-        if config in UNBROKEN:
-            assert r["exact"] is True, r  # bitwise the uninterrupted run
-            assert r["steps_redone"] <= SAVE_EVERY, r
+        assert r["exact"] is True, r  # bitwise the uninterrupted run
+        assert r["steps_redone"] <= SAVE_EVERY, r
         if kind == "kill":  # where the restart went: every segment seen, adding up to restart + restore
             (t,) = r["timeline"]
             assert set(t["segments"]) == {label for label, _ in SEGMENTS}, t

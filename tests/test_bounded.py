@@ -230,6 +230,7 @@ def test_a_listed_file_bigger_than_the_memory_is_refused_before_allocating(
     assert (ckpt / fname).exists()  # not quarantined: it may be a real checkpoint on a small machine
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_a_large_local_file_is_mapped_and_checked_without_allocating_it(
         run: tuple[Path, dict], monkeypatch: pytest.MonkeyPatch) -> None:
     """The same 8 GiB sparse file on a "4 GiB machine", read the default way: it is mapped

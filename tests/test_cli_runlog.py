@@ -272,6 +272,7 @@ ckpt.close()
 """
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_metrics_check_after_sigkills_only_compares_the_rows_the_killed_process_committed(tmp_path: Path) -> None:
     """SIGKILLed after step 13 (last save: 10), resumed from 10: the rows of steps 11-12 were committed while
     it ran (a commit every 0.25 s at most while the values are on the host; a commit survives a killed
@@ -397,6 +398,7 @@ def test_the_demo_draws_both_runs_and_the_kills(tmp_path: Path) -> None:
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_the_demo_ends_with_its_picture(tmp_path: Path) -> None:
     res = invoke("demo", "--steps", "24", "--kills", "1", "--seed", "1", "--workdir", tmp_path / "demo")
     assert res.exit_code == 0, res.output

@@ -106,6 +106,7 @@ def test_hf_map_dataset_with_random_transform_killed_resumes_bitwise(ref, tmp_pa
     check_bitwise(ref("hfmap"), tmp_path)
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_hf_stream_with_shuffle_buffer_killed_at_a_step_and_in_a_save_resumes_bitwise(ref, tmp_path: Path) -> None:
     target = random.Random(2).randint(SAVE_EVERY + 1, 2 * SAVE_EVERY)
     att = run_attempt(cmd(tmp_path, "stream"), "step", str(target), ENV)
@@ -117,6 +118,7 @@ def test_hf_stream_with_shuffle_buffer_killed_at_a_step_and_in_a_save_resumes_bi
     assert all(r["buffer"] > 0 for r in restored(tmp_path))  # resumed with examples in the shuffle buffer
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_hf_stream_through_statefuldataloader_alone_does_not_resume_exactly(tmp_path: Path) -> None:
     """The framework alone (datasets + torchdata, 0 workers: with 2 the resume crashes, see
     tests/test_data_hf.py): the shuffle buffer's examples are lost at the kill."""
@@ -141,12 +143,14 @@ def mixture_killed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return base
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_mixture_with_curriculum_killed_resumes_bitwise(ref, mixture_killed: Path, tmp_path: Path) -> None:
     shutil.copytree(mixture_killed, tmp_path, dirs_exist_ok=True)
     finish_run(tmp_path, "mixture", "--workers", "1")
     check_bitwise(ref("mixture"), tmp_path)
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_mixture_weights_changed_and_source_added_at_resume_equals_the_planned_change(
         ref, mixture_killed: Path, tmp_path: Path) -> None:
     """The documented rule: samples before the resume stay; the new weights (and the new source)
@@ -165,6 +169,7 @@ def test_mixture_weights_changed_and_source_added_at_resume_equals_the_planned_c
     assert any(i >= 900 for s in after for i in after[s] if s * 8 > cut)  # the added source is drawn
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_packer_killed_with_tokens_carried_over_resumes_bitwise(ref, tmp_path: Path) -> None:
     kill_then_finish(tmp_path, "packer", 5, finish=("--workers", "0"))
     check_bitwise(ref("packer"), tmp_path)

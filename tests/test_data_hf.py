@@ -262,6 +262,7 @@ def test_datasets_alone_loses_the_shuffle_buffer_on_resume() -> None:
     assert lost and got != want
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_datasets_with_statefuldataloader_and_workers_cannot_resume_a_shuffled_stream() -> None:
     """Measured (datasets 5.2, torchdata 0.11): each worker loads its saved state into the unsplit
     pipeline first, whose interleaved shards have another shape: IndexError in the worker."""

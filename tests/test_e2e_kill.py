@@ -48,6 +48,7 @@ def committed(run: Path) -> list[Path]:
 
 
 @pytest.mark.parametrize("seed", [11, 12])
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_sigkill_at_random_steps(reference: Path, tmp_path: Path, seed: int) -> None:
     rng = random.Random(seed)
     targets = sorted(rng.sample(range(2, STEPS - 3), 4))
@@ -85,6 +86,7 @@ def test_sigkill_inside_a_save(reference: Path, tmp_path: Path, point: str, nth:
     assert all(results.values()), results
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_many_kills_mixed_with_changing_worker_counts(reference: Path, tmp_path: Path) -> None:
     """External kills and save kills interleaved, each attempt with another DataLoader worker count."""
     rng = random.Random(7)
@@ -114,3 +116,12 @@ def test_uninterrupted_runs_are_deterministic(reference: Path, tmp_path: Path) -
     """Two uninterrupted runs agree, so any difference above comes from the resume."""
     finish(tmp_path)
     assert all(compare(reference, tmp_path / "out").values())
+
+
+def test_an_attempt_that_hangs_is_killed_at_its_bound_and_fails_clearly(tmp_path: Path) -> None:
+    """The harness's own wait is bounded: a training process that prints a step and then hangs is killed
+    when the attempt's time is up, and the attempt fails naming the bound (it waited forever before)."""
+    hang = [sys.executable, "-c", "import sys, time; print('step 1', flush=True); "
+            "print('hanging', file=sys.stderr, flush=True); time.sleep(600)"]
+    with pytest.raises(RuntimeError, match=r"still ran after 2 s and was killed:\nhanging"):
+        run_attempt(hang, "none", "", dict(os.environ), timeout=2)

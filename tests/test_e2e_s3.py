@@ -102,6 +102,7 @@ def test_sigkill_at_random_steps(reference: Path, s3, s3_url: str, tmp_path: Pat
     assert all(results.values()), (targets, results)
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_sigkill_inside_saves_at_every_fault_point(reference: Path, s3, s3_url: str, tmp_path: Path) -> None:
     """One run killed inside a save at each fault point in turn, each attempt resuming from the
     bucket; after every kill the bucket shows exactly the checkpoints that committed."""
@@ -137,6 +138,7 @@ def test_sigkill_inside_saves_at_every_fault_point(reference: Path, s3, s3_url: 
     assert all(results.values()), results
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_sigkill_during_a_multipart_upload(s3, s3_url: str, tmp_path: Path) -> None:
     """Tensor files larger than the multipart part size (64 MiB; no setting reaches it from outside
     the process): hidden=4200 makes the model file ~72 MB and the optimizer file ~144 MB. Killed
@@ -161,6 +163,7 @@ def test_sigkill_during_a_multipart_upload(s3, s3_url: str, tmp_path: Path) -> N
     assert all(results.values()), results
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_incremental_on_s3_killed_at_steps_in_saves_and_in_the_collection(s3, s3_url: str, tmp_path: Path) -> None:
     """Incremental checkpoints (a frozen first layer, so chunks are shared) with the bucket as the
     only storage: SIGKILLs at a seeded random step, inside a save, and inside the collection of

@@ -84,6 +84,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_an_emergency_checkpoint_is_exact_or_not_written(reference, tmp_path: Path, case: str) -> None:
     loop, step, point, after, says = CASES[case]
     run, out = tmp_path / "run", tmp_path / "out"

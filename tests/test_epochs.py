@@ -280,6 +280,7 @@ def wlm(run: Path, stop: int | None = None, log: dict | None = None) -> dict:
 
 
 @pytest.mark.parametrize("stop", [5, 12, 30])  # inside epoch 1, its last step, epoch 3's 6th step
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_a_counted_loop_with_plain_variables_resumes_exactly(tmp_path: Path, stop: int) -> None:
     ref_log: dict = {"loss": {}, "lr": []}
     want = wlm(tmp_path / "ref", None, ref_log)

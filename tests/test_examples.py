@@ -134,6 +134,7 @@ def check_kill_and_resume(ref: Result, killed: Result, resumed: Result, steps: i
 
 # --------------------------------------------------------------------------- quickstart
 @pytest.mark.e2e
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_quickstart_killed_and_resumed_matches_the_uninterrupted_run(tmp_path: Path) -> None:
     steps, save_every = 120, 20
 
@@ -282,6 +283,7 @@ def committed_in_bucket(s3, url: str) -> list[str]:
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_s3_killed_and_resumed_from_the_bucket(s3_reference: Result, s3, s3_url: str, tmp_path: Path) -> None:
     # credentials from the environment as a job gets them; the endpoint from the command line
     env = dict(ENV, **s3.env)
@@ -300,6 +302,7 @@ def test_s3_killed_and_resumed_from_the_bucket(s3_reference: Result, s3, s3_url:
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_s3_tiered_local_folder_lost_run_continues_from_s3(s3_reference: Result, s3, s3_url: str,
                                                            tmp_path: Path) -> None:
     # endpoint and credentials from the AWS_* variables only (no --endpoint-url)

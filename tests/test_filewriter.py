@@ -177,6 +177,7 @@ def test_a_writer_killed_during_a_save_is_replaced_and_the_save_still_commits(
         unbroken.verify(run / name)
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_the_writer_dies_with_a_killed_trainer_and_the_next_start_cleans_up(tmp_path: Path) -> None:
     run = tmp_path / "run"
     script = tmp_path / "train.py"

@@ -537,6 +537,7 @@ def check_state_json(files: dict[str, bytes], state_json: bytes) -> None:
 
 @FUZZ
 @given(data=st.data())
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_state_tree_mutations(checkpoint: dict[str, bytes], data: st.DataObject) -> None:
     tree = json.loads(checkpoint["state.json"])
     for _ in range(data.draw(st.integers(1, 3))):
@@ -552,6 +553,7 @@ def test_state_json_byte_mutations(checkpoint: dict[str, bytes], data: st.DataOb
 
 @FUZZ
 @given(tree=trees)
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_state_tree_random(checkpoint: dict[str, bytes], tree: Any) -> None:
     check_state_json(checkpoint, json.dumps({"state": {"x": tree}}).encode("utf-8", "surrogatepass"))
 

@@ -73,6 +73,7 @@ def test_frozen_layer_is_written_once(reference: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("seed", [21, 22])
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_sigkill_at_random_steps(reference: Path, tmp_path: Path, seed: int) -> None:
     rng = random.Random(seed)
     for target in sorted(rng.sample(range(2, STEPS - 3), 4)):
@@ -86,6 +87,7 @@ def test_sigkill_at_random_steps(reference: Path, tmp_path: Path, seed: int) -> 
 
 @pytest.mark.parametrize("point,nth", [("save.mid_file", 2), ("save.before_manifest", 3),
                                        ("save.before_commit", 5), ("save.after_commit", 4)])
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_sigkill_inside_a_save(reference: Path, tmp_path: Path, point: str, nth: int) -> None:
     att = run_attempt(cmd(tmp_path, "--incremental"), "save", f"{point}={nth}", ENV)
     assert att.ended.startswith("killed"), att
@@ -101,6 +103,7 @@ def test_sigkill_inside_a_save(reference: Path, tmp_path: Path, point: str, nth:
 
 
 @pytest.mark.parametrize("point,nth", [("gc.after_mark", 1), ("gc.mid_sweep", 2), ("gc.mid_sweep", 5)])
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_sigkill_inside_the_collection(reference: Path, tmp_path: Path, point: str, nth: int) -> None:
     """Retention (keep_last=3) deletes a checkpoint from the 4th save on, then collects its chunks:
     killed there, nothing any committed checkpoint uses is gone, and the next writer finishes it."""
@@ -122,6 +125,7 @@ def test_sigkill_inside_the_collection(reference: Path, tmp_path: Path, point: s
 
 
 @pytest.mark.parametrize("mode", ["copy", "lazy"])
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_async_incremental_killed(reference: Path, tmp_path: Path, mode: str) -> None:
     """Background saves hash and write chunks in the writer thread; kills at a random step and inside
     a background save."""

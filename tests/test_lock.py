@@ -334,6 +334,7 @@ DROPPER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_a_dropped_checkpointer_releases_its_lease_at_exit(s3, s3_url) -> None:
     # the dropper runs under another host name: its leftover lease could only expire (2 min)
     res = subprocess.run(["unshare", "--uts", "sh", "-c", 'hostname dropper-node && exec "$@"', "sh",
@@ -426,6 +427,7 @@ except unbroken.UnbrokenError as e:
 """
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_a_lock_file_another_user_owns_still_keeps_its_live_writer_exclusive(tmp_path: Path) -> None:
     """A shared run folder whose ``.lock`` belongs to a teammate (0644, another uid): a process that
     cannot write it is refused while the teammate's writer lives (the flock is taken through a

@@ -109,6 +109,7 @@ def test_an_unrepairable_chunk_invalidates_only_its_users_then_raises(tmp_path: 
     c.close()
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_an_unreachable_remote_with_an_empty_local_tier_is_not_a_fresh_start(tmp_path: Path, s3, s3_url) -> None:
     remote = lambda: unbroken.Remote(s3_url, storage_options=s3.storage_options, retry_wait_s=0.5,  # noqa: E731
                                      retry_max_wait_s=1.0, close_timeout_s=60)
@@ -154,6 +155,7 @@ ckpt.close()
 """
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_a_training_process_whose_checkpoints_are_all_damaged_exits_instead_of_restarting(tmp_path: Path) -> None:
     run, script = tmp_path / "run", tmp_path / "train.py"
     script.write_text(SCRIPT)

@@ -43,7 +43,8 @@ def started_step(att) -> int:
     return int(att.started.split()[-1]) if att.started.startswith("resumed") else 0
 
 
-@pytest.mark.parametrize("signame,seed", [("SIGTERM", 1), ("SIGUSR1", 2), ("SIGINT", 3)])
+@pytest.mark.parametrize("signame,seed", [pytest.param("SIGTERM", 1, marks=pytest.mark.slow), ("SIGUSR1", 2),
+                                          pytest.param("SIGINT", 3, marks=pytest.mark.slow)])  # one in the fast tier
 def test_signal_at_random_steps_loses_no_step(reference: Path, tmp_path: Path, signame: str, seed: int) -> None:
     rng = random.Random(seed)
     targets = sorted(rng.sample(range(1, STEPS - 2), 3))
@@ -63,6 +64,7 @@ def test_signal_at_random_steps_loses_no_step(reference: Path, tmp_path: Path, s
 
 
 @pytest.mark.parametrize("where,seed", [("before", 4), ("after", 5), ("both", 6)])
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_exceptions_give_exact_emergency_checkpoints(reference: Path, tmp_path: Path, where: str,
                                                      seed: int) -> None:
     rng = random.Random(seed)

@@ -90,7 +90,9 @@ def _drive(proc: subprocess.Popen, when: str) -> tuple[int, str]:
     return proc.wait(timeout=120), "".join(out)
 
 
-@pytest.mark.parametrize("when", ["step", "save", "startup"])
+@pytest.mark.parametrize("when", [pytest.param("step", marks=pytest.mark.slow),  # the first two run long: the
+                                  pytest.param("save", marks=pytest.mark.slow),  # whole suite, not the fast tier
+                                  "startup"])
 def test_sigterm_to_the_process_group_with_workers(reference: Path, tmp_path: Path, when: str) -> None:
     # frozen in the second save (step 10) after its data files, before its manifest
     env = dict(ENV, UNBROKEN_FAULT_ACTION="stop", UNBROKEN_FAULTS="save.before_manifest=2") if when == "save" else None

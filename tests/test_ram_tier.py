@@ -75,6 +75,7 @@ def finish(tmp: Path, **extra: str) -> unbroken.demo.Attempt:
 
 
 @pytest.mark.parametrize("seed,flags", [(21, ()), (22, ("--async-save", "lazy"))])
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_sigkill_at_random_steps_resumes_from_ram_bitwise(reference: Path, tmp_path: Path, seed: int,
                                                           flags: tuple[str, ...]) -> None:
     """Saved to RAM every step (also in the background, lazily): each relaunch restores from memory,
@@ -154,6 +155,7 @@ def _writer_pid(trainer: int) -> int | None:
     return None
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_the_writer_outlives_the_trainer_and_commits_its_copy(reference: Path, tmp_path: Path) -> None:
     """The writer is stopped (SIGSTOP, by a fault point) before the manifest of its first copy;
     the trainer is SIGKILLed; the writer, continued, commits that copy whole and exits."""
@@ -264,8 +266,14 @@ def test_the_next_start_collects_ram_folders_no_process_owns(tmp_path: Path) -> 
 
 
 def _no_owner(folder: Path, timeout: float = 60.0) -> None:
-    """Wait until no process holds the folder's owner lock (as the next start will find it)."""
+    """Wait until no process holds the folder's owner lock (as the next start will find it) and no RAM
+    writer of this test is left: a writer the trainer started just before it was killed may still be
+    importing, and takes the lock (to finish the copy it was handed) after the trainer is gone."""
     end = time.monotonic() + timeout
+    root = str(folder.parent.parent)  # the test's UNBROKEN_RAM_ROOT, in its writers' environment
+    while _writers(root):
+        assert time.monotonic() < end, f"a RAM writer of {root} still runs after {timeout} s"
+        time.sleep(0.05)
     fd = os.open(folder / ".owner", os.O_RDWR)
     try:
         while True:
@@ -277,6 +285,21 @@ def _no_owner(folder: Path, timeout: float = 60.0) -> None:
                 time.sleep(0.05)
     finally:
         os.close(fd)
+
+
+def _writers(ram_root: str) -> list[int]:
+    """The RAM writer processes (``unbroken.tiers.ramwriter``) whose environment names ``ram_root``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if b"unbroken.tiers.ramwriter" in (entry / "cmdline").read_bytes() and \
+                    f"UNBROKEN_RAM_ROOT={ram_root}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:  # ended meanwhile
+            continue
+    return found
 
 
 # ------------------------------------------------------------------ in process

@@ -74,6 +74,7 @@ def test_a_writer_killed_while_idle_is_replaced_and_the_next_copy_commits(tmp_pa
     assert on_disk(tmp_path / "run")[-1] == "step-000000004"
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_a_stopped_writer_is_replaced_and_close_is_bounded(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """SIGSTOP of the writer in the middle of its work: the next due copy after ``close_timeout_s``
     kills it with a warning and goes to a new writer; ``close()`` with a writer stopped again ends
@@ -120,6 +121,7 @@ def test_a_stopped_writer_is_replaced_and_close_is_bounded(tmp_path: Path, caplo
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_sigterm_to_the_whole_process_group_exits_75_and_resumes_bitwise(tmp_path: Path) -> None:
     """A scheduler's SIGTERM to the trainer's process group. Before the fix it killed the writer too
     (same group), whose death was then waited on forever: the job never exited 75."""
@@ -177,6 +179,7 @@ print("main returned", flush=True)
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_a_checkpointer_dropped_without_close_persists_its_newest_ram_checkpoint_at_exit(tmp_path: Path) -> None:
     """Before the fix the dropped Checkpointer was collected with its RAM tier and nothing reached the
     disk (``persist_every=100``: only a close persists here)."""

@@ -304,6 +304,7 @@ def test_readonly_index_that_cannot_be_opened_is_rebuilt_in_memory(tmp_path: Pat
 
 
 # --------------------------------------------------------- readers that race a pruner
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_cli_verify_of_a_run_reports_checkpoints_pruned_meanwhile(tmp_path: Path) -> None:
     run = tmp_path / "run"
     r = race(tmp_path, [PY, "-m", "unbroken.cli", "verify", str(run)], run, "step-000000002", big_at=2)
@@ -312,6 +313,7 @@ def test_cli_verify_of_a_run_reports_checkpoints_pruned_meanwhile(tmp_path: Path
     assert "pruned meanwhile" in r.stdout.splitlines()[-1], r.stdout
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_cli_verify_json_of_one_checkpoint_pruned_meanwhile(tmp_path: Path) -> None:
     run = tmp_path / "run"
     r = race(tmp_path, [PY, "-m", "unbroken.cli", "verify", "--json", str(run / "step-000000004")], run,
@@ -321,6 +323,7 @@ def test_cli_verify_json_of_one_checkpoint_pruned_meanwhile(tmp_path: Path) -> N
     assert doc["ok"] is False and doc["checkpoints"][0]["pruned"] is True and doc["checkpoints"][0]["error"] is None
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_cli_ls_verify_reports_pruned_not_corrupt(tmp_path: Path) -> None:
     run = tmp_path / "run"
     r = race(tmp_path, [PY, "-m", "unbroken.cli", "ls", "--verify", "--json", str(run)], run, "step-000000006",
@@ -356,6 +359,7 @@ LOAD_RUN = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_load_of_a_run_whose_newest_is_pruned_meanwhile_loads_the_new_newest(tmp_path: Path) -> None:
     run = tmp_path / "run"
     r = race(tmp_path, [PY, "-c", LOAD_RUN, str(run)], run, "step-000000006", big_at=6)

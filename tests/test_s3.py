@@ -74,6 +74,7 @@ def test_wrong_credentials_fail_before_training(s3) -> None:
     assert "wrong-secret" not in str(err.value)
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_an_unreachable_endpoint_fails_clearly(s3) -> None:
     opts = dict(s3.storage_options, endpoint_url="http://127.0.0.1:9")
     with pytest.raises(StorageError, match="cannot reach"):
@@ -99,6 +100,7 @@ def _kill_server_during_second_file(monkeypatch, s3, down_s: float) -> threading
     return restarted
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_server_restart_mid_upload_loses_nothing(s3, s3_url, monkeypatch) -> None:
     state = multi_file_state()
     ckpt = unbroken.Checkpointer(s3_url, storage_options=s3.storage_options, preemption=None, keep_last=None)
@@ -125,6 +127,7 @@ def test_server_restart_mid_upload_loses_nothing(s3, s3_url, monkeypatch) -> Non
         assert all(torch.equal(first[k], v) for k, v in params(fresh).items())
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_server_down_longer_than_the_retries_fails_the_save_cleanly(s3, s3_url, monkeypatch) -> None:
     state = multi_file_state()
     ckpt = unbroken.Checkpointer(s3_url, storage_options=s3.storage_options, preemption=None, keep_last=None)
@@ -261,6 +264,7 @@ def test_credentials_are_never_written_anywhere(s3, s3_url, caplog, tmp_path) ->
 
 
 # ------------------------------------------------------------------------ the CLI
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_cli_lists_verifies_and_inspects_a_remote_run(s3, s3_url) -> None:
     state = multi_file_state()
     with unbroken.Checkpointer(s3_url, storage_options=s3.storage_options, preemption=None) as ckpt:
@@ -313,6 +317,7 @@ def test_the_index_of_a_remote_run_is_a_local_cache_rebuilt_from_the_manifests(s
         assert [r["step"] for r in idx.checkpoints("committed")] == [3, 2, 1]
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_the_test_server_moves_to_other_ports_when_one_is_taken_before_it_binds() -> None:
     """The suite's own S3 server: a port chosen free and taken by another process (another worker's server)
     before weed binds it once cost a whole worker its S3 tests; its first start now moves to other ports."""

@@ -44,6 +44,7 @@ def script(name: str, *args: str) -> list[str]:
     return ["--", sys.executable, str(SCRIPTS / f"{name}.py"), *args]
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_the_demo_training_script_is_identical(tmp_path: Path) -> None:
     code, out, err = selftest("--steps", "30", "--kills", "4", "--seed", "3", "--timeout", "120", "--json", "--",
                               sys.executable, "-m", "unbroken.demo.train", "--run-dir", str(tmp_path / "ignored"),
@@ -105,6 +106,7 @@ def test_the_verdict_in_words(tmp_path: Path) -> None:
     assert "records, run folders and logs kept in" in err
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_a_batch_fetched_ahead_is_named_and_the_fix_it_prints_is_identical(tmp_path: Path) -> None:
     """A loop that draws its batches itself and fetches the next one inside the step (nanoGPT), the fetched
     batch not in the state: the variables the resumed process makes only after restore() are compared at
@@ -138,6 +140,7 @@ FIXED = [
 
 
 @pytest.mark.parametrize("name,fix", FIXED, ids=[f[0] for f in FIXED])
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_the_fix_the_selftest_prints_followed_literally_is_identical(name: str, fix: str, tmp_path: Path) -> None:
     """Every "fix:" line works as written (issue 35 §2): the same selftest as the mistake's (above) prints
     this fix, and the script with the fix applied word for word (``--fixed``) is identical."""
@@ -172,6 +175,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_a_script_that_hangs_is_killed_with_its_children(tmp_path: Path) -> None:
     pidfile = tmp_path / "child.pid"
     code, out, err = selftest("--steps", "10", "--timeout", "6", *script("hangs", "run", str(pidfile)))

@@ -60,6 +60,7 @@ def test_an_evaluation_that_shifts_the_rng_the_training_draws_from_is_the_cause(
 
 
 @pytest.mark.parametrize("args", [(), ("--dropout",)], ids=["no-dropout", "dropout"])
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_an_evaluation_at_an_epochs_end_runs_after_a_resume_there(args: tuple[str, ...]) -> None:
     # 8 steps an epoch, a save every 4: the SIGKILL after step 8 resumes from the checkpoint of the epoch's last
     # step; the restored loader ends the epoch, so the loop runs that epoch's evaluation (and its draw from the
@@ -75,6 +76,7 @@ def test_an_evaluation_at_an_epochs_end_runs_after_a_resume_there(args: tuple[st
     assert not any("epoch" in n for n in doc["not_covered"]), doc["not_covered"]  # epoch ends were covered
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_a_hidden_state_carried_outside_the_state_is_named(tmp_path: Path) -> None:
     code, out, err = selftest("--steps", "20", "--kills", "1", "--kinds", "sigkill", "--seed", "1", "--timeout", "120",
                               *script("rnn_hidden"))
@@ -89,6 +91,7 @@ def test_a_hidden_state_carried_outside_the_state_is_named(tmp_path: Path) -> No
     assert "values: the loss passed to ckpt.step(): 0." in out  # the first differing values, readable
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_a_carried_value_the_records_cannot_see_is_a_plain_cannot_tell_with_the_values() -> None:
     # the same running mean as unsaved_accumulator, kept in an object's attribute: no plain variable differs,
     # so no cause can be backed by the records; the report says so and shows the first differing values
@@ -237,6 +240,7 @@ def test_targeted_interruptions_at_an_epoch_end_and_inside_between_step_work(kin
     assert targeted([], ["sigterm"], [8], [8], [8]) == []  # --kills 0: nothing
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_a_counted_loop_without_a_dataloader_has_its_epoch_ends_seen(tmp_path: Path) -> None:
     """``ckpt.batches(range(...))``, epochs of 6 steps: the epoch ends come from progress.epoch, so the report
     says neither that no DataLoader could be seen nor that no epoch ended (it said the first)."""

@@ -142,6 +142,7 @@ def _catches(pid: int, sig: int) -> bool:
 
 
 @pytest.mark.parametrize("target", [5, 14, 23])
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_the_same_sigterm_twice_within_milliseconds_is_one_preemption(reference: Path, tmp_path: Path,
                                                                       target: int) -> None:
     """SIGTERM, then 20 ms after the process handled it the same SIGTERM again (what a scheduler that

@@ -136,6 +136,7 @@ def test_resume_picks_the_newest_checkpoint_across_tiers(tmp_path: Path, s3, s3_
     assert all(torch.equal(saved[k], v) for k, v in weights(fresh).items())
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_a_remote_outage_never_stops_training_and_uploads_catch_up(tmp_path: Path, s3, s3_url) -> None:
     state = make_state()
     ckpt = tiered(tmp_path / "run", s3, s3_url, save_every=1, keep_last=2, remote_keep=3)
@@ -169,6 +170,7 @@ def test_a_remote_outage_never_stops_training_and_uploads_catch_up(tmp_path: Pat
     ckpt.close()
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_a_checkpoint_pruned_before_its_upload_does_not_end_the_outage(tmp_path: Path, s3, s3_url, caplog) -> None:
     """While the remote is down, the uploader reaches a checkpoint retention already deleted locally and
     skips it without asking the remote anything: the outage is not over. (Before: the skip reset the
@@ -208,6 +210,7 @@ def test_a_checkpoint_pruned_before_its_upload_does_not_end_the_outage(tmp_path:
     ckpt.close()
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_an_unreachable_remote_at_start_only_warns(tmp_path: Path, s3, s3_url, caplog) -> None:
     s3.kill()
     try:
@@ -233,6 +236,7 @@ def test_the_remote_must_be_another_location(tmp_path: Path) -> None:
         unbroken.Checkpointer(tmp_path / "run", remote=unbroken.Remote(str(tmp_path / "run")))
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_a_restart_during_an_outage_uploads_every_local_checkpoint_not_yet_uploaded(tmp_path: Path, s3,
                                                                                     s3_url) -> None:
     """Steps 2 and 3 commit locally while the server is down and the process ends; the next one

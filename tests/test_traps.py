@@ -241,6 +241,7 @@ def _console(run: Path, **env: str) -> str:
     return out.stderr
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_one_line_per_save_and_resume_on_stderr_silenceable(tmp_path: Path) -> None:
     err = _console(tmp_path / "run")
     lines = err.splitlines()
@@ -310,6 +311,7 @@ _TRAINER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_metric_rows_up_to_a_checkpoint_survive_a_sigkill_and_check_finds_a_lost_one(tmp_path: Path) -> None:
     """SIGKILL at step 13 (checkpoints at 5 and 10): the rows of steps 1-10 are durable with the
     checkpoint at 10; the resumed run re-logs 11-16 bitwise; `metrics --check` passes. A row of a

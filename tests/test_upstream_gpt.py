@@ -42,6 +42,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return work
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_killed_at_random_iterations_in_an_evaluation_inside_a_save_and_preempted_resumes_bitwise(
         reference: Path, tmp_path: Path) -> None:
     seed = random.randrange(1 << 30)
@@ -73,6 +74,7 @@ def test_without_the_batch_fetched_ahead_the_resume_is_caught(reference: Path, t
     assert not result["every step's loss"] and not result["the final state"], result
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_selftest_finds_the_loop_identical(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")

@@ -105,6 +105,7 @@ def compare(reference: Path, work: Path) -> dict[str, bool]:
     }
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_killed_everywhere_around_the_epoch_boundary_resumes_bitwise(reference: tuple[str, Path],
                                                                     tmp_path: Path) -> None:
     name, ref = reference
@@ -154,6 +155,7 @@ def test_a_broken_resume_is_caught(reference: tuple[str, Path], tmp_path: Path) 
     assert not result["the final state"] and not result["the state at every epoch's end"], result
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_selftest_finds_the_upstream_script_identical(reference: tuple[str, Path], tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     name, _ = reference

@@ -166,6 +166,7 @@ def test_what_the_zygote_cannot_give_starts_plainly(tmp_path: Path, case: str) -
     assert int(pid) == proc.pid and torch_loaded == "False", out
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_what_an_import_read_from_the_environment_is_what_a_plain_interpreter_reads() -> None:
     """torchrun's agent logs at the level ``LOGLEVEL`` had when torch's elastic package was imported, which
     the zygote did with its own environment: a launch with another value must see its own (it once did not:
@@ -284,6 +285,7 @@ def test_which_scripts_go_to_a_framework_s_zygote(tmp_path: Path) -> None:
     assert key(guarded, LOCAL_RANK="1") is None, "the if changes the environment here: nothing"
 
 
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_a_framework_s_zygote_serves_the_next_launches(tmp_path: Path) -> None:
     script = tmp_path / "fw.py"
     script.write_text("import os\nimport sys\nimport transformers\nprint(os.getppid(), 'tokenizers' in sys.modules)\n")

@@ -19,10 +19,17 @@ part of the test's id in brackets). Each value has its own reference run, so the
 run on different workers; kept whole, either file ran alone on one worker for the last stretch."""
 
 
+FOUR_RANKS = {"test_ddp_align.py", "test_integration_hf_ddp4.py", "test_integration_lightning_ddp4.py"}
+"""The files whose jobs start 4 ranks (5 processes on 2 cores): one scope, so that two such jobs never run
+beside each other (each is slow enough alone to come near its collectives' timeouts under load)."""
+
+
 def scope(nodeid: str) -> str:
-    """The scheduling scope of a test: its file, or for :data:`SPLIT_BY` its file and parameter value
-    (``tests/test_integration_hf_dist.py[fsdp2]``)."""
+    """The scheduling scope of a test: its file, for :data:`SPLIT_BY` its file and parameter value
+    (``tests/test_integration_hf_dist.py[fsdp2]``), for :data:`FOUR_RANKS` one scope of them all."""
     file = nodeid.split("::", 1)[0]
+    if Path(file).name in FOUR_RANKS:
+        return str(Path(file).parent / "4-ranks")
     if Path(file).name in SPLIT_BY and nodeid.endswith("]"):
         return f"{file}[{nodeid.rsplit('[', 1)[1].split('-')[0].rstrip(']')}]"
     return file

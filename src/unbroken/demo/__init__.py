@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,14 +73,19 @@ def _describe_fault(spec: str) -> str:
     return f"SIGKILL in save #{nth or 1} ({_WHERE.get(point, point)})"
 
 
+ATTEMPT_TIMEOUT_S = 900.0
+"""The longest one attempt may run before it is killed and the demo fails (a hang, not a slow machine)."""
+
+
 def run_attempt(cmd: list[str], kind: str, arg: str, env: dict[str, str],
-                ok_codes: tuple[int, ...] = ()) -> Attempt:
+                ok_codes: tuple[int, ...] = (), timeout: float = ATTEMPT_TIMEOUT_S) -> Attempt:
     """Start one attempt, interrupt it as planned, and return how it went.
 
     ``kind``: ``"none"`` (let it run), ``"step"`` (SIGKILL once step ``arg`` is done),
     ``"signal"`` (``arg`` = ``"SIGTERM@12"``: send that signal once step 12 is done), or
     ``"save"`` (``arg`` = a fault spec: SIGKILL inside a save). An exit status that is not
-    the expected one for the kind, nor in ``ok_codes``, raises with the child's stderr.
+    the expected one for the kind, nor in ``ok_codes``, raises with the child's stderr; so does an
+    attempt still running after ``timeout`` seconds (it is killed first: every wait is bounded).
     """
     if kind == "step":
         plan = f"SIGKILL after step {arg}"
@@ -99,6 +105,15 @@ def run_attempt(cmd: list[str], kind: str, arg: str, env: dict[str, str],
     with tempfile.TemporaryFile(mode="w+") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=child_env)
         assert proc.stdout is not None
+        expired = threading.Event()
+
+        def expire() -> None:  # ends a hung child's stream (and so the loop below)
+            expired.set()
+            proc.kill()
+
+        watchdog = threading.Timer(timeout, expire)
+        watchdog.daemon = True
+        watchdog.start()
         sent = False
         for line in proc.stdout:
             line = line.strip()
@@ -112,11 +127,15 @@ def run_attempt(cmd: list[str], kind: str, arg: str, env: dict[str, str],
                     proc.send_signal(sig)
                     sent = True
         rc = proc.wait()
+        watchdog.cancel()
         err.seek(0)
         stderr = err.read()
     att.seconds = time.monotonic() - t0
     att.rc = rc
     att.stderr = stderr[-5000:]
+    if expired.is_set():
+        raise RuntimeError(f"training attempt ({plan}) still ran after {timeout:.0f} s and was killed:\n"
+                           f"{stderr[-3000:]}")
     if rc == 0:
         att.ended = "finished"
     elif rc == -signal.SIGKILL and kind in ("step", "save"):
