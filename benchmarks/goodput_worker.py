@@ -15,8 +15,10 @@ raised) and ``done``. Times are ``time.time()``. At the end rank 0 writes ``OUT/
 the SHA-256 of every parameter and AdamW moment, bitwise.
 
 An exception is injected when ``OUT/fault-at`` names the step about to run: every rank raises
-:class:`InjectedFault` after that step's forward pass (no collective is in flight), once per
-step number (``OUT/fired-<step>-r<rank>``).
+:class:`InjectedFault` before that step's forward pass (no collective is in flight), once per
+step number (``OUT/fired-<step>-r<rank>``). The ranks agree on it (one all-reduce of a flag per step,
+in every configuration alike): the file may appear between two ranks' checks of the same step, and one
+rank raising alone cannot be recovered in the process (docs/faults.md, "Several ranks").
 """
 
 from __future__ import annotations
@@ -71,14 +73,27 @@ class FaultPlan:
         try:
             mtime = self.file.stat().st_mtime_ns
         except FileNotFoundError:
+            agreed(False)  # the other ranks may see the file already: every rank takes part
             return
         if mtime != self.mtime:
             self.mtime, self.at = mtime, int(self.file.read_text() or 0)
         fired = self.out / f"fired-{step}-r{self.rank}"
-        if step == self.at and not fired.exists():
+        if agreed(step == self.at and not fired.exists()):
             fired.touch()
             events("fault", step=step)
             raise InjectedFault(f"injected at step {step} on rank {self.rank}")
+
+
+def agreed(mine: bool) -> bool:
+    """True on every rank if it is True on any (an all-reduce under torchrun; ``mine`` alone otherwise)."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return mine
+    flag = torch.tensor([int(mine)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def started_at() -> float | None:

@@ -19,8 +19,10 @@ HERE=$(cd "$(dirname "$0")/.." && pwd)
 PYTHON=${PYTHON:-python3}
 
 "$PYTHON" -m venv "$DIR"
-pip() { "$DIR/bin/python" -m pip install -q --disable-pip-version-check -c "$HERE/constraints.txt" "$@"; }
-pip torch==2.13.0
+# torch through pip (it takes this machine's own file of the CPU build), the rest through uv (the same
+# versions from the same constraints, in seconds instead of a minute; bytecode compiled as pip does)
+"$DIR/bin/python" -m pip install -q --disable-pip-version-check -c "$HERE/constraints.txt" torch==2.13.0 uv==0.13.9
+pip() { "$DIR/bin/uv" pip install -q --compile-bytecode --python "$DIR/bin/python" -c "$HERE/constraints.txt" "$@"; }
 pip transformers==5.6.0 accelerate==1.11.0 peft==0.18.1 trl==0.24.0 datasets==4.0.0 omegaconf \
     numpy safetensors xxhash fsspec rich typer
 pip --no-deps llamafactory==0.9.5
