@@ -71,11 +71,10 @@ class FaultPlan:
 
     def check(self, step: int, events: Events) -> None:
         try:
-            mtime = self.file.stat().st_mtime_ns
-        except FileNotFoundError:
-            agreed(False)  # the other ranks may see the file already: every rank takes part
-            return
-        if mtime != self.mtime:
+            mtime: int | None = self.file.stat().st_mtime_ns
+        except FileNotFoundError:  # not yet here; another rank may see it already: every rank decides
+            mtime = None
+        if mtime is not None and mtime != self.mtime:
             self.mtime, self.at = mtime, int(self.file.read_text() or 0)
         fired = self.out / f"fired-{step}-r{self.rank}"
         if agreed(step == self.at and not fired.exists()):

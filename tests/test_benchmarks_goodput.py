@@ -74,3 +74,40 @@ def test_tiny_run_injects_recovers_and_reports_every_configuration(tmp_path: Pat
     assert (tmp_path / "goodput.png").stat().st_size > 0
     assert list(work.iterdir()) == [], "the benchmark left its jobs behind"
     assert shm.is_dir() and list(shm.iterdir()) == []  # used (the tier made it), then emptied at close
+
+
+RACE = """
+import sys, time
+sys.path.insert(0, sys.argv[2])
+from pathlib import Path
+import torch.distributed as dist
+from goodput_worker import Events, FaultPlan, InjectedFault
+
+dist.init_process_group("gloo")
+rank, out = dist.get_rank(), Path(sys.argv[1])
+plan, events = FaultPlan(out, rank), Events(out, rank)
+dist.barrier()
+if rank == 1:  # rank 0 is inside its check of step 5 (the file not there yet) when the file appears
+    time.sleep(2)
+    (out / "fault-at").write_text("5")
+try:
+    plan.check(5, events)
+    print(f"rank {rank} ran step 5", flush=True)
+except InjectedFault:
+    print(f"rank {rank} raised at step 5", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_an_exception_asked_for_between_two_ranks_checks_of_a_step_fires_on_both(tmp_path: Path) -> None:
+    """The benchmark's injected exception is one decision of every rank: rank 0 checks step 5 before the
+    fault file exists, rank 1 after it was written, and both raise at step 5 (rank 0 alone ran on
+    before, the unrecoverable case that hung the suite's run 3 of 2026-11-29)."""
+    import jobs
+
+    script = tmp_path / "race.py"
+    script.write_text(RACE)
+    code, out = jobs.run(jobs.torchrun(2, script, str(tmp_path), str(REPO / "benchmarks")),
+                         env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=120)
+    assert code == 0, out
+    assert "rank 0 raised at step 5" in out and "rank 1 raised at step 5" in out, out
