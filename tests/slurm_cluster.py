@@ -33,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 from ports import free_port
+from procs import with_environment
 
 REPO = Path(__file__).resolve().parent.parent
 INSTALL_SCRIPT = REPO / "scripts" / "install_system_deps.sh"
@@ -137,17 +138,9 @@ def parse_fields(text: str) -> dict[str, str]:
 def _kill_processes_of(conf: Path) -> None:
     """SIGKILL every process whose environment has SLURM_CONF=conf: the daemons, slurmstepds and
     job processes of that cluster (the daemons are started with it, and everything below inherits it)."""
-    marker = f"SLURM_CONF={conf}".encode()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            environ = Path("/proc", entry, "environ").read_bytes()
-        except OSError:
-            continue
-        if marker in environ.split(b"\0"):
-            with contextlib.suppress(OSError):
-                os.kill(int(entry), signal.SIGKILL)
+    for pid in with_environment("SLURM_CONF", str(conf)):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def clean_stale(base: str | os.PathLike[str] | None = None) -> None:

@@ -29,6 +29,7 @@ from unbroken.errors import InsufficientSpaceError
 from unbroken.run.index.index import RunIndex
 
 from conftest import real_pid
+from procs import with_environment
 
 pytestmark = pytest.mark.e2e
 
@@ -271,7 +272,7 @@ def _no_owner(folder: Path, timeout: float = 60.0) -> None:
     importing, and takes the lock (to finish the copy it was handed) after the trainer is gone."""
     end = time.monotonic() + timeout
     root = str(folder.parent.parent)  # the test's UNBROKEN_RAM_ROOT, in its writers' environment
-    while _writers(root):
+    while with_environment("UNBROKEN_RAM_ROOT", root, command=b"unbroken.tiers.ramwriter"):
         assert time.monotonic() < end, f"a RAM writer of {root} still runs after {timeout} s"
         time.sleep(0.05)
     fd = os.open(folder / ".owner", os.O_RDWR)
@@ -285,21 +286,6 @@ def _no_owner(folder: Path, timeout: float = 60.0) -> None:
                 time.sleep(0.05)
     finally:
         os.close(fd)
-
-
-def _writers(ram_root: str) -> list[int]:
-    """The RAM writer processes (``unbroken.tiers.ramwriter``) whose environment names ``ram_root``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if b"unbroken.tiers.ramwriter" in (entry / "cmdline").read_bytes() and \
-                    f"UNBROKEN_RAM_ROOT={ram_root}".encode() in (entry / "environ").read_bytes().split(b"\0"):
-                found.append(int(entry.name))
-        except OSError:  # ended meanwhile
-            continue
-    return found
 
 
 # ------------------------------------------------------------------ in process
