@@ -89,12 +89,11 @@ MEASURED_S: dict[str, float] = {
     "test_integration_lightning_dist.py[fsdp]": 20,
 }
 """Seconds the tests of each scope (a file, or a group of :data:`timeline.SPLIT_BY` or
-:data:`timeline.FOUR_RANKS`) took in a full ``make test`` (``python tests/timeline.py <timeline> --table`` prints this table from a run's timeline;
-docs/testing.md). Measured 2026-11-29 (sixth session, commit 6e8518c, run 4 of docs/testing.md) on the
-2-core machine, a clean clone, the fork server on (tests/zygote.py); ``4-ranks`` is the scope of
-:data:`timeline.FOUR_RANKS`.
-The scheduler hands the scopes out longest first; one not in the table counts
-:data:`UNMEASURED_S` per test."""
+:data:`timeline.FOUR_RANKS`, the ``4-ranks`` scope) took in a full ``make test`` (``python
+tests/timeline.py <timeline> --table`` prints this table from a run's timeline; docs/testing.md).
+Measured 2026-11-29 (sixth session, commit 6e8518c, run 4 of docs/testing.md) on the 2-core machine, a
+clean clone, the fork server on (tests/zygote.py). The scheduler hands the scopes out longest first; one
+not in the table counts :data:`UNMEASURED_S` per test."""
 UNMEASURED_S = 2.0
 
 
