@@ -63,7 +63,7 @@ test: $(STAMP) system-deps lint docs
 	$(BYTECODE) $(PY) -m pytest -q -ra -n $(TEST_JOBS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 # The inner loop: every module, unit tests and single-process end-to-end runs (no several ranks, no
-# SLURM, no namespaces, no other framework's jobs): under 5 minutes (docs/testing.md).
+# SLURM, no namespaces, no other framework's jobs, none of the tests that run long): under 5 minutes (docs/testing.md).
 test-fast: $(STAMP)
 	$(BYTECODE) $(PY) -m pytest -q -ra -n $(TEST_JOBS) --dist loadfile -m "not slow" --durations=10 $(PYTEST_ARGS)
 
