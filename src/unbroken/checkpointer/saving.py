@@ -90,7 +90,19 @@ class Saver:
     def save(self, state: Mapping[str, Any], metrics: dict[str, Any] | None = None, *, kind: str = "regular",
              tag: str | None = None, progress: Mapping[str, int] | None = None,
              rng: Mapping[str, Any] | None = None) -> CheckpointInfo | None:
-        """:meth:`unbroken.Checkpointer.save` once the state is adapted and the run open (see there)."""
+        """:meth:`unbroken.Checkpointer.save` once the state is adapted and the run open (see there). The time
+        it blocks training (all of it for a synchronous save, the snapshot for an async one, with the wait for
+        the previous background save) goes to the run index (``unbroken goodput``)."""
+        entered = time.monotonic()
+        try:
+            return self._save(state, metrics, kind=kind, tag=tag, progress=progress, rng=rng)
+        finally:
+            if self.core.recorder is not None:
+                step = progress["step"] if progress is not None and "step" in progress else self.core.progress.step
+                self.core.recorder.save_blocked(step, time.monotonic() - entered)
+
+    def _save(self, state: Mapping[str, Any], metrics: dict[str, Any] | None, *, kind: str, tag: str | None,
+              progress: Mapping[str, int] | None, rng: Mapping[str, Any] | None) -> CheckpointInfo | None:
         core = self.core
         core.rules.check_reserved(state)
         if not core.started:

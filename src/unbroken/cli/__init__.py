@@ -6,6 +6,7 @@
 - :mod:`.compare`: ``diff``;
 - :mod:`.maintain`: ``prune`` and ``tag``;
 - :mod:`.runlog`: ``events``, ``metrics`` and ``plot``;
+- :mod:`.goodput`: ``goodput``;
 - :mod:`.convert`: ``import`` and ``export``;
 - :mod:`.demo`: ``demo``.
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 import os
 
 # each module registers its commands, in the order --help lists them
-from . import compare, convert, demo, inspection, listing, maintain, runlog, selftest  # noqa: F401
+from . import compare, convert, demo, goodput, inspection, listing, maintain, runlog, selftest  # noqa: F401
 from .base import app
 
 __all__ = ["app", "main"]

@@ -1,14 +1,16 @@
 """The run index ``<run>/index.sqlite``: a queryable history of one run, derived from the manifests.
 
-Tables: ``checkpoints`` (a row per checkpoint, with its status), ``events``, ``segments`` (a row per
-process that wrote the run: a fresh start or a resume) and ``metrics`` (a per-step log, to check the
-loss curve of a resumed run against the interrupted one). Manifests stay the truth: a missing index
+Tables (their columns and the schema check: :mod:`unbroken.run.index.schema`): ``checkpoints`` (a row
+per checkpoint, with its status), ``events``, ``segments`` (a row per process that wrote the run: a fresh
+start or a resume), ``metrics`` (a per-step log, to check the loss curve of a resumed run against the
+interrupted one) and ``progress`` (how far each segment got). Manifests stay the truth: a missing index
 is created from them; a damaged one (not a database, failed ``PRAGMA quick_check``, unknown schema)
 is moved aside to ``index.sqlite.corrupt-<time>`` with a warning and rebuilt (the file itself:
 :mod:`unbroken.run.index.indexfile`, which also reads an index where nothing may be written). WAL mode with
 ``synchronous=NORMAL`` (commits survive a killed process); checkpoint records and ``close`` commit
 with ``synchronous=FULL`` (they survive a power cut too); metrics are buffered and committed in
-batches, at the latest with the next checkpoint, event or close. Readers never block the writer.
+batches, at the latest with the next checkpoint, event or close, with each segment's progress
+(:mod:`unbroken.run.index.progress`, the table an index written before it lacks). Readers never block the writer.
 SQLite stores NaN as NULL, so a metric is kept as ``value`` (REAL, NULL for NaN; for SQL) and
 ``bits`` (its IEEE-754 bit pattern as a signed 64-bit integer; what the API returns and compares).
 """
@@ -36,7 +38,9 @@ from ...checkpoint.manifests import read_manifest
 from ...errors import UnbrokenError
 from ...store import open_store
 from .continuity import Continuity, compare
-from .indexfile import SIDECARS, connect, damage, is_damage, move_aside, open_readonly, plain_files
+from .indexfile import SIDECARS, connect, move_aside, open_readonly, plain_files
+from .progress import CREATE, UPSERT, SegmentProgress
+from .schema import CKPT_INSERT, COLUMNS, INDEXES, SCHEMA_VERSION, STATUSES, TABLES, diagnose, schema_problem
 
 log = logging.getLogger("unbroken")
 
@@ -45,24 +49,6 @@ DURABLE = "metrics_durable"
 """The kind of the internal event written at every save point: per metric, how many rows the
 segment had logged and the last step, committed durably with those rows (see :meth:`RunIndex.mark_durable`).
 :meth:`RunIndex.events` leaves these out unless asked for by kind."""
-SCHEMA_VERSION = 1
-STATUSES = ("committed", "quarantined", "pruned")
-_TABLES = {
-    "schema_version": "version INTEGER NOT NULL",
-    "segments": "id INTEGER PRIMARY KEY AUTOINCREMENT, started REAL NOT NULL, resumed_from TEXT, "
-                "start_step INTEGER NOT NULL, host TEXT, pid INTEGER",
-    "checkpoints": "name TEXT PRIMARY KEY, step INTEGER, seq INTEGER, epoch INTEGER, created REAL, "
-                   "duration_s REAL, size_bytes INTEGER, kind TEXT, status TEXT NOT NULL, metrics TEXT NOT NULL, "
-                   "tags TEXT NOT NULL, environment TEXT NOT NULL, segment INTEGER",
-    "events": "id INTEGER PRIMARY KEY AUTOINCREMENT, time REAL NOT NULL, segment INTEGER, kind TEXT NOT NULL, "
-              "step INTEGER, checkpoint TEXT, message TEXT NOT NULL, data TEXT NOT NULL",
-    "metrics": "step INTEGER NOT NULL, segment INTEGER, name TEXT NOT NULL, value REAL, bits INTEGER NOT NULL, "
-               "time REAL NOT NULL",
-}
-_COLUMNS = {t: [c.split()[0] for c in spec.split(", ")] for t, spec in _TABLES.items()}
-_INDEXES = ["CREATE INDEX events_kind ON events (kind)", "CREATE INDEX metrics_name ON metrics (name, step)"]
-_CKPT_INSERT = (f"INSERT OR REPLACE INTO checkpoints ({', '.join(_COLUMNS['checkpoints'])}) "
-                f"VALUES ({', '.join('?' * len(_COLUMNS['checkpoints']))})")
 _F64, _I64 = struct.Struct("<d"), struct.Struct("<q")  # a float and its bit pattern
 _json = partial(json.dumps, default=str)
 
@@ -74,30 +60,6 @@ def _ckpt_row(name: str, status: str, **known: Any) -> dict[str, Any]:
     m = re.search(r"step-(\d+)", name)
     return {"step": int(m.group(1)) if m else None, "metrics": "{}", "tags": "[]", "environment": "{}", **known,
             "name": name, "status": status}
-
-
-def _diagnose(conn: sqlite3.Connection) -> str | None:
-    """``None`` if the index is healthy, ``""`` if it has no tables yet, else what is wrong."""
-    problem = damage(conn)
-    return _schema_problem(conn) if problem is None else problem
-
-
-def _schema_problem(conn: sqlite3.Connection) -> str | None:
-    """``None`` if the tables are ours, ``""`` if there are none yet, else what differs."""
-    try:
-        if not {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}:
-            return ""
-        for table, cols in _COLUMNS.items():
-            have = [r[1] for r in conn.execute(f"PRAGMA table_info({table})")]
-            if have != cols:
-                return f"unexpected schema: table {table} has columns {have}, expected {cols}"
-        if (versions := [r[0] for r in conn.execute("SELECT version FROM schema_version")]) != [SCHEMA_VERSION]:
-            return f"schema version {versions}, expected [{SCHEMA_VERSION}]"
-    except sqlite3.DatabaseError as e:  # damage is SQLITE_CORRUPT or SQLITE_NOTADB; busy, I/O, ... propagate
-        if not is_damage(e):
-            raise
-        return str(e)
-    return None
 
 
 def _decode(row: sqlite3.Row) -> dict[str, Any]:
@@ -129,6 +91,7 @@ class RunIndex:
         self._on_device = False  # a pending value is a tensor on a device (reading it synchronises)
         self.segment: int | None = None
         self._pending: list[tuple[int, int, str, Any, float]] = []
+        self._progress: SegmentProgress | None = None  # this segment's, written with each commit
         self._scratch: str | None = None  # a private copy read instead of the file (see indexfile)
         self._conn: sqlite3.Connection | None = self._open_readonly() if readonly else self._open_writable()
 
@@ -141,7 +104,7 @@ class RunIndex:
             raise OSError(f"{self.path} (or a -wal/-shm/-journal beside it) is not a regular file; move it away "
                           "to have the run index again")
         conn = connect(str(self.path))
-        reason = "missing" if (problem := _diagnose(conn)) == "" else None
+        reason = "missing" if (problem := diagnose(conn)) == "" else None
         if problem:
             conn.close()
             aside = move_aside(self.path)
@@ -152,6 +115,7 @@ class RunIndex:
         conn.execute("PRAGMA synchronous=NORMAL")
         if reason:
             self._initialize(conn, reason)
+        conn.execute(CREATE)  # an index written before the progress table gets it (nothing if it has it)
         return conn
 
     def _open_readonly(self) -> sqlite3.Connection:
@@ -160,7 +124,7 @@ class RunIndex:
             log.warning("run index %s (or a -wal/-shm/-journal beside it) is not a regular file; using one "
                         "rebuilt in memory", self.path)
         else:
-            conn, problem, self._scratch = open_readonly(self.path, _schema_problem)
+            conn, problem, self._scratch = open_readonly(self.path, schema_problem)
             if conn is not None:
                 return conn
             if problem:
@@ -175,7 +139,7 @@ class RunIndex:
         """Create the schema and fill it from the manifests, unless another process just did."""
         with self._tx(conn=conn):
             if conn.execute("SELECT count(*) FROM sqlite_master WHERE type = 'table'").fetchone()[0] == 0:
-                for ddl in [f"CREATE TABLE {t} ({spec})" for t, spec in _TABLES.items()] + _INDEXES:
+                for ddl in [f"CREATE TABLE {t} ({spec})" for t, spec in TABLES.items()] + INDEXES:
                     conn.execute(ddl)
                 conn.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
                 self._rebuild_rows(conn, reason)
@@ -195,8 +159,12 @@ class RunIndex:
                 if n := len(self._pending):
                     conn.executemany("INSERT INTO metrics (step, segment, name, value, bits, time) "
                                      "VALUES (?, ?, ?, ?, ?, ?)", [self._metric_row(p) for p in self._pending])
+                if (moved := self._progress) is not None and (snap := moved.snapshot()) is not None:
+                    conn.execute(UPSERT, snap[1])
                 yield conn
                 conn.execute("COMMIT")
+                if moved is not None and snap is not None:
+                    moved.committed(snap[0])
                 del self._pending[:n]
                 self._last_flush = time.monotonic()
                 self._on_device = bool(self._pending) and self._on_device
@@ -240,7 +208,7 @@ class RunIndex:
                         size_bytes=size_bytes, kind=kind, metrics=_json(dict(metrics)), tags=_json(list(tags)),
                         environment=_json(dict(environment)), segment=self.segment)
         with self._tx(durable=sync) as conn:  # sync=False: a RAM checkpoint (see mark_durable)
-            conn.execute(_CKPT_INSERT, [row.get(c) for c in _COLUMNS["checkpoints"]])
+            conn.execute(CKPT_INSERT, [row.get(c) for c in COLUMNS["checkpoints"]])
             self._insert_event(conn, "emergency_save" if kind == "emergency" else "saved", step=step,
                                checkpoint=name, data={"kind": kind, "seq": seq, "size_bytes": size_bytes})
 
@@ -250,7 +218,7 @@ class RunIndex:
         row = _ckpt_row(name, status, segment=self.segment)
         with self._tx(durable=True) as conn:
             if conn.execute("UPDATE checkpoints SET status = ? WHERE name = ?", (status, name)).rowcount == 0:
-                conn.execute(_CKPT_INSERT, [row.get(c) for c in _COLUMNS["checkpoints"]])
+                conn.execute(CKPT_INSERT, [row.get(c) for c in COLUMNS["checkpoints"]])
             if status != "committed":
                 step = conn.execute("SELECT step FROM checkpoints WHERE name = ?", (name,)).fetchone()[0]
                 self._insert_event(conn, status, message, step=step, checkpoint=name)
@@ -289,6 +257,15 @@ class RunIndex:
                     or (not self._on_device and waited >= self.host_flush_seconds):
                 self.flush()
 
+    def progressed(self, progress: SegmentProgress, at_once: bool = False) -> None:
+        """Have ``progress`` (this segment's) committed with the next write, now if ``at_once`` or if nothing was
+        committed for ``host_flush_seconds``: a SIGKILL loses at most that last fraction of a second of it."""
+        with self._lock:
+            self._progress = progress
+            if at_once or time.monotonic() - self._last_flush >= self.host_flush_seconds:
+                with self._tx():
+                    pass
+
     def flush(self) -> None:
         """Commit the buffered metrics now."""
         with self._lock, (self._tx() if self._pending else nullcontext()):
@@ -309,7 +286,7 @@ class RunIndex:
     def _rebuild_rows(self, conn: sqlite3.Connection, reason: str) -> None:
         old = {r["name"]: dict(r) for r in conn.execute("SELECT * FROM checkpoints")}
         conn.execute("DROP TABLE checkpoints")
-        conn.execute(f"CREATE TABLE checkpoints ({_TABLES['checkpoints']})")
+        conn.execute(f"CREATE TABLE checkpoints ({TABLES['checkpoints']})")
         rows: dict[str, dict[str, Any]] = {}
         unreadable: list[str] = []
         places = [(self.store, name, "committed") for name in self.store.list_committed()]
@@ -333,7 +310,7 @@ class RunIndex:
         quarantined = sum(r["status"] == "quarantined" for r in rows.values())
         committed = len(rows) - quarantined
         rows.update({n: {**r, "status": "pruned"} for n, r in old.items() if n not in rows})  # gone: deleted
-        conn.executemany(_CKPT_INSERT, [[r.get(c) for c in _COLUMNS["checkpoints"]] for r in rows.values()])
+        conn.executemany(CKPT_INSERT, [[r.get(c) for c in COLUMNS["checkpoints"]] for r in rows.values()])
         self._insert_event(conn, "index_rebuilt", f"{committed} committed, {quarantined} quarantined",
                            data={"reason": reason, "committed": committed, "quarantined": quarantined,
                                  "unreadable": unreadable})
@@ -344,6 +321,10 @@ class RunIndex:
             if self._conn is None:
                 raise RuntimeError(f"the run index {self.path} is closed")
             return self._conn.execute(sql, args).fetchall()
+
+    def query(self, sql: str, args: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
+        """The rows of one read-only SQL query (after committing the buffered metrics)."""
+        return self._query(sql, args)
 
     def checkpoints(self, status: str | None = None) -> list[dict[str, Any]]:
         """Checkpoint rows (all, or those with ``status``), newest first (by seq, then step)."""

@@ -10,22 +10,26 @@ from __future__ import annotations
 
 import logging
 import sqlite3
+import time
 from collections.abc import Mapping
 from typing import Any
 
 from ... import events as ev
 from .index import RunIndex
+from .progress import SegmentProgress, process_started
 
 log = logging.getLogger("unbroken")
 
 
 class Recorder:
-    """Writes the run's segments, checkpoints, events and per-step metrics to the index."""
+    """Writes the run's segments, checkpoints, events, per-step metrics and each segment's progress (step
+    boundaries and what saves blocked: :mod:`unbroken.run.index.progress`) to the index."""
 
     def __init__(self, store: Any) -> None:
         self._index: RunIndex | None = None
         self._segment = False
         self._rows: dict[str, tuple[int, int]] = {}  # per metric: rows logged by this segment, last step
+        self._progress: SegmentProgress | None = None  # this segment's
         self._call("open", lambda: setattr(self, "_index", RunIndex(store)))
 
     def on_event(self, e: ev.Event) -> None:
@@ -39,6 +43,7 @@ class Recorder:
             self.segment(e.name, e.step, e.tier)
         elif isinstance(e, ev.StepEnded):
             self.metrics(e.step, e.metrics)
+            self.stepped(e.step)
         elif isinstance(e, ev.Saved):
             self.saved(e.name, e.manifest, e.took_s, list(e.tags), sync=e.tier != "ram")
         elif isinstance(e, ev.CorruptionFound):
@@ -97,7 +102,26 @@ class Recorder:
         if self._segment or self._index is None:
             return
         self._segment = True
-        self._call("start_segment", lambda: self._index.start_segment(resumed_from, step, tier))
+        seg = self._call("start_segment", lambda: self._index.start_segment(resumed_from, step, tier))
+        self._progress = SegmentProgress(seg, process_started()) if seg is not None else None
+
+    def stepped(self, step: int) -> None:
+        """A step boundary (step ``step`` done): kept in this segment's progress, committed with the next
+        write or within ``host_flush_seconds`` (no commit of its own while metrics are logged)."""
+        if self._index is None:
+            return
+        self.segment(None, step - 1)
+        if (p := self._progress) is not None:
+            p.step(step, time.time())
+            self._call("progress", lambda: self._index.progressed(p))
+
+    def save_blocked(self, step: int, seconds: float) -> None:
+        """A save of step ``step`` blocked training for ``seconds`` (``Saver.save``: from its call to its
+        return; for an async save, the snapshot); added to this segment's progress and committed at once (one
+        commit without fsync per save, beside the save's own: a kill right after a save keeps it)."""
+        if self._index is not None and (p := self._progress) is not None:
+            p.saved(step, seconds, time.time())
+            self._call("progress", lambda: self._index.progressed(p, at_once=True))
 
     def metrics(self, step: int, metrics: Mapping[str, Any]) -> None:
         numbers = {k: v for k, v in metrics.items()
