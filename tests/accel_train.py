@@ -11,13 +11,14 @@ resume shows). 72 samples, 4 per process per micro-batch: 9 global micro-batches
 last step of every epoch has a single micro-batch (Accelerate syncs at the end of the dataloader):
 steps 5 and 10 end epochs 0 and 1. ``--batch`` keeps the global batch on another number of processes.
 
-``--mode unbroken``: the data is ``unbroken.integrations.accelerate.ResumableLoader``, the one line
+``--mode unbroken``: the data is ``unbroken.integrations.accelerate.ResumableLoader`` with the order of
+Accelerate's seedable sampler (``order="epoch_seeded"``, so that an uninterrupted run is ``alone``'s), the one line
 ``Checkpointer(accelerator, run_dir, save_every=...)`` after ``prepare``, ``ckpt.step()`` per batch.
 ``--mode alone``: Accelerate's documented recipe, done carefully: ``DataLoader(shuffle=True)`` with
 ``use_seedable_sampler`` and ``set_epoch``, ``accelerator.save_state(CKPT/step_N)`` every
 ``--save-every`` steps, and on start ``load_state`` of the newest ``step_N`` plus
 ``skip_first_batches`` over the batches of the restored steps in their epoch; each sample's noise
-is seeded by (epoch, index), so the data never depends on the global RNG.
+is seeded by (epoch, index) in both modes, so the data never depends on the global RNG.
 
 Both processes call ``unbroken.init_distributed()`` before the ``Accelerator`` (which adopts the
 group): Accelerate's own ``init_process_group`` does not come back reliably after a torchrun
@@ -74,8 +75,8 @@ class Data(Dataset):
         return len(self.x)
 
     def __getitem__(self, i):
-        g = i.generator() if hasattr(i, "generator") else \
-            torch.Generator().manual_seed((SEED * 1_000_003 + self.epoch) * 1_000_003 + int(i))
+        epoch = getattr(i, "epoch", self.epoch)  # unbroken's SampleIndex knows its epoch
+        g = torch.Generator().manual_seed((SEED * 1_000_003 + epoch) * 1_000_003 + int(i))
         return self.x[i] + torch.randn(D, generator=g) * 0.1, self.y[i], int(i)
 
 
@@ -97,7 +98,7 @@ def accelerator_for(args):
         unbroken.init_distributed("gloo")  # the Accelerator adopts this group (restart-safe)
     if os.environ.get("ACCELERATE_USE_FSDP") == "true" and not torch.cuda.is_available():
         PartialState(cpu=True).distributed_type = DistributedType.MULTI_GPU  # see the module docstring
-    config = DataLoaderConfiguration(use_seedable_sampler=True, data_seed=SEED) if args.mode == "alone" else None
+    config = DataLoaderConfiguration(use_seedable_sampler=True, data_seed=SEED)  # (unbroken's loader: unused)
     return Accelerator(cpu=True, gradient_accumulation_steps=GA, dataloader_config=config)
 
 
@@ -139,7 +140,8 @@ def main(args) -> int:
     if args.mode == "unbroken":
         from unbroken.integrations.accelerate import Checkpointer, ResumableLoader
 
-        train = ResumableLoader(data, batch_size=args.batch, shuffle=True, seed=SEED)
+        # the order of the seedable sampler "alone" uses: an uninterrupted run is the same run, bitwise
+        train = ResumableLoader(data, batch_size=args.batch, shuffle=True, seed=SEED, order="epoch_seeded")
         model, opt, train, eval_loader, sched = accelerator.prepare(model, opt, train, eval_loader, sched)
         ckpt = Checkpointer(accelerator, args.run_dir, save_every=args.save_every, keep_last=3,
                             resume=args.resume_from or True, eval_loaders=[eval_loader])

@@ -7,7 +7,8 @@ of each epoch has one micro-batch), AdamW, warmup + cosine, gradient clipping, l
 
 ``--mode unbroken``: the Trainer saves through ``unbroken.integrations.hf.enable`` and
 ``save_strategy="no"``. ``--mode hf``: the Trainer's own checkpointing
-(``save_strategy="steps"``, ``resume_from_checkpoint=True`` when a checkpoint exists).
+(``save_strategy="steps"``, ``resume_from_checkpoint=True`` when a checkpoint exists). ``--mode plain``:
+the same script with no checkpointing at all (the framework alone, to compare an uninterrupted run with).
 
 Prints ``fresh start`` / ``resumed from step N`` when training begins, ``step N <losses> <epoch>``
 (every micro-batch loss and ``state.epoch`` with ``repr``) after each optimizer step, and at the
@@ -95,7 +96,7 @@ def digest(trainer: Trainer) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["unbroken", "hf"], required=True)
+    p.add_argument("--mode", choices=["unbroken", "hf", "plain"], required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--save-every", type=int, default=5)
@@ -106,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--incremental", action="store_true", help="incremental checkpoints (chunks)")
     p.add_argument("--hf-kill-in-save", type=int, default=0,
                    help="hf mode: SIGKILL inside the Nth Trainer save, after the weights, before the optimizer")
+    p.add_argument("--random-sampler", action="store_true",
+                   help="accelerator_config use_seedable_sampler=False: torch's RandomSampler")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()
@@ -119,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         max_steps=a.steps, learning_rate=3e-3, weight_decay=0.01, lr_scheduler_type="cosine", warmup_steps=4,
         logging_steps=3, eval_strategy="steps", eval_steps=7, per_device_eval_batch_size=4, report_to=[],
         use_cpu=True, disable_tqdm=True, seed=a.seed, dataloader_num_workers=a.workers,
-        save_strategy="steps" if a.mode == "hf" else "no", save_steps=a.save_every)
+        save_strategy="steps" if a.mode == "hf" else "no", save_steps=a.save_every,
+        accelerator_config={"use_seedable_sampler": not a.random_sampler})
     data = Tokens()
     trainer = ScriptTrainer(model=model, args=args, train_dataset=data, eval_dataset=Tokens(8, seed=99))
     trainer.crash_at, trainer.marker = a.crash_at, out / f"crashed-{a.crash_at}"
@@ -130,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         enable(trainer, out / "run", save_every=a.save_every, keep_last=3, incremental=a.incremental)
         resume = {None: None, "true": True, "false": False}.get(a.resume, a.resume)
         result = trainer.train(resume_from_checkpoint=resume)
+    elif a.mode == "plain":
+        result = trainer.train()
     else:
         if a.hf_kill_in_save:
             original, calls = trainer._save_optimizer_and_scheduler, [0]

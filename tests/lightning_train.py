@@ -1,7 +1,8 @@
 """A tiny Lightning training job for tests/test_integration_lightning.py, run as a subprocess.
 
 Dropout, shuffled data (an ``unbroken.data.ResumableLoader``, or with ``--data plain`` a
-``DataLoader(shuffle=True)``), AdamW with a warmup + cosine schedule stepped per optimizer
+``DataLoader(shuffle=True)``, or with ``--data torch-order`` a ``ResumableLoader(order="dataloader")``),
+AdamW with a warmup + cosine schedule stepped per optimizer
 step, ``accumulate_grad_batches=2``, an odd number of batches per epoch (the last batch of
 an epoch steps alone). Every micro-batch prints ``LOSS epoch batch_idx global_step repr(loss)``;
 at the end ``--out`` gets ``final.pt`` (weights, optimizer state) and ``final.json``
@@ -14,6 +15,7 @@ its default ``ModelCheckpoint`` (a ``.ckpt`` in ``--out``/checkpoints at each ep
 default) or from ``lightning.pytorch``.
 ``--mode lightning``: Lightning's own checkpointing: ``ModelCheckpoint(every_n_train_steps=N,
 save_last=True)`` (+ ``OnExceptionCheckpoint`` with ``--on-exception``) and ``fit(ckpt_path="last")``.
+``--mode plain``: Lightning alone, no checkpointing at all (an uninterrupted run to compare with).
 ``--crash-at S``: raise in micro-batch ``--crash-micro`` (0 or 1; the second runs inside
 ``optimizer.step(closure)``) of optimizer step S+1, once (a marker file).
 ``--lightning-kill-in-save N``: SIGKILL this process half-way through writing Lightning's Nth checkpoint file.
@@ -80,7 +82,8 @@ class Training:
     def train_dataloader(self):
         if self.args.data == "plain":
             return DataLoader(Data(), batch_size=BATCH, shuffle=True)
-        return unbroken.data.ResumableLoader(Data(), batch_size=BATCH, shuffle=True, seed=7)
+        order = "dataloader" if self.args.data == "torch-order" else "unbroken"
+        return unbroken.data.ResumableLoader(Data(), batch_size=BATCH, shuffle=True, seed=7, order=order)
 
     def training_step(self, batch, batch_idx):
         a = self.args
@@ -149,13 +152,13 @@ def kill_in_lightning_save(nth: int, pl: ModuleType) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["unbroken", "lightning"], default="unbroken")
+    p.add_argument("--mode", choices=["unbroken", "lightning", "plain"], default="unbroken")
     p.add_argument("--run-dir", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--save-every", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data", choices=["resumable", "plain"], default="resumable")
+    p.add_argument("--data", choices=["resumable", "plain", "torch-order"], default="resumable")
     p.add_argument("--crash-at", type=int)
     p.add_argument("--crash-micro", type=int, default=1, help="which micro-batch of the step raises")
     p.add_argument("--sigterm-at", type=int, help="SIGTERM to itself in the first micro-batch of step S+1, once")
@@ -177,6 +180,9 @@ def main() -> None:
 
         trainer = pl.Trainer(callbacks=[UnbrokenCallback(args.run_dir, save_every=args.save_every)],
                              enable_checkpointing=not args.no_lightning_checkpointing, **kw)
+        trainer.fit(model)
+    elif args.mode == "plain":  # Lightning alone, no checkpointing at all
+        trainer = pl.Trainer(enable_checkpointing=False, **kw)
         trainer.fit(model)
     else:
         if args.lightning_kill_in_save:

@@ -113,6 +113,17 @@ def reference(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
+def test_an_uninterrupted_run_with_unbroken_is_accelerate_alone_bitwise(reference) -> None:
+    """Enabling unbroken changes nothing but survival: the same 2-process script with Accelerate alone
+    (``DataLoader(shuffle=True)`` through its seedable sampler, its own ``save_state``) and with unbroken's
+    loader in the same order (``order="epoch_seeded"``) and the Checkpointer: every micro-batch loss and
+    sample on each process, every evaluation and the final state are the same bits, across three epochs
+    (the epoch ends are in the run, as are the DataLoader's draws from the global RNG that dropout follows)."""
+    alone, ours = reference(False, "alone") / "out", reference(False) / "out"
+    assert len(rows(ours, 0)) == STEPS
+    check_bitwise(alone, ours)
+
+
 @pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp2"])
 def test_killed_inside_a_save_then_a_rank_sigkilled_then_sigterm_resumes_bitwise(reference, tmp_path, fsdp) -> None:
     """One run, three faults, three launches (as a job's life could go):

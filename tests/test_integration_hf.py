@@ -136,6 +136,30 @@ def checkpoints(run: Path) -> set[str]:
 # ----------------------------------------------------------------------------- unbroken
 
 
+@pytest.mark.parametrize("extra", [(), ("--random-sampler", "--workers", "2")], ids=["seedable-sampler",
+                                                                                  "random-sampler-2-workers"])
+def test_an_uninterrupted_run_with_unbroken_is_hf_alone_bitwise(references, tmp_path: Path,
+                                                                  extra: tuple[str, ...]) -> None:
+    """Enabling unbroken changes nothing but survival: the same data order (Accelerate's seedable sampler, or
+    torch's RandomSampler whose seed each epoch draws from the global RNG), the same draws from the global RNG
+    (the DataLoader's base seed each epoch: dropout follows it), so the same losses and parameters, across
+    four epochs. Without unbroken's torch orders the two runs differ from step 1."""
+    runs = {}
+    for mode in ("plain", "unbroken"):
+        if mode == "unbroken" and not extra:
+            runs[mode] = references["unbroken"]
+            continue
+        out = tmp_path / mode
+        att = attempt(out, mode, *extra)
+        assert att.rc == 0 and att.started == "fresh start", att.stderr[-3000:]
+        runs[mode] = (att, final(out))
+    (alone, alone_final), (ours, ours_final) = runs["plain"], runs["unbroken"]
+    assert sorted(alone.steps) == sorted(ours.steps) == list(range(1, STEPS + 1))
+    assert [s for s in alone.steps if alone.steps[s] != ours.steps[s]] == [], "per-step losses differ"
+    for key in ("sha256", "epoch", "total_flos", "train_loss", "log_history"):
+        assert ours_final[key] == alone_final[key], key
+
+
 @pytest.mark.parametrize("seed", [3])
 def test_sigkill_at_random_steps(references, tmp_path: Path, seed: int) -> None:
     targets = sorted(random.Random(seed).sample(range(2, STEPS - 2), 3))

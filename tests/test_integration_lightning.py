@@ -239,6 +239,26 @@ def test_lightning_alone_uninterrupted_equals_the_unbroken_run(reference, tmp_pa
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["epoch=3-step=28.ckpt", "last.ckpt"]
 
 
+def test_with_the_dataloaders_order_unbroken_changes_nothing_and_resumes_bitwise(tmp_path: Path) -> None:
+    """Lightning alone with ``DataLoader(shuffle=True)`` and no checkpointing, against the same script with
+    the callback and ``ResumableLoader(order="dataloader")``: the same run, bitwise (the same batches and the
+    DataLoader's draws from the global RNG at each epoch's start, which dropout follows). Killed after steps
+    10, 17 and 29 (resumed mid-epoch from 8 and 16, and from 28: the last step of an epoch, before the next
+    epoch's draws), it is still that run."""
+    for name in ("alone", "ours", "killed"):
+        (tmp_path / name).mkdir()
+    alone = finish(tmp_path / "alone", "--mode", "plain", "--data", "plain")
+    ours = finish(tmp_path / "ours", "--data", "torch-order")
+    reference = (tmp_path / "alone" / "out", alone)
+    assert compare(reference, tmp_path / "ours", [ours]).exact
+    atts = [attempt(tmp_path / "killed", "--data", "torch-order", stop_at=target) for target in (10, 17, 29)]
+    assert [a.rc for a in atts] == [-signal.SIGKILL] * 3, atts[-1].stderr[-2000:]
+    atts.append(finish(tmp_path / "killed", "--data", "torch-order"))
+    assert [a.first_step for a in atts] == [0, 8, 16, 28]
+    cmp = compare(reference, tmp_path / "killed", atts)
+    assert cmp.exact, cmp
+
+
 # ------------------------------------------- either Trainer, checkpointing on or off, CheckpointIO plugin
 FLAVOURS = ["pytorch_lightning", "lightning"]
 

@@ -50,6 +50,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from .checked import count
+from .drawn import ORDERS, DrawnOrder
 from .order import GlobalOrder, mix_ints
 from .sample import SampleIndex
 
@@ -138,8 +139,9 @@ class ResumableLoader:
     with ``.generator()`` for per-sample augmentation randomness).
 
     The arguments and their defaults are ``DataLoader``'s (``batch_size=1``, ``shuffle=False``,
-    ``drop_last=False``), so replacing a ``DataLoader`` changes nothing of the uninterrupted run's
-    order but its source of randomness: ``seed`` instead of the global RNG.
+    ``drop_last=False``). With ``order="dataloader"`` replacing a ``DataLoader`` changes nothing of
+    an uninterrupted run, bitwise: the same batches and the same draws from the global RNG. The
+    default order shuffles by ``seed`` instead (other batches than ``DataLoader``'s, no global draw).
 
     Args:
         dataset: a map-style dataset (``__len__`` and ``__getitem__``).
@@ -151,6 +153,17 @@ class ResumableLoader:
             from the next epoch's order instead of padded or dropped, so that the samples of
             every step are the same on any number of ranks across epoch ends (see the module
             docstring). Not with ``drop_last``.
+        order: ``"unbroken"`` (the default): each epoch's order is a keyed permutation of
+            ``(seed, epoch)``, restored in O(1) at any position, and iterating draws nothing from
+            the global RNG. ``"dataloader"``: the order and the global-RNG draws of
+            ``DataLoader(shuffle=...)`` itself (each epoch's iterator draws its workers' base seed
+            and, shuffled, its permutation's seed from the global torch RNG), so replacing a
+            ``DataLoader`` changes nothing of an uninterrupted run; ``seed`` is unused.
+            ``"epoch_seeded"``: epoch ``e`` is ``torch.randperm(n)`` seeded ``seed + e`` (Accelerate's
+            ``SeedableRandomSampler``, used by the HF Trainer; ``DistributedSampler``), with the
+            ``DataLoader``'s base-seed draw. Both keep what they drew in the state (a resume draws
+            nothing) and hold the epoch's permutation in memory (8 bytes a sample,
+            :mod:`unbroken.data.drawn`); not with ``continuous``.
         rank: this process's slice; default from ``torch.distributed`` when initialized,
             else ``RANK``, else 0.
         world_size: the number of slices; default from ``torch.distributed`` when
@@ -162,7 +175,7 @@ class ResumableLoader:
 
     def __init__(self, dataset: Dataset, batch_size: int = 1, shuffle: bool = False, *, seed: int = 0,
                  drop_last: bool = False, continuous: bool = False, rank: int | None = None,
-                 world_size: int | None = None, **loader_kwargs: Any) -> None:
+                 world_size: int | None = None, order: str = "unbroken", **loader_kwargs: Any) -> None:
         bad = [k for k in _FORBIDDEN if k in loader_kwargs]
         if bad:
             raise TypeError(f"ResumableLoader owns {bad}; pass seed=/shuffle= instead")
@@ -171,6 +184,11 @@ class ResumableLoader:
         if continuous and drop_last:
             raise ValueError("continuous=True completes an epoch's last batch from the next epoch: nothing is "
                              "dropped; pass one of continuous=True and drop_last=True")
+        if order not in ORDERS:
+            raise ValueError(f"order must be one of {', '.join(map(repr, ORDERS))}, not {order!r}")
+        if continuous and order != "unbroken":
+            raise ValueError(f"continuous=True needs the next epoch's order before that epoch's iterator starts, "
+                             f"which order={order!r} draws only then: use order='unbroken' with continuous=True")
         r, w = _world()
         self.rank = r if rank is None else rank
         self.world_size = w if world_size is None else world_size
@@ -181,7 +199,10 @@ class ResumableLoader:
         self.seed = seed
         self.drop_last = drop_last
         self.continuous = bool(continuous)
-        self.order = GlobalOrder(len(dataset), seed, shuffle)  # type: ignore[arg-type]
+        self._persistent = bool(loader_kwargs.get("persistent_workers")) and bool(loader_kwargs.get("num_workers"))
+        self.order: GlobalOrder | DrawnOrder = self._make_order(order, len(dataset), seed, shuffle)  # type: ignore[arg-type]
+        # an integration that chose the order for the user (HF's) resumes a run saved in another order in that one
+        self.adopts_saved_order = False
         if self.continuous and self.order.n < self.global_batch:
             raise ValueError(f"continuous=True needs at least one global batch of samples: the dataset has "
                              f"{self.order.n}, a global batch is {self.global_batch}")
@@ -194,6 +215,11 @@ class ResumableLoader:
         loader_kwargs["worker_init_fn"] = _WorkerInit(loader_kwargs.get("worker_init_fn"))
         self._loader = DataLoader(dataset, batch_sampler=_RankBatches(self), generator=self._generator,
                                   **loader_kwargs)
+
+    def _make_order(self, order: str, n: int, seed: int, shuffle: bool) -> GlobalOrder | DrawnOrder:
+        if order == "unbroken":
+            return GlobalOrder(n, seed, shuffle)
+        return DrawnOrder(n, seed, shuffle, order, base_draw_each_epoch=not self._persistent)
 
     @property
     def global_batch(self) -> int:
@@ -237,9 +263,18 @@ class ResumableLoader:
             self._next_epoch()  # this process served the epoch's end: the loop asks for the next epoch
         # (restored at an epoch's end, a checkpoint of its last step, nothing is left of it: the
         # iterator below serves nothing, and the epoch ends)
-        # Worker base seeds come from our own generator, never from the global RNG, so
-        # creating this iterator changes no random stream of the training loop.
-        self._generator.manual_seed(mix_ints(self.seed, self.epoch, 0xDA7A) >> 1)
+        if isinstance(self.order, DrawnOrder):  # the draws of torch's DataLoader, once per epoch (kept in the state)
+            if self.order.drawn_epoch != self.epoch and self.position < self.epoch_length:
+                self.order.draw(self.epoch)
+            rng = self.order.worker_generator_state()
+            if rng is not None:  # the inner DataLoader draws the same base seed again, from its own generator
+                self._generator.set_state(rng)
+            else:  # restored into this epoch (see DrawnOrder.worker_generator_state)
+                self._generator.manual_seed(mix_ints(self.seed, self.epoch, self.order.sampler_seed or 0) >> 1)
+        else:
+            # Worker base seeds come from our own generator, never from the global RNG, so
+            # creating this iterator changes no random stream of the training loop.
+            self._generator.manual_seed(mix_ints(self.seed, self.epoch, 0xDA7A) >> 1)
         born = self._restores
         for batch in self._loader:
             if self._restores != born:
@@ -273,10 +308,13 @@ class ResumableLoader:
             self.epoch, self.position, self._served_end = int(epoch), 0, False
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position, "samples_seen": self.samples_seen,
-                "seed": self.seed, "n": self.order.n, "shuffle": self.order.shuffle,
-                "world_size": self.world_size, "batch_size": self.batch_size, "drop_last": self.drop_last,
-                "continuous": self.continuous}
+        out = {"epoch": self.epoch, "position": self.position, "samples_seen": self.samples_seen,
+               "seed": self.seed, "n": self.order.n, "shuffle": self.order.shuffle,
+               "world_size": self.world_size, "batch_size": self.batch_size, "drop_last": self.drop_last,
+               "continuous": self.continuous}
+        if isinstance(self.order, DrawnOrder):
+            out.update(self.order.state_dict())
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         n = self.order.n
@@ -285,13 +323,23 @@ class ResumableLoader:
         epoch = count(state, "epoch", "loader")
         position = count(state, "position", "loader", hi=n + max(saved_batch, self.global_batch))
         samples_seen = count(state, "samples_seen", "loader")
-        if state["n"] != self.order.n or state["seed"] != self.seed or state["shuffle"] != self.order.shuffle:
+        mode = self.order.mode if isinstance(self.order, DrawnOrder) else "unbroken"
+        saved_mode = state.get("order", "unbroken")
+        adopt = (saved_mode != mode and self.adopts_saved_order and saved_mode in ORDERS
+                 and isinstance(state["seed"], int))
+        seed = state["seed"] if adopt else self.seed
+        mode = saved_mode if adopt else mode
+        if state["n"] != self.order.n or state["seed"] != seed or state["shuffle"] != self.order.shuffle:
             raise ValueError(
                 f"the checkpoint's data order (n={state['n']}, seed={state['seed']}, shuffle={state['shuffle']}) "
                 f"differs from this loader's (n={self.order.n}, seed={self.seed}, shuffle={self.order.shuffle}); "
                 "the dataset or seed changed, so the saved position means nothing here"
                 + ("; shuffle=True was the default of ResumableLoader before 0.2: pass it to resume such a run"
                    if state["shuffle"] and not self.order.shuffle else ""))
+        if saved_mode != mode:
+            raise ValueError(f"the checkpoint's loader was made with order={saved_mode!r}, this "
+                             f"one with order={mode!r}: the saved position means another sample here; pass the "
+                             "checkpoint's order")
         if bool(state.get("continuous", False)) != self.continuous:
             raise ValueError(f"the checkpoint's loader was made with continuous={not self.continuous}, this one "
                              f"with continuous={self.continuous}: epochs end at other samples, so the saved "
@@ -308,7 +356,13 @@ class ResumableLoader:
                 "but the epoch's last global batch is padded (or dropped) to the new size, so from the next epoch "
                 "on each step's samples differ from a run that kept the old world size; "
                 "ResumableLoader(..., continuous=True) keeps them the same across epoch ends", stacklevel=2)
+        if adopt:
+            warnings.warn(f"the run was saved with the data order {saved_mode!r} (seed {seed}): it goes on in that "
+                          f"order, not in the one chosen now, so that it stays the run it was", stacklevel=2)
+            self.seed, self.order = seed, self._make_order(saved_mode, self.order.n, seed, self.order.shuffle)
         self.epoch, self.position, self.samples_seen = epoch, position, samples_seen
+        if isinstance(self.order, DrawnOrder):
+            self.order.load_state_dict(state)
         # restored at an epoch's end: its next iterator serves nothing and ends the epoch; unless the
         # state says the loop that consumes it ended the epoch itself (``"epoch_ended": True``, set by
         # integrations whose framework restores its own epoch loop, e.g. Lightning's): then the next

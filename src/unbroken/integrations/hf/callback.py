@@ -11,6 +11,7 @@ import logging
 import os
 from typing import Any
 
+import torch
 from transformers import Trainer, TrainerCallback
 
 import unbroken
@@ -71,12 +72,12 @@ class UnbrokenCallback(TrainerCallback):
         if workers:
             extra.update(prefetch_factor=dl.prefetch_factor, persistent_workers=dl.persistent_workers,
                          worker_init_fn=dl.worker_init_fn, multiprocessing_context=dl.multiprocessing_context)
-        seed = args.data_seed if args.data_seed is not None else args.seed
         self.loader = ResumableLoader(
-            dl.dataset, batch_size=args.train_batch_size, seed=seed,
+            dl.dataset, batch_size=args.train_batch_size, **_order_of(self.trainer),
             shuffle=getattr(args, "train_sampling_strategy", "random") != "sequential",
             drop_last=args.dataloader_drop_last, rank=args.process_index, world_size=max(1, args.world_size),
             collate_fn=dl.collate_fn, num_workers=workers, pin_memory=dl.pin_memory, **extra)
+        self.loader.adopts_saved_order = True  # a run saved before the Trainer's order was kept goes on in its own
         return self.loader
 
     def _run_epoch(self, original: Any, *args: Any, **kwargs: Any) -> Any:
@@ -211,3 +212,22 @@ class UnbrokenCallback(TrainerCallback):
             log.warning("the restored data position (epoch %d, batch %d) is not where global_step %d puts it with "
                         "this batch size and gradient accumulation (epoch %d, batch %d): the data continues "
                         "from its own position", epoch, position, state.global_step, *expected)
+
+
+def _order_of(trainer: Any) -> dict[str, Any]:
+    """The order HF's own train loader has, so that enabling unbroken changes nothing of an uninterrupted run:
+    Accelerate's ``SeedableRandomSampler`` (``accelerator_config.use_seedable_sampler``, the default) shuffles
+    epoch ``e`` by ``torch.randperm`` seeded ``data_seed + e`` (``data_seed`` unset: the global RNG's initial
+    seed, which the Trainer set to ``args.seed``); without it, torch's ``RandomSampler`` draws each epoch's
+    seed from the global RNG (one process; with several, the default order). Either way the ``DataLoader``
+    draws its workers' base seed from the global RNG at each epoch's start. (``accelerator_config`` may be a
+    dict or a dataclass.)"""
+    args = trainer.args
+    config = getattr(args, "accelerator_config", None)
+    seedable = config.get("use_seedable_sampler", True) if isinstance(config, dict) else \
+        getattr(config, "use_seedable_sampler", True)
+    if not seedable:  # torch's RandomSampler: one process only (with several, Accelerate syncs a generator
+        # of its own, drawn when it prepares the loader: not reproduced, the default order is kept)
+        return {"order": "dataloader" if args.world_size <= 1 else "unbroken", "seed": args.seed}
+    seed = args.data_seed if args.data_seed is not None else torch.random.initial_seed()
+    return {"order": "epoch_seeded", "seed": int(seed)}
