@@ -136,6 +136,7 @@ FIXED = [
     ("unsaved_accumulator", "loop = unbroken.Vars(running=<its first value>); state['loop'] = loop before "
                             "ckpt.restore(state), and use loop.running where the loop used running"),
     ("rng_after_restore", "move that code before ckpt.restore(state)"),
+    ("nondeterministic", "torch.use_deterministic_algorithms(True)"),  # a GPU's atomics, emulated (see the script)
 ]
 
 
