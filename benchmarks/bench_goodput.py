@@ -13,6 +13,12 @@ gloo on ``--ranks`` (2) processes of one torch thread each. Configurations, in o
   ``ResumableLoader`` (``goodput_unbroken.py``).
 * ``ram``: ``Checkpointer(run, save_every=1, ram=unbroken.RamTier(keep_last=2, persist_every=N))``.
 * ``inproc``: ``disk`` inside ``ckpt.recover(train, state, on=(InjectedFault,))`` (exceptions only).
+* ``auto``: ``Checkpointer(run, save_every="auto")``: the interval chosen from the saves' measured blocking
+  time and the run's failures (:class:`unbroken.policies.AutoInterval`, its 24 h prior until the first).
+
+``CONFIG@N`` runs a configuration with a save every ``N`` steps instead of ``--save-every`` (``disk@10``,
+``dcp@25``): ``--configs auto,disk@10,disk@25,disk@50,disk@100`` compares ``auto`` with a sweep of fixed
+intervals in one run.
 
 ``ram`` and ``inproc`` are reported "not available" when this unbroken lacks ``RamTier`` or
 ``Checkpointer.recover``. Failure kinds: ``none`` (the baseline), ``kill`` (rank 1 SIGKILLed from
@@ -64,11 +70,21 @@ from goodput_report import metrics, plot, read_events, table  # noqa: E402
 from goodput_timeline import breakdown, median_table  # noqa: E402
 
 WORKER = str(HERE / "goodput_worker.py")
-CONFIGS = ("dcp", "dcp-async", "disk", "ram", "inproc")
+CONFIGS = ("dcp", "dcp-async", "disk", "auto", "ram", "inproc")
 KINDS = ("none", "kill", "exception", "node")
 MODEL = (("layers", 2), ("dim", 256), ("seq", 64), ("batch", 4), ("vocab", 8192))
 RDZV_PORT = 29400
 BASE = "-base"  # a configuration run on the unbroken of --base-src (the comparison's old side)
+
+
+def kind_of(config: str) -> str:
+    """The configuration without its ``-base`` suffix and its ``@N`` save interval (``disk@25-base``: ``disk``)."""
+    return config.removesuffix(BASE).partition("@")[0]
+
+
+def _every_ok(config: str) -> bool:
+    every = config.removesuffix(BASE).partition("@")[2]
+    return not every or (every.isdigit() and int(every) > 0 and kind_of(config) in ("dcp", "dcp-async", "disk", "ram"))
 
 
 def unavailable(config: str, kind: str) -> str | None:
@@ -76,9 +92,19 @@ def unavailable(config: str, kind: str) -> str | None:
 
     if config == "ram" and not hasattr(unbroken, "RamTier"):
         return "unbroken.RamTier is not in this unbroken"
+    if config == "auto" and not _has_auto():
+        return "save_every='auto' is not in this unbroken"
     if config == "inproc" and not hasattr(unbroken.Checkpointer, "recover"):
         return "unbroken.Checkpointer.recover is not in this unbroken"
     return None
+
+
+def _has_auto() -> bool:
+    try:
+        from unbroken.policies import AutoInterval  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def node_reason() -> str | None:
@@ -148,8 +174,9 @@ class Job:
     def __init__(self, a: argparse.Namespace, config: str, base: Path, cluster: Any, log: Any) -> None:
         self.a, self.base, self.cluster, self.log = a, base, cluster, log
         model = [f"--{k}={getattr(a, k)}" for k, _ in MODEL]
-        self.argv = [WORKER, "--config", config.removesuffix(BASE), "--run-dir", str(base / "run"),
-                     "--out", str(base / "out"), "--steps", str(a.steps), "--save-every", str(a.save_every), *model]
+        name, _, every = config.removesuffix(BASE).partition("@")  # "disk@25": disk, a save every 25 steps
+        self.argv = [WORKER, "--config", name, "--run-dir", str(base / "run"), "--out", str(base / "out"),
+                     "--steps", str(a.steps), "--save-every", every or str(a.save_every), *model]
         self.env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         if config.endswith(BASE):  # the same configuration on the unbroken of --base-src
             self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [a.base_src, os.environ.get("PYTHONPATH")]))
@@ -321,7 +348,8 @@ def main() -> None:
     a = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the jobs and clean up on the way out
     configs, kinds = a.configs.split(","), a.kinds.split(",")
-    if bad := [c for c in configs if c not in CONFIGS] + [k for k in kinds if k not in KINDS]:
+    bad = [c for c in configs if kind_of(c) not in CONFIGS or not _every_ok(c)] + [k for k in kinds if k not in KINDS]
+    if bad:
         ap.error(f"unknown: {bad}")
     if a.base_src:
         if not (Path(a.base_src) / "unbroken" / "__init__.py").is_file():
@@ -351,9 +379,9 @@ def main() -> None:
                 cluster = Cluster(2)
             try:
                 for config in configs:
-                    if config.removesuffix(BASE) == "inproc" and kind not in ("none", "exception"):
+                    if kind_of(config) == "inproc" and kind not in ("none", "exception"):
                         continue
-                    if not config.endswith(BASE) and (why := unavailable(config, kind)) is not None:
+                    if not config.endswith(BASE) and (why := unavailable(kind_of(config), kind)) is not None:
                         rows.append({"config": config, "kind": kind, "unavailable": why})
                         continue
                     print(f"[{config} / {kind}]", file=sys.stderr, flush=True)

@@ -3,6 +3,7 @@
 * ``disk``: ``Checkpointer(run, save_every=N)``, state = model, AdamW and a
   ``unbroken.data.ResumableLoader`` (the data position is a count of global samples).
 * ``ram``: ``Checkpointer(run, save_every=1, ram=unbroken.RamTier(keep_last=2, persist_every=N))``.
+* ``auto``: ``Checkpointer(run, save_every="auto")`` (the interval from what saves block and the run's failures).
 * ``inproc``: ``disk`` run inside ``ckpt.recover(train, state, on=(InjectedFault,))``, which
   restores the newest checkpoint in place after the exception and calls ``train`` again.
 """
@@ -36,7 +37,8 @@ class Loop:
             self.ckpt = unbroken.Checkpointer(a.run_dir, save_every=1, keep_last=2, ram=unbroken.RamTier(
                 keep_last=2, persist_every=a.save_every))
         else:
-            self.ckpt = unbroken.Checkpointer(a.run_dir, save_every=a.save_every, keep_last=2)
+            every = "auto" if a.config == "auto" else a.save_every
+            self.ckpt = unbroken.Checkpointer(a.run_dir, save_every=every, keep_last=2)
         self.state = {"model": model, "optimizer": opt, "data": self.loader}
 
     def step_no(self) -> int:

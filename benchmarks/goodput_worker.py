@@ -123,7 +123,7 @@ def digest(model, opt) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--config", choices=["dcp", "dcp-async", "disk", "ram", "inproc"], required=True)
+    p.add_argument("--config", choices=["dcp", "dcp-async", "disk", "auto", "ram", "inproc"], required=True)
     p.add_argument("--run-dir", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, required=True)

@@ -87,6 +87,9 @@ MEASURED_S: dict[str, float] = {
     "test_reader_tool.py": 22,
     "test_upstream_gpt.py": 20,
     "test_integration_lightning_dist.py[fsdp]": 20,
+    "test_auto_interval.py": 19,  # (the seventh session's new files, measured alone)
+    "test_goodput_report.py": 18,
+    "test_data_torch_orders.py": 9,
 }
 """Seconds the tests of each scope (a file, or a group of :data:`timeline.SPLIT_BY` or
 :data:`timeline.FOUR_RANKS`, the ``4-ranks`` scope) took in a full ``make test`` (``python
@@ -311,7 +314,8 @@ ZYGOTE_MODULES: set[str] = {
     "test_integration_lightning_dist", "test_deepspeed", "test_ram_tier_dist", "test_integration_hf_ddp4",
     "test_integration_lightning_ddp4", "test_ddp_align", "test_integration_accelerate", "test_integration_lightning",
     "test_data_stream", "test_selftest", "test_selftest_trust", "test_signals_exit", "test_ram_tier", "test_examples",
-    "test_readonly", "test_lock", "test_boundary", "test_upstream_gpt", "test_doc_blocks",
+    "test_readonly", "test_lock", "test_boundary", "test_upstream_gpt", "test_doc_blocks", "test_goodput_report",
+    "test_auto_interval",
 }
 """The test files whose processes start from the fork server (:mod:`zygote`, docs/testing.md): each was read
 for what a forked child does not give (a SIGSTOP of ``proc.pid``, its ``/proc`` read through ``proc.pid``:

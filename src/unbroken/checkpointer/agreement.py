@@ -9,7 +9,8 @@ decision are of three kinds:
   (:class:`~unbroken.policies.AtEpochEnd`) see only the step and epoch counters. Each rank
   evaluates them alone; nothing is exchanged.
 - **Different per rank, fine one step later**: time triggers
-  (:class:`~unbroken.policies.EveryMinutes`: each rank reads its own clock) and preemption
+  (:class:`~unbroken.policies.EveryMinutes`, :class:`~unbroken.policies.AutoInterval`: each rank
+  reads its own clock) and preemption
   signals (one rank may get one, or get it a step before the others). Each step boundary starts a
   non-blocking all-reduce (the largest of the ranks' flags, ``async_op=True`` on the
   Checkpointer's gloo group) and the next boundary takes its result. Every rank takes it at the
@@ -49,7 +50,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from ..dist.comm import Comm, PendingMax
-from ..policies import AtEpochEnd, EveryMinutes, EveryNSteps, Trigger
+from ..policies import AtEpochEnd, AutoInterval, EveryMinutes, EveryNSteps, Trigger
 
 SAVE, SIGNAL, SPIKE, LONG = 1, 2, 4, 8
 """The flags the ranks agree on: a save is due, a signal arrived, ``rollback_if`` was true, a
@@ -59,7 +60,7 @@ LONG_STEP_S = 1.0
 
 SAME_ON_EVERY_RANK: tuple[type, ...] = (EveryNSteps, AtEpochEnd)
 """Triggers that see only the step and epoch counters: no agreement needed."""
-LATER_IS_FINE: tuple[type, ...] = (EveryMinutes,)
+LATER_IS_FINE: tuple[type, ...] = (EveryMinutes, AutoInterval)
 """Triggers that differ per rank (the clock) and may be acted on one step later."""
 
 Due = Callable[[Sequence[Trigger] | None], bool]

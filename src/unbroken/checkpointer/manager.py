@@ -57,7 +57,10 @@ class Checkpointer:
     Args:
         location: the run: a folder (created on the first save), ``file://``, ``s3://bucket/run``
             or any fsspec URL (``gs://``, ``az://``, ``memory://``).
-        save_every: save from :meth:`step` every this many optimizer steps.
+        save_every: save from :meth:`step` every this many optimizer steps; ``"auto"``: at the interval
+            that loses the least time, from what this run's saves block and how often it failed
+            (:class:`unbroken.policies.AutoInterval`; ``trigger=AutoInterval(mtbf_hours=...)`` sets its
+            prior).
         keep_last: how many committed checkpoints to keep (``None``: all). Older ones are
             deleted only after a newer one has committed.
         trigger: more save triggers (:mod:`unbroken.policies`: ``EveryMinutes(30) |
@@ -104,7 +107,7 @@ class Checkpointer:
     that, after waiting for pending uploads.
     """
 
-    def __init__(self, location: str | os.PathLike[str], *, save_every: int | None = None,
+    def __init__(self, location: str | os.PathLike[str], *, save_every: int | Literal["auto"] | None = None,
                  keep_last: int | None = 3, trigger: Trigger | None = None, retention: Retention | None = None,
                  remote: Remote | None = None, storage_options: Mapping[str, Any] | None = None,
                  preemption: Preemption | None = Preemption(), env: EnvCheck | None = None,

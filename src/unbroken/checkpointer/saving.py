@@ -93,13 +93,20 @@ class Saver:
         """:meth:`unbroken.Checkpointer.save` once the state is adapted and the run open (see there). The time
         it blocks training (all of it for a synchronous save, the snapshot for an async one, with the wait for
         the previous background save) goes to the run index (``unbroken goodput``)."""
-        entered = time.monotonic()
+        entered, done = time.monotonic(), False
         try:
-            return self._save(state, metrics, kind=kind, tag=tag, progress=progress, rng=rng)
+            info = self._save(state, metrics, kind=kind, tag=tag, progress=progress, rng=rng)
+            done = True
+            return info
         finally:
-            if self.core.recorder is not None:
-                step = progress["step"] if progress is not None and "step" in progress else self.core.progress.step
-                self.core.recorder.save_blocked(step, time.monotonic() - entered)
+            core, now = self.core, time.monotonic()
+            step = progress["step"] if progress is not None and "step" in progress else core.progress.step
+            if core.recorder is not None:
+                core.recorder.save_blocked(step, now - entered)
+            if done and core.schedule.auto and kind != "emergency":  # save_every="auto" learns what a save costs
+                said = core.schedule.observe_save(now - entered, now)
+                if said and core.recorder is not None:
+                    core.recorder.event("save_interval", said, step=step)
 
     def _save(self, state: Mapping[str, Any], metrics: dict[str, Any] | None, *, kind: str, tag: str | None,
               progress: Mapping[str, int] | None, rng: Mapping[str, Any] | None) -> CheckpointInfo | None:

@@ -11,6 +11,7 @@ the Checkpointer saves, rolls back (:mod:`unbroken.faults.recovery`) or stops wi
 
 from __future__ import annotations
 
+import logging
 import signal
 import time
 from collections.abc import Mapping, Sequence
@@ -25,12 +26,15 @@ from ..faults.guard import StepGuard
 from ..faults.handlers import preempt_and_exit
 from ..faults.signals import SignalWatcher
 from ..policies import Trigger
+from ..run.index.goodput import failure_history
 from ..state.checks import clean_metrics
 from .agreement import SAVE, SIGNAL, SPIKE, StepAgreement
 from .core import Core
 from .epochs import EpochLoop
 from .restoring import sync_data_position
 from .saving import Saver
+
+log = logging.getLogger("unbroken")
 
 if TYPE_CHECKING:
     from ..selftest.hooks import Hooks
@@ -50,6 +54,7 @@ class Stepper:
         """The active ``ckpt.guard(state)``, if any: marked at every step boundary."""
         self.recovery: recovery.Policy | None = None
         """Inside ``recover()``: its policy (the loss-spike predicate)."""
+        self._history_of: int | None = None  # the segment whose failure history save_every="auto" has
         self.selftest: Hooks | None = None
         """``unbroken selftest``: its per-step hooks (``None`` otherwise: one attribute check per step)."""
 
@@ -73,6 +78,8 @@ class Stepper:
         core.events.publish(StepEnded(progress.step, clean))
         if self.selftest is not None:  # the step's fingerprint, before any save (same instant in every run)
             self.selftest.step_ended(ckpt, state, clean)
+        if core.schedule.auto:
+            self._learn_history()
         # the ranks agree on saving, preemption and a loss spike (agreement.py): time triggers and signals
         # one step later, without waiting; rollback_if and metric triggers at once; nothing at world size 1
         policy = self.recovery if self.recovery is not None and self.recovery.rollback_if is not None else None
@@ -109,6 +116,23 @@ class Stepper:
             preempt_and_exit(ckpt, state, self.signals.received or signal.SIGTERM,
                              self.signals.received_at or time.monotonic())
         return info
+
+    def _learn_history(self) -> None:
+        """``save_every="auto"``: once per segment (a process, or a rollback inside one), what the run index
+        says of the run's failures so far (on the ranks that keep the index; the others keep the prior)."""
+        recorder = self.core.recorder
+        segment = recorder.segment_id if recorder is not None else None
+        if recorder is None or segment is None or segment == self._history_of or recorder.index is None:
+            return
+        self._history_of = segment
+        try:
+            failures, wall = failure_history(recorder.index, time.time())
+        except Exception as e:  # noqa: BLE001 - the index is an aid: the prior stands in
+            log.debug("save_every='auto': the run index could not say the run's failures (%s)", e)
+            return
+        said = self.core.schedule.observe_history(failures, wall, time.monotonic())
+        if said:
+            recorder.event("save_interval", said, step=self.core.progress.step)
 
     def due(self, epoch_end: bool, triggers: Sequence[Trigger] | None = None) -> bool:
         """Whether this instant is to be saved: a trigger asks, and it was not saved already."""

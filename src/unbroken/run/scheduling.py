@@ -2,7 +2,10 @@
 
 ``save_every`` and ``keep_last`` are shortcuts that combine with ``trigger`` and
 ``retention``: ``keep_last=3, retention=KeepBest(2, "val_loss")`` keeps the last three
-*and* the best two. Tagged checkpoints are always kept.
+*and* the best two. Tagged checkpoints are always kept. ``save_every="auto"`` is an
+:class:`~unbroken.policies.AutoInterval`, which the Checkpointer tells what each save blocked
+(:meth:`Schedule.observe_save`) and what the run index says of the run's failures
+(:meth:`Schedule.observe_history`).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import Any
 
 from ..policies import (
     AnyOf,
+    AutoInterval,
     CheckpointMeta,
     EveryNSteps,
     KeepLast,
@@ -29,18 +33,25 @@ from ..store.base import is_checkpoint_name
 class Schedule:
     """The save trigger and retention policy of one Checkpointer."""
 
-    def __init__(self, save_every: int | None, trigger: Trigger | None, keep_last: int | None,
+    def __init__(self, save_every: int | str | None, trigger: Trigger | None, keep_last: int | None,
                  retention: Retention | None) -> None:
-        if save_every is not None and save_every < 1:
-            raise ValueError("save_every must be a positive number of steps or None")
+        if save_every is not None and save_every != "auto" and (
+                isinstance(save_every, (bool, str)) or not isinstance(save_every, int) or save_every < 1):
+            raise ValueError(f"save_every must be a positive number of steps, 'auto' or None, not {save_every!r}")
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be at least 1 (or None to keep everything)")
         if trigger is not None and not isinstance(trigger, Trigger):
             raise TypeError(f"trigger must have due(ctx), got {type(trigger).__name__}")
         if retention is not None and not isinstance(retention, Retention):
             raise TypeError(f"retention must have keep(checkpoints), got {type(retention).__name__}")
-        triggers = [t for t in (EveryNSteps(save_every) if save_every else None, trigger) if t is not None]
+        every: Trigger | None = AutoInterval() if save_every == "auto" else (
+            EveryNSteps(save_every) if isinstance(save_every, int) else None)
+        triggers = [t for t in (every, trigger) if t is not None]
         self.trigger: AnyOf | None = AnyOf(*triggers) if triggers else None
+        self.auto = [t for t in (self.trigger.triggers if self.trigger else ()) if isinstance(t, AutoInterval)]
+        """The :class:`~unbroken.policies.AutoInterval` triggers, told what saves cost and failures happen."""
+        self._told: str | None = None  # the last choice recorded in the run index
+        self._last_interval: float | None = None
         rules = [r for r in (KeepLast(keep_last) if keep_last else None, retention) if r is not None]
         self.retention: Retention | None = Union(*rules, KeepTagged()) if rules else None
         self.last_save_time: float | None = None
@@ -58,6 +69,33 @@ class Schedule:
         if triggers is not None:
             return any([t.due(ctx) for t in triggers])  # noqa: C419 -- a list: ask all, no short-circuit
         return self.trigger.due(ctx)
+
+    def observe_save(self, blocked_s: float, now: float) -> str | None:
+        """A save blocked training ``blocked_s`` seconds: the auto intervals learn it. Returns the new choice
+        in words when it moved by more than a tenth (for the run index), else ``None``."""
+        for t in self.auto:
+            t.observe_save(blocked_s)
+        return self._choice(now)
+
+    def observe_history(self, failures: int, wall_s: float, now: float) -> str | None:
+        """The run index's account of the run (failures that lost work, wall time): the auto intervals learn
+        it. Returns the choice in words (for the run index)."""
+        for t in self.auto:
+            t.observe_history(failures, wall_s, now)
+        self._told = None
+        return self._choice(now)
+
+    def _choice(self, now: float) -> str | None:
+        if not self.auto:
+            return None
+        t = self.auto[0]
+        interval = t.interval_s(now)
+        said = t.describe(now)
+        last = self._last_interval
+        if self._told is not None and interval is not None and last is not None and abs(interval - last) <= 0.1 * last:
+            return None
+        self._told, self._last_interval = said, interval
+        return said
 
     def already_saved(self, step: int, metrics: Mapping[str, Any], epoch: int = 0) -> bool:
         """This instant (step and epoch: the last step of an epoch and the end of that epoch's

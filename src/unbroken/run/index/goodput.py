@@ -243,3 +243,12 @@ def _totals(segments: list[SegmentTime]) -> Goodput:
             unknown[name] = (f"segment(s) {lost}: no step reached is recorded (no progress row, metric row or "
                              "save of theirs)")
     return total
+
+
+def failure_history(index: RunIndex, now: float) -> tuple[int, float]:
+    """``(failures, wall_s)`` of the run so far, for ``save_every="auto"``: the segments before the current
+    (last) one that ended losing work — killed or crashed without closing (``not closed``), or rolled back —
+    and the seconds from the run's first segment to ``now`` (``time.time()``)."""
+    rows = compute(index).segments
+    failures = sum(1 for seg in rows[:-1] if seg.how in ("not closed", "rolled back"))
+    return failures, max(0.0, now - rows[0].started) if rows else 0.0

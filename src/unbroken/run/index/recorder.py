@@ -96,6 +96,11 @@ class Recorder:
     def index(self) -> RunIndex | None:
         return self._index
 
+    @property
+    def segment_id(self) -> int | None:
+        """The run index's id of this process's current segment (``None`` before it starts)."""
+        return self._progress.segment if self._progress is not None else None
+
     def segment(self, resumed_from: str | None, step: int, tier: str = "") -> None:
         """Start the run segment (once per process): after restore (``tier``: where it read from), or
         at the first step."""
