@@ -25,7 +25,7 @@ LAYERS: dict[str, int] = {
     # 4: the training side: what each Checkpointer call does
     "checkpointer": 4,
     # 5: the package's names, and thin tools
-    "": 5, "cli": 5, "convert": 5, "integrations": 5, "demo": 5,
+    "": 5, "cli": 5, "convert": 5, "integrations": 5, "demo": 5, "launch": 5,
 }
 SELF_CONTAINED = {"store": {"errors", "_support.exithooks"}, "format": {"errors"}, "state": {"errors"}, "data": set()}
 

@@ -8,7 +8,8 @@
 - :mod:`.runlog`: ``events``, ``metrics`` and ``plot``;
 - :mod:`.goodput`: ``goodput``;
 - :mod:`.convert`: ``import`` and ``export``;
-- :mod:`.demo`: ``demo``.
+- :mod:`.demo`: ``demo``;
+- :mod:`.launch`: ``run`` (restarts from a warm spare).
 
 ``docs/cli.md`` describes every command, its output, ``--json`` shape and exit codes.
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 import os
 
 # each module registers its commands, in the order --help lists them
-from . import compare, convert, demo, goodput, inspection, listing, maintain, runlog, selftest  # noqa: F401
+from . import compare, convert, demo, goodput, inspection, launch, listing, maintain, runlog, selftest  # noqa: F401
 from .base import app
 
 __all__ = ["app", "main"]

@@ -1,0 +1,57 @@
+"""The spare: an interpreter that has imported torch and waits to become the training process.
+
+Started by the supervisor (:mod:`.supervisor`) as ``python [FLAGS] -m unbroken.launch.spare GO READY
+MODULES``, with the job's environment, working folder and standard streams. It imports ``MODULES``
+(torch and what ``--preload`` adds; never CUDA: importing torch creates no CUDA context, so a waiting
+spare holds no GPU memory), says ``ready`` on the file descriptor ``READY``, and blocks reading ``GO``.
+
+- A line on ``GO`` (JSON: the script or module and ``sys.argv``) makes it the training process: it runs
+  the script as ``python SCRIPT`` does (``runpy``, ``__name__ == "__main__"``, ``sys.path[0]`` the
+  script's folder; ``-m``: the working folder), and its exit status is the script's.
+- End of file on ``GO`` (the supervisor closed it, or died) makes it exit 0 at once.
+
+Nothing of a dead training process is in it: it is a new process image, started before the failure.
+While it waits, SIGINT is ignored (a Ctrl-C at the terminal is the training's, not the spare's); once it
+runs the script, Python's own handling is back.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import runpy
+import signal
+import sys
+
+
+def main(argv: list[str]) -> int:
+    go_fd, ready_fd, modules = int(argv[0]), int(argv[1]), [m for m in argv[2].split(",") if m]
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        for name in modules:
+            importlib.import_module(name)
+    except BaseException as e:  # noqa: BLE001 - told to the supervisor, which then starts the command cold
+        os.write(ready_fd, f"failed {type(e).__name__}: {e}\n".encode())
+        return 3
+    os.write(ready_fd, b"ready\n")
+    os.close(ready_fd)
+    with os.fdopen(go_fd, "rb") as go:
+        line = go.readline()
+    if not line:
+        return 0  # not needed: the supervisor is done (or gone)
+    order = json.loads(line)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    sys.argv = list(order["argv"])
+    if order.get("module"):
+        sys.path[0] = os.getcwd()
+        runpy.run_module(order["module"], run_name="__main__", alter_sys=True)
+    else:
+        script = order["script"]
+        sys.path[0] = os.path.dirname(os.path.abspath(script))
+        runpy.run_path(script, run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,163 @@
+"""``unbroken run -- python train.py ...``: restart the training after a failure, from a warm spare.
+
+The supervisor runs the command and, while it trains, keeps one **spare** ready (:mod:`.spare`): an
+interpreter of the same Python with the same flags, environment and working folder that has imported
+torch (and ``--preload`` modules) and waits. When the training process dies — SIGKILL, the OOM killer,
+a segfault, an exception — the spare becomes the next training process at once (no interpreter start,
+no ``import torch``: most of a cold restart), resumes from the run's newest checkpoint as any restart
+does, and a new spare starts warming behind it. A restart is exact as every resume is: the spare is a
+new process image started before the failure, nothing of the dead process is reused.
+
+Exit statuses: 0 when the training finishes; 75 when it stopped for a preemption (the scheduler
+requeues the job: restarting here would fight it); otherwise the training's last status (a signal
+``N``: 128 + N) once ``--max-restarts`` restarts are used up, or at once when the supervisor itself was
+asked to stop. SIGTERM, SIGINT, SIGUSR1 and SIGHUP sent to the supervisor go to the training process
+too (a copy that also reached it directly is the same request for unbroken: :mod:`unbroken.faults.signals`),
+and no restart follows them.
+
+Costs: the spare's memory (an interpreter with torch imported: about 300 MB of RAM, no GPU memory; it
+never touches CUDA) and its CPU while it imports, once per start. A command the spare cannot run
+(:mod:`.command`) restarts cold, with the reason said once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from .command import Command, parse
+
+PRELOAD = ("numpy", "torch", "torch._dynamo", "torch.utils.data", "torch.distributed", "unbroken",
+           "unbroken.checkpointer.manager", "unbroken.checkpointer.restoring", "unbroken.data")
+"""What every spare imports: torch, the parts of it a training script loads as a matter of course (the first
+``torch.optim`` optimizer imports ``torch._dynamo``: over a second of CPU), and unbroken's training side."""
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
+READY_TIMEOUT_S = 300.0
+"""How long the supervisor waits for a spare to import before it runs the command cold instead."""
+PREEMPTED = 75
+
+
+def say(message: str) -> None:
+    print(f"unbroken run: {message}", file=sys.stderr, flush=True)
+
+
+class Spare:
+    """One waiting interpreter (see :mod:`.spare`); :meth:`go` makes it the training process."""
+
+    def __init__(self, cmd: Command, preload: tuple[str, ...]) -> None:
+        go_r, self._go = os.pipe()
+        self._ready, ready_w = os.pipe()
+        assert cmd.executable is not None
+        self.proc = subprocess.Popen(
+            [cmd.executable, *cmd.flags, "-m", "unbroken.launch.spare", str(go_r), str(ready_w), ",".join(preload)],
+            pass_fds=(go_r, ready_w), stdin=None)
+        os.close(go_r)
+        os.close(ready_w)
+        self.started = time.monotonic()
+        self.answer: str | None = None
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Whether the spare has imported what it preloads (within ``timeout`` seconds from now)."""
+        if self.answer is None:
+            ready, _, _ = select.select([self._ready], [], [], max(0.0, timeout))
+            if not ready:
+                return False
+            self.answer = os.read(self._ready, 4096).decode(errors="replace").strip() or "ended"
+            os.close(self._ready)
+        return self.answer == "ready" and self.proc.poll() is None
+
+    def go(self, cmd: Command) -> subprocess.Popen[bytes]:
+        order = {"argv": cmd.main_argv(), "script": cmd.script, "module": cmd.module}
+        os.write(self._go, (json.dumps(order) + "\n").encode())
+        os.close(self._go)
+        return self.proc
+
+    def discard(self) -> None:
+        """Not needed: its ``GO`` closes (it exits 0); killed if it has not within 5 s."""
+        try:
+            os.close(self._go)
+        except OSError:
+            pass
+        if self.answer is None:
+            os.close(self._ready)
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+
+
+@dataclass
+class Outcome:
+    status: int
+    restarts: int
+    warm: int
+
+
+class Supervisor:
+    """The loop of ``unbroken run`` (see the module docstring)."""
+
+    def __init__(self, argv: list[str], max_restarts: int = 10, preload: tuple[str, ...] = (),
+                 warm: bool = True) -> None:
+        self.cmd = parse(argv)
+        if not warm:
+            self.cmd.cold = "--cold"
+        self.max_restarts, self.preload = max_restarts, PRELOAD + tuple(preload)
+        self.child: subprocess.Popen[bytes] | None = None
+        self.spare: Spare | None = None
+        self.stopping: signal.Signals | None = None
+
+    def _forward(self, signum: int, frame: object) -> None:
+        self.stopping = signal.Signals(signum)
+        if self.child is not None and self.child.poll() is None:
+            self.child.send_signal(signum)
+
+    def _start(self) -> tuple[subprocess.Popen[bytes], bool]:
+        """The next training process: the spare when it is ready, else the command started cold."""
+        spare, self.spare = self.spare, None
+        if spare is not None:
+            if spare.wait_ready(READY_TIMEOUT_S - (time.monotonic() - spare.started)):
+                return spare.go(self.cmd), True
+            say(f"the spare was not ready ({spare.answer or 'still importing'}): starting cold")
+            spare.discard()
+        return subprocess.Popen(self.cmd.argv), False
+
+    def run(self) -> Outcome:
+        if self.cmd.cold:
+            say(f"cold restarts: {self.cmd.cold}")
+        previous = {s: signal.signal(s, self._forward) for s in FORWARDED}
+        restarts = warm = 0
+        try:
+            if self.cmd.warm:
+                self.spare = Spare(self.cmd, self.preload)
+            while True:
+                self.child, was_warm = self._start()
+                warm += was_warm
+                if self.cmd.warm and self.stopping is None:
+                    self.spare = Spare(self.cmd, self.preload)  # warms while the training runs
+                status = _status(self.child.wait())
+                if status == 0 or status == PREEMPTED or self.stopping is not None:
+                    return Outcome(status, restarts, warm)
+                if restarts >= self.max_restarts:
+                    say(f"the training process ended with status {status}; {restarts} restarts used up: stopping")
+                    return Outcome(status, restarts, warm)
+                restarts += 1
+                how = "from the warm spare" if self.spare is not None else "cold"
+                say(f"the training process ended with status {status}: restart {restarts} of "
+                    f"{self.max_restarts}, {how}")
+        finally:
+            if self.spare is not None:
+                self.spare.discard()
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+
+def _status(returncode: int) -> int:
+    """A shell's exit status for a child's return code (killed by signal N: 128 + N)."""
+    return 128 - returncode if returncode < 0 else returncode

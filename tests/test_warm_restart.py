@@ -1,0 +1,251 @@
+"""``unbroken run -- python train.py``: restarts after failures from a warm spare, exact, bounded.
+
+End to end with real processes: the training process SIGKILLed at steps and inside a save (once, a
+marker), each time replaced by the spare — a new process image that had imported torch before the
+failure — and the final parameters equal the uninterrupted run's bit for bit. Then what a supervisor
+must get right: a preemption (SIGTERM to the supervisor) is saved and ends the job with 75, no
+restart; the restarts are bounded; a command a spare cannot run restarts cold; a spare that cannot
+import falls back to a cold start; a spare whose supervisor dies exits. No timing is asserted; the
+speed is measured by ``benchmarks/bench_warm_restart.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from unbroken.launch.command import parse
+
+pytestmark = pytest.mark.e2e
+
+LOOP = """
+import os, sys, time, hashlib, torch, unbroken
+run, steps, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Dropout(0.1), torch.nn.Linear(64, 4))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+state = {"model": model, "optimizer": opt}
+ckpt = unbroken.Checkpointer(run, save_every=5)
+info = ckpt.restore(state)
+print(f"pid {os.getpid()} " + (f"resumed from step {ckpt.progress.step}" if info else "fresh start"), flush=True)
+while ckpt.progress.step < steps:
+    s = ckpt.progress.step + 1
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(s))
+    loss = model(x).pow(2).mean()  # dropout: the global RNG, restored with the checkpoint
+    loss.backward(); opt.step(); opt.zero_grad()
+    time.sleep(float(os.environ.get("STEP_SLEEP", "0.01")))
+    ckpt.step(state, loss=loss.item())
+    print("step", s, flush=True)
+    held = f"{run}.held-{s}"
+    if str(s) in os.environ.get("HOLD_AT", "").split(",") and not os.path.exists(held):
+        open(held, "w").close()  # the test kills this process here (once: not again after the resume)
+        time.sleep(120)
+ckpt.close()
+h = hashlib.sha256()
+for v in [*model.state_dict().values(), *[t for s in opt.state.values() for t in s.values()]]:
+    h.update(v.numpy().tobytes())
+open(out, "w").write(h.hexdigest())
+"""
+
+
+def env(**extra: str) -> dict[str, str]:
+    out = {k: v for k, v in os.environ.items() if not k.startswith("UNBROKEN_FAULT")}
+    return dict(out, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **extra)
+
+
+def supervise(tmp: Path, *options: str, steps: int = 120, environ: dict[str, str] | None = None,
+              command: list[str] | None = None) -> subprocess.Popen[str]:
+    script = tmp / "loop.py"
+    script.write_text(LOOP)
+    cmd = command or [sys.executable, str(script), str(tmp / "run"), str(steps), str(tmp / "final")]
+    return subprocess.Popen([sys.executable, "-m", "unbroken.cli", "run", *options, "--", *cmd],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ or env(), cwd=tmp)
+
+
+def uninterrupted(tmp: Path, steps: int = 120) -> str:
+    ref = tmp / "reference"
+    ref.mkdir()
+    (ref / "loop.py").write_text(LOOP)
+    subprocess.run([sys.executable, str(ref / "loop.py"), str(ref / "run"), str(steps), str(ref / "final")],
+                   check=True, capture_output=True, env=env(), timeout=300)
+    return (ref / "final").read_text()
+
+
+def drive(proc: subprocess.Popen[str], kills: dict[int, int]) -> list[str]:
+    """Read the training's lines; SIGKILL the training process (not the supervisor) once it printed step
+    ``s`` and holds there (``HOLD_AT``), for each ``s`` in ``kills``, after waiting until a spare is ready
+    (it warms while the training runs: the supervisor waits for it anyway, the test only keeps it honest)."""
+    assert proc.stdout is not None
+    lines, pid = [], 0
+    for line in proc.stdout:
+        lines.append(line.strip())
+        if line.startswith("pid "):
+            pid = int(line.split()[1])
+        elif line.startswith("step ") and int(line.split()[1]) in kills:
+            kills.pop(int(line.split()[1]))
+            wait_for_spare(proc.pid, training=pid)
+            os.kill(pid, signal.SIGKILL)
+    return lines
+
+
+def spares_of(supervisor: int, training: int) -> list[int]:
+    """The supervisor's children started as spares (their command line names the spare module) that are not
+    the training process (a spare that became it)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+                cmdline = (d / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == supervisor and b"unbroken.launch.spare" in cmdline \
+                    and int(d.name) != training:
+                out.append(int(d.name))
+    return out
+
+
+def wait_for_spare(supervisor: int, training: int, timeout: float = 120.0) -> None:
+    """Until a spare of ``supervisor`` has imported what it preloads (it then blocks reading its pipe: its
+    ``wchan`` is a pipe read), bounded."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for pid in spares_of(supervisor, training):
+            try:
+                if "pipe" in Path(f"/proc/{pid}/wchan").read_text() or _reading(pid):
+                    return
+            except OSError:
+                pass
+        time.sleep(0.05)
+    raise AssertionError(f"no spare of {supervisor} was ready within {timeout} s")
+
+
+def _reading(pid: int) -> bool:
+    """The process sleeps in a read (``anon_pipe_read``/``pipe_read``; ``wchan`` may be hidden: then its
+    stack of syscalls says ``read`` with the go pipe's fd)."""
+    try:
+        syscall = Path(f"/proc/{pid}/syscall").read_text().split()
+    except OSError:
+        return False
+    return bool(syscall) and syscall[0] == "0"  # read(2) on x86-64
+
+
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
+def test_killed_at_steps_and_inside_a_save_each_restart_is_warm_and_the_run_is_exact(tmp_path: Path) -> None:
+    marker = tmp_path / "fault-fired"
+    proc = supervise(tmp_path, environ=env(UNBROKEN_FAULTS="save.mid_file=6", UNBROKEN_FAULT_ONCE=str(marker),
+                                           HOLD_AT="40,90"))
+    lines = drive(proc, {40: 1, 90: 1})
+    assert proc.wait(timeout=300) == 0, proc.stderr.read() if proc.stderr else ""
+    err = proc.stderr.read() if proc.stderr else ""
+    assert marker.exists()  # the kill inside a save (its 6th file: step 10's) happened
+    starts = [line for line in lines if line.startswith("pid ")]
+    assert len(starts) == 4 and "fresh start" in starts[0], starts
+    assert len({line.split()[1] for line in starts}) == 4  # four processes
+    assert err.count("from the warm spare") == 3, err
+    assert (tmp_path / "final").read_text() == uninterrupted(tmp_path)
+
+
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
+def test_a_killed_process_is_replaced_by_the_spare_and_the_run_is_exact(tmp_path: Path) -> None:
+    proc = supervise(tmp_path, steps=40, environ=env(HOLD_AT="12"))
+    lines = drive(proc, {12: 1})
+    assert proc.wait(timeout=300) == 0
+    err = proc.stderr.read() if proc.stderr else ""
+    assert "restart 1 of 10, from the warm spare" in err, err
+    assert [line.split()[2:] for line in lines if line.startswith("pid ")] == [
+        ["fresh", "start"], ["resumed", "from", "step", "10"]]
+    assert (tmp_path / "final").read_text() == uninterrupted(tmp_path, steps=40)
+
+
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
+def test_a_preemption_saves_and_ends_with_75_without_a_restart(tmp_path: Path) -> None:
+    proc = supervise(tmp_path, steps=10_000, environ=env(STEP_SLEEP="0.02"))
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("step 20"):
+            proc.send_signal(signal.SIGTERM)  # the scheduler's: to the supervisor, forwarded
+            break
+    rest = proc.stdout.read()
+    assert proc.wait(timeout=120) == 75
+    assert "pid " not in rest  # no second training process
+    assert proc.stderr is not None and "restart" not in proc.stderr.read()
+
+
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
+def test_restarts_are_bounded_and_the_status_is_the_trainings(tmp_path: Path) -> None:
+    crash = tmp_path / "crash.py"
+    crash.write_text("import sys, torch\nprint('pid started', flush=True)\nsys.exit(3)\n")
+    proc = supervise(tmp_path, "--max-restarts", "2", command=[sys.executable, str(crash)])
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 3 and out.count("pid started") == 3, (out, err)
+    assert "2 restarts used up: stopping" in err and err.count("from the warm spare") == 2
+
+
+def test_a_command_that_is_not_python_restarts_cold(tmp_path: Path) -> None:
+    proc = supervise(tmp_path, "--max-restarts", "1", command=["sh", "-c", "echo ran; exit 4"])
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 4 and out.count("ran") == 2
+    assert "cold restarts: 'sh' is not a Python interpreter" in err and "spare" not in err.split("cold")[-1]
+
+
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
+def test_a_spare_that_cannot_import_falls_back_to_a_cold_start(tmp_path: Path) -> None:
+    proc = supervise(tmp_path, "--preload", "no_such_module_here", steps=5)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and "fresh start" in out, err
+    assert "the spare was not ready (failed ModuleNotFoundError" in err and "starting cold" in err
+
+
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
+def test_a_spare_exits_when_its_supervisor_dies(tmp_path: Path) -> None:
+    proc = supervise(tmp_path, steps=10_000, environ=env(STEP_SLEEP="0.05"))
+    assert proc.stdout is not None
+    training = 0
+    for line in proc.stdout:
+        if line.startswith("pid "):
+            training = int(line.split()[1])
+        elif line.startswith("step 3"):
+            break
+    try:
+        wait_for_spare(proc.pid, training)
+        spare = spares_of(proc.pid, training)[0]
+        proc.kill()  # SIGKILL: no clean-up in the supervisor; the spare's pipe closes with it
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while _alive(spare) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(spare), "the spare outlived its supervisor"
+    finally:  # the training process it left behind trains on, as a cold `python train.py` would
+        if training:
+            os.kill(training, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("argv,warm,what", [
+    (["python3", "train.py", "--lr", "3"], True, ("train.py", ["--lr", "3"])),
+    (["python3", "-u", "-X", "dev", "-m", "pkg.train", "a"], True, ("pkg.train", ["a"])),
+    (["python3", "-c", "print(1)"], False, None),
+    (["sh", "-c", "true"], False, None),
+])
+def test_which_commands_a_spare_can_become(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, argv: list[str],
+                                           warm: bool, what: tuple[str, list[str]] | None) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    cmd = parse(argv)
+    assert cmd.warm == warm, cmd.cold
+    if what is not None:
+        assert (cmd.script or cmd.module, cmd.args) == what
