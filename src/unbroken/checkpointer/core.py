@@ -11,6 +11,7 @@ goes (the metrics, the last checkpoint saved, whether the run was started or res
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -55,6 +56,7 @@ class Core:
     recorder: Recorder | None = None
     """The run index's writer (the coordinator of a writable run, once it began)."""
     _environment: dict[str, Any] | None = None
+    _fingerprinting: tuple[threading.Thread, dict[str, Any]] | None = None
 
     @property
     def location(self) -> str:
@@ -62,10 +64,40 @@ class Core:
         return self.run.url
 
     def environment(self) -> dict[str, Any]:
-        """This process's environment fingerprint (computed once, at first use)."""
-        if self._environment is None:
+        """This process's environment fingerprint (computed once, at first use, or by the thread
+        :meth:`fingerprint_meanwhile` started)."""
+        self.join_fingerprint()
+        if self._environment is None:  # never started, or it failed there: here, so it raises here
             self._environment = fingerprint(config=self.env.config, data=self.env.data)
         return self._environment
+
+    def fingerprint_meanwhile(self) -> None:
+        """Start computing :meth:`environment` in a thread, while a restore reads the checkpoint:
+        it waits for package metadata and ``git`` (0.01-0.05 s), the read for the disk and the
+        checksums. :meth:`join_fingerprint` (called when the restore returns) waits for it."""
+        if self._environment is not None or self._fingerprinting is not None:
+            return
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["env"] = fingerprint(config=self.env.config, data=self.env.data)
+            except Exception:  # noqa: BLE001 - computed again on the caller's thread, where it raises
+                pass
+
+        thread = threading.Thread(target=run, name="unbroken-fingerprint", daemon=True)
+        thread.start()
+        self._fingerprinting = (thread, box)
+
+    def join_fingerprint(self) -> None:
+        """Wait for the thread :meth:`fingerprint_meanwhile` started (none is left running once a
+        restore returns: a fork then copies no thread holding a lock)."""
+        if self._fingerprinting is not None:
+            thread, box = self._fingerprinting
+            thread.join()
+            self._fingerprinting = None
+            if self._environment is None:
+                self._environment = box.get("env")
 
     def saved_part(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """The part of ``state`` that is saved and restored: all but the ``allow_unsaved`` keys."""

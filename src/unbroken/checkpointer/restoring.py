@@ -211,7 +211,17 @@ def apply_checkpoint(core: Core, state: MutableMapping[str, Any], loaded: Loaded
 
 def restore_into(core: Core, state: MutableMapping[str, Any], path: Any, tag: str | None,
                  if_unrestorable: str) -> CheckpointInfo | None:
-    """The body of :meth:`unbroken.Checkpointer.restore` once the run is open (see there)."""
+    """The body of :meth:`unbroken.Checkpointer.restore` once the run is open (see there). The
+    environment is fingerprinted in a thread while the checkpoint is read (:meth:`Core.fingerprint_meanwhile`)."""
+    core.fingerprint_meanwhile()
+    try:
+        return _restore_into(core, state, path, tag, if_unrestorable)
+    finally:
+        core.join_fingerprint()
+
+
+def _restore_into(core: Core, state: MutableMapping[str, Any], path: Any, tag: str | None,
+                  if_unrestorable: str) -> CheckpointInfo | None:
     if tag is not None:
         found = [c for c in core.run.checkpoints() if tag in c.tags]
         if not found:

@@ -30,6 +30,7 @@ import torch
 from ..errors import CorruptCheckpointError, StateMismatchError
 from .adapters import Adapter
 from .codec import PathT, StatefulValue, qualname, render_path
+from .copying import Copies, copy_into, fresh_copy, into_module
 from .rng import GlobalRNG
 from .stateful import PerRank, Progress, is_stateful
 
@@ -206,14 +207,21 @@ def _own(x: Any, memo: dict[int, torch.Tensor]) -> Any:
     them (an optimizer's ``load_state_dict`` adopts its state tensors) must not keep the file
     alive, nor copy-on-write pages of a mapping (slow first writes, and bytes that would follow
     the file rather than what was verified). Modules copy into their parameters: no copy."""
+    copies = Copies()
+    out = _owned(x, memo, copies)
+    copies.run()  # all the copies at once (:class:`unbroken.state.copying.Copies`)
+    return out
+
+
+def _owned(x: Any, memo: dict[int, torch.Tensor], copies: Copies) -> Any:
     if isinstance(x, torch.Tensor):
         if id(x) not in memo:
-            memo[id(x)] = x.clone()
+            memo[id(x)] = copies.fresh(x)
         return memo[id(x)]
     if type(x) is dict:
-        return {k: _own(v, memo) for k, v in x.items()}
+        return {k: _owned(v, memo, copies) for k, v in x.items()}
     if type(x) in (list, tuple):
-        return type(x)(_own(v, memo) for v in x)
+        return type(x)(_owned(v, memo, copies) for v in x)
     return x
 
 
@@ -238,6 +246,7 @@ def _into_optimizer_state(live: torch.optim.Optimizer, saved: dict[str, Any]) ->
         return reuse
     current = live.state_dict()["state"]
     taken: set[int] = set()
+    copies = Copies()
     for idx, entries in saved_state.items():
         have = current.get(idx)
         if not isinstance(entries, dict) or not isinstance(have, dict):
@@ -253,10 +262,10 @@ def _into_optimizer_state(live: torch.optim.Optimizer, saved: dict[str, Any]) ->
                     dst.dtype != src.dtype or dst.device != src.device or dst.is_inference() or \
                     dst.untyped_storage().data_ptr() in taken:
                 continue
-            with torch.no_grad():
-                dst.copy_(src)
+            copies.into(dst, src)
             reuse[id(src)] = dst
             taken.add(dst.untyped_storage().data_ptr())
+    copies.run()
     return reuse
 
 
@@ -265,7 +274,9 @@ def _apply(live: Any, saved: Any, path: PathT) -> Any:
         value = saved.value if isinstance(saved, StatefulValue) else saved
         if isinstance(live, torch.optim.Optimizer) and isinstance(value, dict):
             value = _own(value, _into_optimizer_state(live, value))  # no fresh copy of state it already has
-        elif not isinstance(live, torch.nn.Module):  # a module copies into its parameters; others may keep
+        elif isinstance(live, torch.nn.Module):  # a module copies into its parameters (no fresh memory)
+            value = into_module(live, value) if isinstance(value, dict) else value
+        else:  # others may keep what they are given
             value = _own(value, {})
         try:
             live.load_state_dict(value)
@@ -283,10 +294,9 @@ def _apply(live: Any, saved: Any, path: PathT) -> Any:
         )
     if isinstance(live, torch.Tensor) and isinstance(saved, torch.Tensor):
         if live.shape == saved.shape and live.dtype == saved.dtype and not live.is_inference():
-            with torch.no_grad():
-                live.copy_(saved)
+            copy_into(live, saved)
             return live
-        return saved.clone() if saved.device == live.device else saved.to(live.device)  # a copy either way
+        return fresh_copy(saved) if saved.device == live.device else saved.to(live.device)  # a copy either way
     if isinstance(live, dict) and isinstance(saved, dict):
         for k in [k for k in live if k not in saved]:
             del live[k]
