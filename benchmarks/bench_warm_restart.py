@@ -90,7 +90,7 @@ def job(tmp: Path, config: str, a: argparse.Namespace) -> dict:
     worker = base / "worker.py"
     worker.write_text(WORKER.format(here=str(HERE)))
     model = [str(getattr(a, k)) for k in ("layers", "dim", "vocab", "seq", "batch")]
-    steps = (a.kills + 1) * a.save_every * 2
+    steps = (a.kills + 1) * a.save_every * 4
     cmd = [sys.executable, str(worker), str(base / "run"), str(steps), str(base / "final"), str(a.save_every), *model]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if config == "reference":

@@ -14,6 +14,9 @@ and prints ``rank R step S``. Rank 0 writes the full (gathered) parameters and o
 ``OUT/final.safetensors`` at the end, ``OUT/restored.safetensors`` once restored (``--dump-restored``),
 ``OUT/step-K.safetensors`` after optimizer step K (``--dump-at K``). ``OUT/pid-r<rank>`` holds each pid.
 
+``--data plain``: a ``DataLoader(shuffle=True)`` (Lightning's ``DistributedSampler`` deals it);
+``--data distributed-order``: ``ResumableLoader(order="distributed")``, that sampler's order (with both the
+noise is keyed by the sample alone). ``--mode plain``: Lightning alone, no checkpointing at all.
 ``--mode unbroken``: ``UnbrokenCallback(run, save_every=N)``. ``--mode lightning``: Lightning alone,
 ``ModelCheckpoint(every_n_train_steps=N, save_last=True)`` and ``fit(ckpt_path="last")``;
 ``--lightning-kill-in-save N``: the rank ``--kill-rank`` SIGKILLs itself inside Lightning's Nth save
@@ -44,6 +47,9 @@ N, DIM, CLASSES = 100, 16, 4
 BUCKET = 10**5  # DeepSpeed's buckets, in elements: more than the model's 1,348 parameters (one bucket, as by default)
 
 
+PLAIN_NOISE = False  # --data plain / distributed-order: noise keyed by the sample alone (a plain int has no epoch)
+
+
 class Data(torch.utils.data.Dataset):
     def __init__(self) -> None:
         g = torch.Generator().manual_seed(1234)
@@ -54,7 +60,8 @@ class Data(torch.utils.data.Dataset):
         return N
 
     def __getitem__(self, i):
-        noise = torch.randn(DIM, generator=i.generator()) * 0.1  # keyed by (seed, epoch, sample)
+        g = i.generator() if hasattr(i, "generator") and not PLAIN_NOISE else torch.Generator().manual_seed(int(i))
+        noise = torch.randn(DIM, generator=g) * 0.1  # keyed by (seed, epoch, sample); --data plain: by the sample
         return self.x[int(i)] + noise, self.y[int(i)], int(i)
 
 
@@ -77,6 +84,11 @@ class Model(pl.LightningModule):
             fully_shard(self.net, mesh=mesh)
 
     def train_dataloader(self):
+        if self.args.data == "plain":  # Lightning deals it to the ranks through its DistributedSampler
+            return torch.utils.data.DataLoader(Data(), batch_size=self.args.batch, shuffle=True)
+        if self.args.data == "distributed-order":  # that sampler's order: seed_everything(0) gives it seed 0
+            return unbroken.data.ResumableLoader(Data(), batch_size=self.args.batch, shuffle=True, seed=0,
+                                                 order="distributed")
         return unbroken.data.ResumableLoader(Data(), batch_size=self.args.batch, shuffle=True, seed=7)
 
     def training_step(self, batch, batch_idx):
@@ -267,7 +279,8 @@ def kill_in_lightning_save(nth: int, rank: int) -> None:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--strategy", choices=["ddp", "fsdp2", "fsdp", "deepspeed"], default="ddp")
-    p.add_argument("--mode", choices=["unbroken", "lightning"], default="unbroken")
+    p.add_argument("--mode", choices=["unbroken", "lightning", "plain"], default="unbroken")
+    p.add_argument("--data", choices=["resumable", "plain", "distributed-order"], default="resumable")
     p.add_argument("--devices", type=int, default=2, help="Lightning's launcher (ignored under torchrun)")
     p.add_argument("--run-dir", required=True)
     p.add_argument("--out", required=True)
@@ -288,6 +301,8 @@ def main() -> int:
     if torchrun:
         unbroken.init_distributed("gloo")  # before Lightning's own init_process_group: survives torchrun restarts
     (out / f"pid-r{os.environ.get('RANK', '0')}").write_text(str(os.getpid()))
+    global PLAIN_NOISE
+    PLAIN_NOISE = args.data != "resumable"
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     pl.seed_everything(0, verbose=False)
@@ -308,6 +323,8 @@ def main() -> int:
 
         callbacks.insert(0, UnbrokenCallback(args.run_dir, save_every=args.save_every))
         ckpt_path = args.ckpt_path
+    elif args.mode == "plain":  # Lightning alone, no checkpointing at all
+        ckpt_path = None
     else:
         from pytorch_lightning.callbacks import ModelCheckpoint
 

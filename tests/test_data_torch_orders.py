@@ -153,3 +153,45 @@ def test_an_integration_that_chose_the_order_resumes_a_run_saved_in_another_in_t
     with pytest.raises(ValueError, match="differs from this loader's"):
         other.load_state_dict({**saved, "n": 99})
     assert other.order.mode == "epoch_seeded" and other.seed == 3
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("shuffle,batch,drop_last", [(True, 4, False), (True, 3, True), (False, 4, False)])
+def test_order_distributed_is_a_dataloader_over_distributed_sampler_on_every_rank(
+        world: int, shuffle: bool, batch: int, drop_last: bool) -> None:
+    """What Lightning builds with several devices: ``DataLoader(ds, batch_size, drop_last, sampler=
+    DistributedSampler(ds, world, rank, shuffle=..., seed=S))`` with ``set_epoch`` each epoch. The same
+    batches on each rank (the permutation padded from its start, dealt in turn, a short or dropped last
+    batch), the same global draws; and a resume at every batch goes on with the same batches."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    for rank in range(world):
+        torch.manual_seed(11)
+        sampler = DistributedSampler(DATA, num_replicas=world, rank=rank, shuffle=shuffle, seed=42)
+        theirs_loader = DataLoader(DATA, batch_size=batch, drop_last=drop_last, sampler=sampler)
+        theirs = consume(theirs_loader, 3, sampler.set_epoch)
+        rng = torch.get_rng_state()
+
+        def make(rank: int = rank) -> ResumableLoader:
+            return ResumableLoader(DATA, batch_size=batch, shuffle=shuffle, drop_last=drop_last, rank=rank,
+                                   world_size=world, order="distributed", seed=42)
+
+        torch.manual_seed(11)
+        loader = make()
+        assert len(loader) == len(theirs_loader)
+        ours, saved = [], []
+        for _ in range(3):
+            for b in loader:
+                ours.append((b.tolist(), torch.rand(1).item()))
+                saved.append((loader.state_dict(), torch.get_rng_state()))
+        assert ours == theirs, (rank, world)
+        assert torch.equal(torch.get_rng_state(), rng)
+        for cut in (1, len(ours) // 2, len(ours) - 1):
+            state, at = saved[cut - 1]
+            resumed = make()
+            resumed.load_state_dict(state)
+            torch.set_rng_state(at)
+            rest: list = []
+            while len(rest) < len(ours) - cut:
+                rest += [(b.tolist(), torch.rand(1).item()) for b in resumed]
+            assert rest == ours[cut:], (rank, cut)

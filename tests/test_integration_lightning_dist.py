@@ -231,6 +231,24 @@ def test_resumed_on_one_rank_at_the_same_global_sample(reference: Reference, tmp
         json.loads((reference.out / "final.json").read_text()), world=1)
 
 
+def test_with_distributed_samplers_order_unbroken_changes_nothing_and_resumes_bitwise(tmp_path: Path) -> None:
+    """Lightning alone on 2 ranks (DDP), ``DataLoader(shuffle=True)`` dealt by the ``DistributedSampler`` Lightning
+    injects, no checkpointing; against the same job with the callback and ``ResumableLoader(order="distributed")``:
+    every rank's micro-batch losses and samples and the final state are the same bits (an epoch end and its
+    padding inside). Rank 1 SIGKILLed in step 8 and the job relaunched: still that run."""
+    alone, ours, killed = tmp_path / "alone", tmp_path / "ours", tmp_path / "killed"
+    for base, extra in ((alone, ("--mode", "plain", "--data", "plain")), (ours, ("--data", "distributed-order"))):
+        code, out = launch(base, job(base, *extra))
+        assert code == 0, out[-3000:]
+    assert_bitwise(alone / "out", ours / "out")
+    on_line, fired = at_step(killed, 8, sigkill_rank(killed, 1))
+    code, out = launch(killed, job(killed, "--data", "distributed-order"), on_line=on_line)
+    assert fired and code != 0, out[-3000:]
+    code, out = launch(killed, job(killed, "--data", "distributed-order"))
+    assert code == 0 and "resumed from" in out, out[-3000:]
+    assert_bitwise(alone / "out", killed / "out")
+
+
 @pytest.mark.parametrize("reference", ["ddp"], indirect=True)
 def test_torchrun_restarts_a_killed_rank_and_resumes_bitwise(reference: Reference, tmp_path: Path) -> None:
     """Under ``torchrun --max-restarts=1`` (the script calls ``unbroken.init_distributed()`` before the Trainer):

@@ -13,8 +13,13 @@ loader's state, so that a resume draws nothing again:
   loop, Lightning on one device): the epoch's permutation is seeded by the sampler's draw. For one
   process, as torch's loader is (each rank's own global RNG would shuffle its own way).
 - ``"epoch_seeded"``: ``torch.randperm(n)`` seeded by ``seed + epoch`` — Accelerate's
-  ``SeedableRandomSampler`` (the HF Trainer's sampler) and ``DistributedSampler`` — plus the
-  ``DataLoader``'s base-seed draw.
+  ``SeedableRandomSampler`` (the HF Trainer's sampler) — plus the ``DataLoader``'s base-seed draw;
+  ranks take contiguous slices of each global batch, as Accelerate's ``BatchSamplerShard``.
+- ``"distributed"``: ``DistributedSampler(shuffle=..., seed=seed)`` under a ``DataLoader``, as
+  Lightning injects it with several devices: the same permutation, padded from its start to a
+  multiple of the world size, and dealt to the ranks in turn (rank ``r`` takes positions ``r``,
+  ``r + world_size``, ...), each rank's share batched by ``batch_size`` (a short last batch, or
+  dropped with ``drop_last``).
 
 Unlike the default order these hold a permutation of the dataset in memory (8 bytes a sample) and
 compute it once per epoch and once per resume (``torch.randperm``).
@@ -27,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-ORDERS = ("unbroken", "dataloader", "epoch_seeded")
+ORDERS = ("unbroken", "dataloader", "epoch_seeded", "distributed")
 
 
 def _draw_int64() -> int:
@@ -85,7 +90,7 @@ class DrawnOrder:
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if self._perm is None or self._perm[0] != epoch:
-            if self.mode == "epoch_seeded":
+            if self.mode in ("epoch_seeded", "distributed"):
                 seed = self.seed + epoch
             elif self.drawn_epoch == epoch and self.sampler_seed is not None:
                 seed = self.sampler_seed

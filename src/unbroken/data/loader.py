@@ -77,10 +77,14 @@ class _RankBatches:
         epoch, pos, end = o.epoch, o.position, o.epoch_length
         g, b, lo = o.global_batch, o.batch_size, o.rank * o.batch_size
         n = o.order.n
+        strided = o.strided
         while pos < end:
             stop = min(pos + g, end)
             first, last = pos + lo, min(pos + lo + b, stop)
-            if not o.continuous:
+            if strided:  # DistributedSampler's deal: positions pos + rank, pos + rank + world_size, ...
+                idx = o.order.indices(epoch, pos, stop)[o.rank::o.world_size]
+                yield [SampleIndex(int(i), o.seed, epoch) for i in idx]
+            elif not o.continuous:
                 idx = o.order.indices(epoch, first, last) if last > first else []
                 yield [SampleIndex(int(i), o.seed, epoch) for i in idx]
             else:  # past n: the next epoch's order, each sample keyed by the epoch it belongs to
@@ -160,9 +164,10 @@ class ResumableLoader:
             and, shuffled, its permutation's seed from the global torch RNG), so replacing a
             ``DataLoader`` changes nothing of an uninterrupted run; ``seed`` is unused.
             ``"epoch_seeded"``: epoch ``e`` is ``torch.randperm(n)`` seeded ``seed + e`` (Accelerate's
-            ``SeedableRandomSampler``, used by the HF Trainer; ``DistributedSampler``), with the
-            ``DataLoader``'s base-seed draw. Both keep what they drew in the state (a resume draws
-            nothing) and hold the epoch's permutation in memory (8 bytes a sample,
+            ``SeedableRandomSampler``, used by the HF Trainer), with the ``DataLoader``'s base-seed
+            draw. ``"distributed"``: ``DistributedSampler(seed=seed)``'s permutation, padding and deal
+            to the ranks (Lightning with several devices). All three keep what they drew in the state
+            (a resume draws nothing) and hold the epoch's permutation in memory (8 bytes a sample,
             :mod:`unbroken.data.drawn`); not with ``continuous``.
         rank: this process's slice; default from ``torch.distributed`` when initialized,
             else ``RANK``, else 0.
@@ -232,6 +237,10 @@ class ResumableLoader:
         another global batch (position not a multiple of it) every rank still gets a full
         last batch (with one process and padding, the epoch ends at ``n``: a short batch)."""
         n, g = self.order.n, self.global_batch
+        if self.strided:  # DistributedSampler: n padded to a multiple of the world size; per rank, drop_last drops
+            per_rank = -(-n // self.world_size)  # its short last batch
+            per_rank = per_rank // self.batch_size * self.batch_size if self.drop_last else per_rank
+            return max(self.position, per_rank * self.world_size)
         if self.continuous:  # completed from the next epoch: whole batches from the position, no wrapping
             return self.position + max(0, -(-(n - self.position) // g)) * g
         if self.world_size == 1 and not self.drop_last:
@@ -241,9 +250,17 @@ class ResumableLoader:
             return phase + max(0, n - phase) // g * g
         return phase + -(-(n - phase) // g) * g
 
+    @property
+    def strided(self) -> bool:
+        """``order="distributed"``: each global batch dealt to the ranks in turn (``DistributedSampler``'s way)."""
+        return isinstance(self.order, DrawnOrder) and self.order.mode == "distributed"
+
     def __len__(self) -> int:
         """Batches this rank yields in a whole epoch (from position 0)."""
         n, g = self.order.n, self.global_batch
+        if self.strided:
+            per_rank = -(-n // self.world_size)
+            return per_rank // self.batch_size if self.drop_last else -(-per_rank // self.batch_size)
         return n // g if self.drop_last else -(-n // g)
 
     def batches_left(self) -> int:
