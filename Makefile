@@ -90,6 +90,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_save_load.py
 	$(PY) benchmarks/bench_train_overhead.py
 	$(PY) benchmarks/bench_recovery.py
+	$(PY) benchmarks/bench_restore.py
+	$(PY) benchmarks/bench_warm_restart.py
 	$(PY) benchmarks/bench_format.py
 	$(PY) benchmarks/bench_data_resume.py
 	$(PY) benchmarks/bench_incremental.py

@@ -383,6 +383,10 @@ def test_package_source_never_unpickles_or_evaluates() -> None:
     # the selftest compiles the user's own training script (a file it was told to run, never a
     # checkpoint's bytes) for its line tables, to say which lines never ran; the code is not executed
     assert bad.pop("selftest/lines.py", []) == ["compile()"]
+    # `unbroken run`'s spare runs the user's own training command (the script or module named on its command
+    # line, never a checkpoint's bytes) and imports the modules the supervisor names (torch, ``--preload``)
+    assert sorted(bad.pop("launch/spare.py", [])) == sorted(
+        [r"\bimportlib\b(?!\s*\.\s*metadata\b)", r"\bimport_module\b", r"\brunpy\b", "import importlib"])
     # the package's lazy names (PEP 562): imports only its own modules, from a fixed table or a
     # subpackage name (audited by the test below)
     assert sorted(bad.pop("__init__.py", [])) == sorted(
