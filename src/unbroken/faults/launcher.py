@@ -15,6 +15,12 @@ and restarts alike) from the agent's main thread, which lives as long as the age
 setting is cleared in children the worker forks (DataLoader workers) and reset when the
 last watcher leaves. A launcher that died before this process imported unbroken (the parent
 it had then is compared after the request) is noticed at once.
+
+A training process started by a warm torchrun worker (:mod:`unbroken.launch.worker`) is a child of
+the spare server, not of the agent: ``UNBROKEN_WARM_CLIENT=WORKER:AGENT`` names the worker torchrun
+watches and the agent. There the launcher is the agent; its death is watched by a thread waiting
+on the agent's pidfd (and its main thread's state, every second), which sends the requested signal
+to this process, and the worker being adopted by another process counts as the agent's death too.
 """
 
 from __future__ import annotations
@@ -22,13 +28,17 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import select
 import signal
 import sys
+import threading
 
 log = logging.getLogger("unbroken")
 _PR_SET_PDEATHSIG = 1
 _PARENT = os.getppid()  # the launcher, as this process knew it when unbroken was imported
 _current: int = 0  # the signal asked for now (0: none)
+_watcher: threading.Thread | None = None  # a warm worker's training: the thread watching the agent
+_CLIENT = "UNBROKEN_WARM_CLIENT"
 
 
 def under_launcher() -> bool:
@@ -41,7 +51,50 @@ def died() -> bool:
     launcher's main thread has ended. The kernel sends the death signal when the *thread* that
     started the worker ends; a SIGKILLed agent's other threads may still be exiting then, and
     until the last one has, the worker's parent is unchanged (its main thread a zombie)."""
-    return under_launcher() and (os.getppid() != _PARENT or _ended(_PARENT))
+    if not under_launcher():
+        return False
+    warm = _warm()
+    if warm is not None:
+        worker, agent = warm
+        return _ended(agent) or _ended(worker) or _parent_of(worker) != agent
+    return os.getppid() != _PARENT or _ended(_PARENT)
+
+
+def _warm() -> tuple[int, int] | None:
+    """``(worker, agent)`` when a warm torchrun worker started this process (read now: a spare imported
+    unbroken before it had its launch's environment)."""
+    value = os.environ.get(_CLIENT, "")
+    try:
+        worker, agent = (int(x) for x in value.split(":"))
+    except ValueError:
+        return None
+    return worker, agent
+
+
+def _parent_of(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rfind(b")") + 1:].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _watch_agent(agent: int) -> None:
+    """The thread of a warm worker's training: at the agent's death, send the signal asked for then."""
+    try:
+        pidfd: int | None = os.pidfd_open(agent)
+    except OSError:
+        pidfd = None
+    while True:
+        if pidfd is not None:
+            select.select([pidfd], [], [], 1.0)
+        else:
+            threading.Event().wait(1.0)
+        if died():
+            break
+    if _current:
+        os.kill(os.getpid(), _current)
 
 
 def _ended(pid: int) -> bool:
@@ -69,8 +122,19 @@ def _prctl(sig: int) -> bool:
 
 def watch(sig: signal.Signals | None) -> None:
     """Be sent ``sig`` when the launcher dies (``None``: nothing); a no-op outside torchrun."""
-    global _current
+    global _current, _watcher
     want = int(sig) if sig is not None and under_launcher() else 0
+    warm = _warm() if want or _watcher is not None else None
+    if warm is not None or _watcher is not None:  # a warm worker's training: the thread, not the kernel
+        _current = want
+        if want and _watcher is None and warm is not None:
+            _watcher = threading.Thread(target=_watch_agent, args=(warm[1],), name="unbroken-launcher-watch",
+                                        daemon=True)
+            _watcher.start()
+        if want and died():
+            log.warning("the launcher (pid %d) is gone", warm[1] if warm else _PARENT)
+            os.kill(os.getpid(), want)
+        return
     if want == _current or not _prctl(want):
         return
     _current = want

@@ -9,6 +9,10 @@ spare holds no GPU memory), says ``ready`` on the file descriptor ``READY``, and
   the script as ``python SCRIPT`` does (``runpy``, ``__name__ == "__main__"``, ``sys.path[0]`` the
   script's folder; ``-m``: the working folder), and its exit status is the script's.
 - End of file on ``GO`` (the supervisor closed it, or died) makes it exit 0 at once.
+- ``GO`` a unix socket (the spare server of warm torchrun workers, :mod:`.server`): the order also brings
+  the launch's environment (``os.environ`` replaced), working folder, standard streams (descriptors passed
+  with it, made 0, 1 and 2) and the pid of the worker torchrun watches (:mod:`.worker`): when that process
+  ends, this one is SIGKILLed (a thread waits on its pidfd), whatever its parent does.
 
 Nothing of a dead training process is in it: it is a new process image, started before the failure.
 While it waits, SIGINT is ignored (a Ctrl-C at the terminal is the training's, not the spare's); once it
@@ -22,7 +26,10 @@ import json
 import os
 import runpy
 import signal
+import socket
+import stat
 import sys
+import threading
 
 
 def main(argv: list[str]) -> int:
@@ -36,11 +43,16 @@ def main(argv: list[str]) -> int:
         return 3
     os.write(ready_fd, b"ready\n")
     os.close(ready_fd)
-    with os.fdopen(go_fd, "rb") as go:
-        line = go.readline()
-    if not line:
-        return 0  # not needed: the supervisor is done (or gone)
-    order = json.loads(line)
+    if stat.S_ISSOCK(os.fstat(go_fd).st_mode):
+        order = _take_launch(go_fd)
+        if order is None:
+            return 0  # not needed: the server is done (or gone)
+    else:
+        with os.fdopen(go_fd, "rb") as go:
+            line = go.readline()
+        if not line:
+            return 0  # not needed: the supervisor is done (or gone)
+        order = json.loads(line)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.argv = list(order["argv"])
     if order.get("module"):
@@ -51,6 +63,44 @@ def main(argv: list[str]) -> int:
         sys.path[0] = os.path.dirname(os.path.abspath(script))
         runpy.run_path(script, run_name="__main__")
     return 0
+
+
+def _take_launch(go_fd: int) -> dict | None:
+    """The server's order and what comes with it: the launch's environment, folder and streams; the death of
+    its worker process becomes this one's."""
+    from .wire import recv
+
+    with socket.socket(fileno=go_fd) as go:
+        order, fds = recv(go, max_fds=3)
+    if order is None:
+        return None
+    os.environ.clear()
+    os.environ.update(order["env"])
+    os.chdir(order["cwd"])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    _die_with(int(order["client"]))
+    return order
+
+
+def _die_with(pid: int) -> None:
+    """SIGKILL this process when process ``pid`` ends (at once if it already has)."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        os.kill(os.getpid(), signal.SIGKILL)
+        return
+
+    def wait() -> None:
+        import select
+
+        select.select([pidfd], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=wait, name="unbroken-die-with-worker", daemon=True).start()
 
 
 if __name__ == "__main__":
