@@ -32,6 +32,15 @@ import sys
 import threading
 
 
+def _tell(fd: int, what: str) -> bool:
+    """Write ``what`` to the supervisor; ``False`` when it no longer listens (the pipe's reader is closed)."""
+    try:
+        os.write(fd, what.encode())
+    except BrokenPipeError:
+        return False
+    return True
+
+
 def main(argv: list[str]) -> int:
     go_fd, ready_fd, modules = int(argv[0]), int(argv[1]), [m for m in argv[2].split(",") if m]
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -39,9 +48,10 @@ def main(argv: list[str]) -> int:
         for name in modules:
             importlib.import_module(name)
     except BaseException as e:  # noqa: BLE001 - told to the supervisor, which then starts the command cold
-        os.write(ready_fd, f"failed {type(e).__name__}: {e}\n".encode())
+        _tell(ready_fd, f"failed {type(e).__name__}: {e}\n")
         return 3
-    os.write(ready_fd, b"ready\n")
+    if not _tell(ready_fd, "ready\n"):
+        return 0  # the supervisor stopped listening (it is done, or gone): not needed
     os.close(ready_fd)
     if stat.S_ISSOCK(os.fstat(go_fd).st_mode):
         order = _take_launch(go_fd)
