@@ -86,7 +86,7 @@ def test_the_schedule_records_a_choice_only_when_it_moves() -> None:
 
 
 LOOP = """
-import sys, time, hashlib, torch, unbroken
+import os, sys, time, hashlib, torch, unbroken
 run, steps, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Dropout(0.1), torch.nn.Linear(512, 4))
@@ -102,6 +102,9 @@ while ckpt.progress.step < steps:
     loss.backward(); opt.step(); opt.zero_grad()
     time.sleep(0.01)
     ckpt.step(state, loss=loss.item())
+    if s == int(os.environ.get("RAISE_AT", "0")) and not os.path.exists(out + ".raised"):
+        open(out + ".raised", "w").close()
+        raise RuntimeError("a failure inside the loop")  # closes the Checkpointer on the way out: not a kill
     print("step", s, flush=True)
 ckpt.close()
 h = hashlib.sha256()
@@ -146,3 +149,21 @@ def test_a_run_that_fails_saves_more_often_records_why_and_stays_exact(tmp_path:
     assert any(m.startswith("save every") for m in said), said
     assert attempt(tmp_path / "uninterrupted").rc == 0
     assert (tmp_path / "run.final").read_text() == (tmp_path / "uninterrupted.final").read_text()
+
+
+@pytest.mark.e2e
+def test_a_process_that_closed_on_an_exception_but_lost_steps_is_a_failure(tmp_path: Path) -> None:
+    """With several ranks the rank that keeps the index does not die when another is killed: it fails in a
+    collective and closes on the exception. Its steps since the last save are lost all the same: the next
+    process counts it as a failure (here a process that raises after step 30, its last save at step 1)."""
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP)
+    env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "RAISE_AT": "30"}
+    run = tmp_path / "run"
+    cmd = [sys.executable, str(script), str(run), "40", str(tmp_path / "final")]
+    first = run_attempt(cmd, "none", "0", env, ok_codes=(1,), timeout=300)
+    assert first.rc == 1 and "a failure inside the loop" in first.stderr
+    assert run_attempt(cmd, "none", "0", env, timeout=300).rc == 0
+    with RunIndex(run, readonly=True) as index:
+        said = [e["message"] for e in index.events("save_interval")]
+    assert any("1 failure in" in m for m in said), said

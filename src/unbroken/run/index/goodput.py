@@ -247,8 +247,12 @@ def _totals(segments: list[SegmentTime]) -> Goodput:
 
 def failure_history(index: RunIndex, now: float) -> tuple[int, float]:
     """``(failures, wall_s)`` of the run so far, for ``save_every="auto"``: the segments before the current
-    (last) one that ended losing work — killed or crashed without closing (``not closed``), or rolled back —
-    and the seconds from the run's first segment to ``now`` (``time.time()``)."""
+    (last) one that ended losing work — killed or crashed without closing (``not closed``), rolled back, or
+    followed by a segment that redid some of their steps (with several ranks, the rank that keeps the index
+    fails in a collective when another is killed: its segment closes on the exception, yet its steps since
+    the last save are lost) — and the seconds from the run's first segment to ``now`` (``time.time()``).
+    A preemption saved at its last step, or an exception with an exact emergency checkpoint, lost nothing."""
     rows = compute(index).segments
-    failures = sum(1 for seg in rows[:-1] if seg.how in ("not closed", "rolled back"))
+    failures = sum(1 for seg in rows[:-1]
+                   if seg.how in ("not closed", "rolled back") or (seg.redone_steps or 0) > 0)
     return failures, max(0.0, now - rows[0].started) if rows else 0.0
