@@ -87,8 +87,12 @@ MEASURED_S: dict[str, float] = {
     "test_reader_tool.py": 22,
     "test_upstream_gpt.py": 20,
     "test_integration_lightning_dist.py[fsdp]": 20,
-    "test_auto_interval.py": 19,  # (the seventh session's new files, measured alone)
+    "test_warm_restart.py": 100,  # (the seventh session's new files, measured alone or beside one other)
+    "test_warm_restart_torchrun.py": 60,
+    "test_benchmarks_restore.py": 26,
+    "test_auto_interval.py": 25,
     "test_goodput_report.py": 18,
+    "test_restore_copy.py": 10,
     "test_data_torch_orders.py": 9,
 }
 """Seconds the tests of each scope (a file, or a group of :data:`timeline.SPLIT_BY` or
