@@ -13,6 +13,8 @@ gloo on ``--ranks`` (2) processes of one torch thread each. Configurations, in o
   ``ResumableLoader`` (``goodput_unbroken.py``).
 * ``ram``: ``Checkpointer(run, save_every=1, ram=unbroken.RamTier(keep_last=2, persist_every=N))``.
 * ``inproc``: ``disk`` inside ``ckpt.recover(train, state, on=(InjectedFault,))`` (exceptions only).
+* ``warm``: ``disk``, its workers started by ``torchrun ... -m unbroken.launch.worker`` (restarts from warm
+  spares: ``docs/faults.md``).
 * ``auto``: ``Checkpointer(run, save_every="auto")``: the interval chosen from the saves' measured blocking
   time and the run's failures (:class:`unbroken.policies.AutoInterval`, its 24 h prior until the first).
 
@@ -52,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -70,7 +73,7 @@ from goodput_report import metrics, plot, read_events, table  # noqa: E402
 from goodput_timeline import breakdown, median_table  # noqa: E402
 
 WORKER = str(HERE / "goodput_worker.py")
-CONFIGS = ("dcp", "dcp-async", "disk", "auto", "ram", "inproc")
+CONFIGS = ("dcp", "dcp-async", "disk", "auto", "warm", "ram", "inproc")
 KINDS = ("none", "kill", "exception", "node")
 MODEL = (("layers", 2), ("dim", 256), ("seq", 64), ("batch", 4), ("vocab", 8192))
 RDZV_PORT = 29400
@@ -84,7 +87,8 @@ def kind_of(config: str) -> str:
 
 def _every_ok(config: str) -> bool:
     every = config.removesuffix(BASE).partition("@")[2]
-    return not every or (every.isdigit() and int(every) > 0 and kind_of(config) in ("dcp", "dcp-async", "disk", "ram"))
+    return not every or (every.isdigit() and int(every) > 0
+                         and kind_of(config) in ("dcp", "dcp-async", "disk", "warm", "ram"))
 
 
 def unavailable(config: str, kind: str) -> str | None:
@@ -92,6 +96,8 @@ def unavailable(config: str, kind: str) -> str | None:
 
     if config == "ram" and not hasattr(unbroken, "RamTier"):
         return "unbroken.RamTier is not in this unbroken"
+    if config == "warm" and importlib.util.find_spec("unbroken.launch.worker") is None:
+        return "unbroken.launch.worker (warm restarts under torchrun) is not in this unbroken"
     if config == "auto" and not _has_auto():
         return "save_every='auto' is not in this unbroken"
     if config == "inproc" and not hasattr(unbroken.Checkpointer, "recover"):
@@ -175,8 +181,10 @@ class Job:
         self.a, self.base, self.cluster, self.log = a, base, cluster, log
         model = [f"--{k}={getattr(a, k)}" for k, _ in MODEL]
         name, _, every = config.removesuffix(BASE).partition("@")  # "disk@25": disk, a save every 25 steps
-        self.argv = [WORKER, "--config", name, "--run-dir", str(base / "run"), "--out", str(base / "out"),
-                     "--steps", str(a.steps), "--save-every", every or str(a.save_every), *model]
+        warm = ["-m", "unbroken.launch.worker"] if name == "warm" else []  # disk, restarted from warm spares
+        self.argv = [*warm, WORKER, "--config", "disk" if warm else name, "--run-dir", str(base / "run"),
+                     "--out", str(base / "out"), "--steps", str(a.steps), "--save-every", every or str(a.save_every),
+                     *model]
         self.env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         if config.endswith(BASE):  # the same configuration on the unbroken of --base-src
             self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [a.base_src, os.environ.get("PYTHONPATH")]))
@@ -379,7 +387,8 @@ def main() -> None:
                 cluster = Cluster(2)
             try:
                 for config in configs:
-                    if kind_of(config) == "inproc" and kind not in ("none", "exception"):
+                    if (kind_of(config) == "inproc" and kind not in ("none", "exception")) or (
+                            kind_of(config) == "warm" and kind == "node"):  # (warm: one node's spares; not measured)
                         continue
                     if not config.endswith(BASE) and (why := unavailable(kind_of(config), kind)) is not None:
                         rows.append({"config": config, "kind": kind, "unavailable": why})
