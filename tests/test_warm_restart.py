@@ -11,6 +11,7 @@ speed is measured by ``benchmarks/bench_warm_restart.py``.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -249,3 +250,41 @@ def test_which_commands_a_spare_can_become(tmp_path: Path, monkeypatch: pytest.M
     assert cmd.warm == warm, cmd.cold
     if what is not None:
         assert (cmd.script or cmd.module, cmd.args) == what
+
+
+CUDA_PROBE = """
+import json, os, sys, torch
+print("probe", json.dumps({"initialized_at_start": torch.cuda.is_initialized(), "pid": os.getpid()}), flush=True)
+x = torch.ones(1, device="cuda")  # the training process uses the GPU: it may create its context now
+print("probe", json.dumps({"initialized_after": torch.cuda.is_initialized()}), flush=True)
+sys.exit(int(os.environ.get("EXIT", "0")))
+"""
+
+
+def _gpu_processes() -> set[int]:
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"], capture_output=True,
+                         text=True, timeout=60)
+    return {int(x) for x in out.stdout.split() if x.strip().isdigit()}
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_a_waiting_spare_holds_no_cuda_context(tmp_path: Path) -> None:
+    """The CUDA side of the warm restart: a spare imports torch but creates no CUDA context (no GPU memory
+    while it waits: it is not among the GPU's processes), and the process it becomes starts without one."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(CUDA_PROBE)
+    proc = subprocess.Popen([sys.executable, "-m", "unbroken.cli", "run", "--max-restarts", "1", "--",
+                             sys.executable, str(probe)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env(EXIT="1"))
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("probe") and "initialized_after" in line and len(lines) <= 2:
+            training = int(json.loads(lines[0].split(" ", 1)[1])["pid"])
+            wait_for_spare(proc.pid, training)
+            spares = set(spares_of(proc.pid, training))
+            assert spares and not spares & _gpu_processes()  # the waiting spare is not on the GPU
+    assert proc.wait(timeout=300) == 1
+    starts = [json.loads(x.split(" ", 1)[1]) for x in lines if "initialized_at_start" in x]
+    assert len(starts) == 2 and not any(s["initialized_at_start"] for s in starts)
