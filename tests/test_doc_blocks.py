@@ -291,6 +291,8 @@ BLOCKS: dict[tuple[str, str, int], Run | Excerpt | Elsewhere] = {
     ("saving.md", "When to save, what to keep", 0): Run(
         "plain", TORCH + "state = {'model': model, 'optimizer': opt}\nval_loss = 0.5\n",
         after="assert {t for c in ckpt.checkpoints() for t in c.tags} == {'v1-before-lr-drop', 'paper-result'}"),
+    ("saving.md", '`save_every="auto"`: the interval from what saves cost and how often the run fails', 0): Run(
+        "plain", TORCH, after="_exercise(ckpt)"),
     ("saving.md", "Saving in the background", 0): Run("plain", TORCH, after="_exercise(ckpt)"),
     ("saving.md", "Lazy snapshots: the loop does not even wait for the copy", 0): Run(
         "plain", TORCH, after="_exercise(ckpt)"),

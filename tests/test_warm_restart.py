@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from procs import alive, children
+
 from unbroken.launch.command import parse
 
 pytestmark = pytest.mark.e2e
@@ -98,18 +100,7 @@ def drive(proc: subprocess.Popen[str], kills: dict[int, int]) -> list[str]:
 def spares_of(supervisor: int, training: int) -> list[int]:
     """The supervisor's children started as spares (their command line names the spare module) that are not
     the training process (a spare that became it)."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                stat = (d / "stat").read_text()
-                cmdline = (d / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == supervisor and b"unbroken.launch.spare" in cmdline \
-                    and int(d.name) != training:
-                out.append(int(d.name))
-    return out
+    return [pid for pid in children(supervisor, b"unbroken.launch.spare") if pid != training]
 
 
 def wait_for_spare(supervisor: int, training: int, timeout: float = 120.0) -> None:
@@ -220,20 +211,13 @@ def test_a_spare_exits_when_its_supervisor_dies(tmp_path: Path) -> None:
         proc.kill()  # SIGKILL: no clean-up in the supervisor; the spare's pipe closes with it
         proc.wait(timeout=30)
         deadline = time.monotonic() + 30
-        while _alive(spare) and time.monotonic() < deadline:
+        while alive(spare) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not _alive(spare), "the spare outlived its supervisor"
+        assert not alive(spare), "the spare outlived its supervisor"
     finally:  # the training process it left behind trains on, as a cold `python train.py` would
         if training:
             os.kill(training, signal.SIGKILL)
 
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 @pytest.mark.parametrize("argv,warm,what", [

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from procs import alive
+
 from unbroken.launch.worker import status
 
 pytestmark = pytest.mark.e2e
@@ -191,9 +193,9 @@ def test_a_sigkilled_agent_makes_the_warm_trainings_save_and_exit(tmp_path: Path
         saved = sorted({line.split("saved step ")[1].split()[0] for line in lines if "(preemption" in line})
         assert len(saved) == 1, out  # both ranks, the same step
         deadline = time.monotonic() + 30
-        while _alive(server) and time.monotonic() < deadline:
+        while alive(server) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _alive(server), "the spare server outlived its agent"
+        assert not alive(server), "the spare server outlived its agent"
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -266,16 +268,8 @@ def test_the_training_dies_with_its_worker(tmp_path: Path) -> None:
         proc.kill()  # SIGKILL, as torchrun's last resort
         proc.wait(timeout=30)
         deadline = time.monotonic() + 30
-        while _alive(training) and time.monotonic() < deadline:
+        while alive(training) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not _alive(training), "the training outlived its worker"
+        assert not alive(training), "the training outlived its worker"
     finally:
         stop_servers(tmp_path)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
