@@ -30,6 +30,7 @@ import threading
 import time
 
 from . import wire
+from .spare import read_answer
 
 PRELOAD = ("numpy", "torch", "torch._dynamo", "torch.utils.data", "torch.distributed")
 """What a torchrun spare imports (no unbroken: :mod:`unbroken._support.faultpoints` reads ``RANK`` when
@@ -80,11 +81,7 @@ class Spare:
 
     def _peek(self, timeout: float) -> bool:
         if self.answer is None:
-            ready, _, _ = select.select([self._ready], [], [], max(0.0, timeout))
-            if not ready:
-                return False
-            self.answer = os.read(self._ready, 4096).decode(errors="replace").strip() or "ended"
-            os.close(self._ready)
+            self.answer = read_answer(self._ready, timeout)
         return self.answer == "ready" and self.proc.poll() is None
 
     def go(self, order: dict, fds: list[int]) -> None:

@@ -25,11 +25,24 @@ import importlib
 import json
 import os
 import runpy
+import select
 import signal
 import socket
 import stat
 import sys
 import threading
+
+
+def read_answer(fd: int, timeout: float) -> str | None:
+    """The supervisor's (or server's) end of ``READY``: the spare's answer — ``ready``, ``failed <error>``, or
+    ``ended`` when it exited without one — or ``None`` when it has not answered within ``timeout`` seconds.
+    ``fd`` is closed once answered."""
+    ready, _, _ = select.select([fd], [], [], max(0.0, timeout))
+    if not ready:
+        return None
+    answer = os.read(fd, 4096).decode(errors="replace").strip() or "ended"
+    os.close(fd)
+    return answer
 
 
 def _tell(fd: int, what: str) -> bool:

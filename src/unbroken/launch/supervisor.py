@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -32,6 +31,7 @@ import time
 from dataclasses import dataclass
 
 from .command import Command, parse
+from .spare import read_answer
 
 PRELOAD = ("numpy", "torch", "torch._dynamo", "torch.utils.data", "torch.distributed", "unbroken",
            "unbroken.checkpointer.manager", "unbroken.checkpointer.restoring", "unbroken.data")
@@ -65,11 +65,7 @@ class Spare:
     def wait_ready(self, timeout: float) -> bool:
         """Whether the spare has imported what it preloads (within ``timeout`` seconds from now)."""
         if self.answer is None:
-            ready, _, _ = select.select([self._ready], [], [], max(0.0, timeout))
-            if not ready:
-                return False
-            self.answer = os.read(self._ready, 4096).decode(errors="replace").strip() or "ended"
-            os.close(self._ready)
+            self.answer = read_answer(self._ready, timeout)
         return self.answer == "ready" and self.proc.poll() is None
 
     def go(self, cmd: Command) -> subprocess.Popen[bytes]:
