@@ -213,15 +213,6 @@ COLUMNS = (("restore1", "unbroken: first restore()"), ("restore2", "unbroken: se
            ("raw_read_cpu", "CPU s: raw read"))
 
 
-def render(head: list[str], rows: list[list[str]], md: bool) -> str:
-    if md:
-        lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
-        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-    w = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
-    fmt = lambda r: "  ".join(c.ljust(w[0]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(r))  # noqa: E731
-    return "\n".join([fmt(head), "  ".join("-" * x for x in w)] + [fmt(r) for r in rows])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for k, v in zip(MODEL_ARGS, (4, 384, 8192), strict=True):
@@ -269,7 +260,7 @@ def main() -> None:
     rows = [[label, f"{med[k]:.3f}", f"{med[k] / base(k, 'torch_load'):.2f}", f"{med[k] / base(k, 'raw_read'):.2f}",
              " ".join(f"{x:.3f}" for x in every[k])] for k, label in columns]
     head = ["in a fresh process", "median s", "/ torch.load", "/ raw read", "every run s"]
-    from bench_train_overhead import machine
+    from bench_train_overhead import machine, render
     how = ("cold cache (dropped before every process)" if all(cold) else
            "WARM CACHE (could not drop the page cache)" if a.cold else "files in the page cache")
     title = (f"Restore in a fresh process: state {made['state_bytes'] / 1e6:.1f} MB (params + AdamW moments; "
