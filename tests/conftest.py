@@ -428,12 +428,13 @@ def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
 
 
 @pytest.fixture(scope="session")
-def deepspeed_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+def deepspeed_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """The environment of the DeepSpeed jobs: its CPU accelerator, and one folder for the C++ op it
     compiles at its first start (about a minute), shared by every DeepSpeed test of the session and by
     every pytest-xdist worker (torch's extension builder locks the build folder, so concurrent first
     starts build once). The folder is keyed by the versions of DeepSpeed, torch and the interpreter
-    (:mod:`buildcache`; ``make test`` keeps it between runs): another version builds anew."""
+    (:mod:`buildcache`; ``make test`` keeps it between runs): another version builds anew, and a clean
+    clone of the same versions reuses the build (:func:`buildcache.restore_ninja_inputs`)."""
     import importlib.metadata
 
     digest = buildcache.key(*(f"{d}=={importlib.metadata.version(d)}" for d in ("deepspeed", "torch")))
@@ -443,8 +444,12 @@ def deepspeed_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     for lock in extensions.glob("*/lock"):  # torch's build lock, left by a build that was killed: later
         if time.time() - lock.stat().st_mtime > 1800:  # builds would wait on it forever (a build takes ~1 min)
             lock.unlink(missing_ok=True)
-    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
-                TORCH_EXTENSIONS_DIR=str(extensions))
+    with buildcache.locked(extensions):  # a clean clone's sources are new files with the built bytes
+        buildcache.restore_ninja_inputs(extensions)
+    yield dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+               TORCH_EXTENSIONS_DIR=str(extensions))
+    with buildcache.locked(extensions):
+        buildcache.record_ninja_inputs(extensions)
 
 
 @pytest.fixture(scope="session")

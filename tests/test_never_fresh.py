@@ -112,7 +112,8 @@ def test_an_unrepairable_chunk_invalidates_only_its_users_then_raises(tmp_path: 
 @pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_an_unreachable_remote_with_an_empty_local_tier_is_not_a_fresh_start(tmp_path: Path, s3, s3_url) -> None:
     remote = lambda: unbroken.Remote(s3_url, storage_options=s3.storage_options, retry_wait_s=0.5,  # noqa: E731
-                                     retry_max_wait_s=1.0, close_timeout_s=60)
+                                     retry_max_wait_s=1.0, close_timeout_s=60,
+                                     request_deadline_s=5)
     state = make()
     c = unbroken.Checkpointer(tmp_path / "node1", save_every=1, remote=remote(), preemption=None)
     c.restore(state)

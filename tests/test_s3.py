@@ -81,6 +81,21 @@ def test_an_unreachable_endpoint_fails_clearly(s3) -> None:
         unbroken.Checkpointer("s3://bucket/run", storage_options=opts)
 
 
+def test_botocore_retries_are_cut_so_that_a_request_deadline_holds(s3) -> None:
+    """unbroken retries each request itself (its deadline, Remote.request_deadline_s); botocore's five
+    retries with backoff inside each attempt would stretch it (6-7 s an attempt on a refused connection).
+    A user's own botocore retries are kept."""
+    store = open_store("s3://bucket/run", s3.storage_options)
+    assert store.fs.config_kwargs["retries"] == {"total_max_attempts": 2}
+    mine = dict(s3.storage_options, config_kwargs={"retries": {"mode": "adaptive", "total_max_attempts": 9}})
+    store = open_store("s3://bucket/run", mine)
+    assert store.fs.config_kwargs["retries"] == {"mode": "adaptive", "total_max_attempts": 9}
+    remote = unbroken.Remote("s3://bucket/run", storage_options=s3.storage_options, request_deadline_s=7)
+    assert remote.request_deadline_s == 7
+    with pytest.raises(ValueError, match="request_deadline_s"):
+        unbroken.Remote("s3://bucket/run", request_deadline_s=0)
+
+
 # ------------------------------------------------------ a server that restarts
 def _kill_server_during_second_file(monkeypatch, s3, down_s: float) -> threading.Thread:
     """Arm a fault: when the second data file of a save is opened, SIGKILL the server and

@@ -39,7 +39,7 @@ from ..events import Event
 from ..format.manifest import Manifest
 from ..store import open_store
 from ..store.local import LocalStore
-from ..store.retry import is_transient
+from ..store.retry import Retry, is_transient
 from ..tiers.ram import RamRun, RamTier
 from ..tiers.rampeers import start_nodes
 from ..tiers.remote import Remote, Uploader, copy_checkpoint
@@ -69,7 +69,8 @@ class Run:
         self.chunks: ChunkWriter | None = ChunkWriter(self.store) if incremental else None
         self.has_chunks = incremental  # whether the run may hold chunks (collected after a prune)
         self.remote: Remote | None = remote
-        self.remote_store = open_store(remote.location, remote.storage_options) if remote else None
+        self.remote_store = (open_store(remote.location, remote.storage_options,
+                                       retry=Retry(deadline_s=remote.request_deadline_s)) if remote else None)
         if self.remote_store is not None and _identity(self.remote_store) == _identity(self.store):
             raise StorageError("the remote tier must be another location than the run itself")
         self.remote_schedule = Schedule(None, None, remote.keep_last, remote.retention) if remote else None

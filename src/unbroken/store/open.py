@@ -28,6 +28,7 @@ from ..errors import StorageError
 from .fsspec import FsspecStore
 from .local import LocalStore
 from .ram import RamStore
+from .retry import Retry
 
 EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure",
           "abfss": "azure", "adl": "azure"}
@@ -89,8 +90,9 @@ def open_ram_store(folder: str | os.PathLike[str], keep_last: int) -> RamStore:
 
 
 def open_store(location: str | os.PathLike[str] | Any, storage_options: Mapping[str, Any] | None = None,
-               *, readonly: bool = False) -> Any:
-    """The store of the run at ``location`` (a path, a URL, or a store, returned as is)."""
+               *, readonly: bool = False, retry: Retry | None = None) -> Any:
+    """The store of the run at ``location`` (a path, a URL, or a store, returned as is); ``retry``
+    bounds a remote store's retries of one request (default :class:`~.retry.Retry`)."""
     if hasattr(location, "list_committed") and hasattr(location, "stage"):
         return location
     text = location_text(location)
@@ -120,6 +122,13 @@ def open_store(location: str | os.PathLike[str] | Any, storage_options: Mapping[
     options = dict(storage_options or {})
     if scheme != "memory":
         options.setdefault("use_listings_cache", False)  # several writers and readers: never a stale listing
+    if scheme in ("s3", "s3a"):
+        # every request is retried by unbroken (.retry: backoff, jitter, the tier's request_deadline_s);
+        # botocore's own retries inside each attempt (5 with backoff by default: 6-7 s per attempt against
+        # a refused connection) would stretch that deadline several times over: one quick retry is left
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("retries", {"total_max_attempts": 2})
+        options["config_kwargs"] = config
     try:
         fs = cls(**options)
     except TypeError as e:
@@ -138,8 +147,8 @@ def open_store(location: str | os.PathLike[str] | Any, storage_options: Mapping[
     if scheme in ("s3", "s3a"):
         from .s3 import S3Store
 
-        return S3Store(fs, root, clean, readonly=readonly)
-    return FsspecStore(fs, root, clean, readonly=readonly)
+        return S3Store(fs, root, clean, readonly=readonly, retry=retry)
+    return FsspecStore(fs, root, clean, readonly=readonly, retry=retry)
 
 
 def split_checkpoint(location: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None

@@ -40,7 +40,7 @@ from typing import Any
 
 from .._support import faultpoints as _faults
 from ..checkpoint.discovery import manifests
-from ..errors import CorruptCheckpointError
+from ..errors import ConfigurationError, CorruptCheckpointError
 from ..events import Event, Pruned, Uploaded, UploadFailed
 from ..format.manifest import MANIFEST, Manifest, is_chunk, new_hasher
 from ..policies import Retention
@@ -61,6 +61,11 @@ class Remote:
             for pending uploads before giving up with an error in the log.
         retry_wait_s: after a failed upload, wait this long before the next attempt, doubling
             up to ``retry_max_wait_s``.
+        request_deadline_s: how long one remote request (a listing, a download, an upload
+            part) is retried on transient errors (connection refused, timeouts, 5xx) before it
+            fails: a restore whose remote cannot be listed within it raises
+            :class:`~unbroken.NoValidCheckpointError` rather than starting fresh; an upload that
+            fails is tried again later.
     """
 
     location: str
@@ -70,6 +75,11 @@ class Remote:
     close_timeout_s: float = 300.0
     retry_wait_s: float = 5.0
     retry_max_wait_s: float = 60.0
+    request_deadline_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not self.request_deadline_s > 0:
+            raise ConfigurationError(f"request_deadline_s must be > 0, not {self.request_deadline_s!r}")
 
 
 def copy_checkpoint(src: Any, name: str, dst: Any, *, lock: Any = None) -> tuple[str, Manifest]:
