@@ -5,7 +5,7 @@ marker), each time replaced by the spare — a new process image that had import
 failure — and the final parameters equal the uninterrupted run's bit for bit. Then what a supervisor
 must get right: a preemption (SIGTERM to the supervisor) is saved and ends the job with 75, no
 restart; the restarts are bounded; a command a spare cannot run restarts cold; a spare that cannot
-import falls back to a cold start; a spare whose supervisor dies exits. No timing is asserted; the
+import falls back to a cold start; a supervisor SIGKILLed leaves nothing running, the training saved. No timing is asserted; the
 speed is measured by ``benchmarks/bench_warm_restart.py``.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -196,28 +197,41 @@ def test_a_spare_that_cannot_import_falls_back_to_a_cold_start(tmp_path: Path) -
 
 
 @pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
-def test_a_spare_exits_when_its_supervisor_dies(tmp_path: Path) -> None:
+def test_a_supervisor_sigkilled_leaves_nothing_running_the_training_saves_and_the_run_goes_on(tmp_path: Path) -> None:
+    """SIGKILL to ``unbroken run`` itself: it can forward nothing. The training process is signalled by the
+    kernel as a preempted one (its launcher died): it saves at its next step and exits, its lock released;
+    the waiting spare exits (its pipe closed). A new ``unbroken run`` resumes from that save."""
     proc = supervise(tmp_path, steps=10_000, environ=env(STEP_SLEEP="0.05"))
-    assert proc.stdout is not None
-    training = 0
+    assert proc.stdout is not None and proc.stderr is not None
+    training, seen = 0, 0
     for line in proc.stdout:
         if line.startswith("pid "):
             training = int(line.split()[1])
-        elif line.startswith("step 3"):
+        elif line.startswith("step ") and int(line.split()[1]) >= 3:
+            seen = int(line.split()[1])
             break
     try:
         wait_for_spare(proc.pid, training)
         spare = spares_of(proc.pid, training)[0]
-        proc.kill()  # SIGKILL: no clean-up in the supervisor; the spare's pipe closes with it
+        proc.kill()  # SIGKILL: no clean-up in the supervisor
         proc.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while alive(spare) and time.monotonic() < deadline:
+        deadline = time.monotonic() + 60
+        while (alive(spare) or alive(training)) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not alive(spare), "the spare outlived its supervisor"
-    finally:  # the training process it left behind trains on, as a cold `python train.py` would
-        if training:
-            os.kill(training, signal.SIGKILL)
-
+        survivors = {"the spare": alive(spare), "the training": alive(training)}
+    finally:
+        for pid in (training, *spares_of(proc.pid, training)):
+            if pid and alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    rest, err = proc.stdout.read(), proc.stderr.read()  # to their end: every writer is gone
+    assert not any(survivors.values()), f"outlived the supervisor: {survivors}"
+    last = max([seen] + [int(x.split()[1]) for x in rest.splitlines() if x.startswith("step ")])
+    assert "the launcher died" in err and "exiting with 75" in err, err[-3000:]
+    again = supervise(tmp_path, steps=last + 3)
+    out, err = again.communicate(timeout=300)
+    assert again.returncode == 0, err
+    resumed = re.search(r"resumed from step (\d+)", out)  # the step it stopped at was saved, the lock freed
+    assert resumed and last <= int(resumed.group(1)) <= last + 1, (out, err)  # (that step's line: not printed)
 
 
 @pytest.mark.parametrize("argv,warm,what", [

@@ -1,4 +1,5 @@
-"""A torchrun worker whose launcher died saves at the next step boundary and exits.
+"""A training process whose launcher died (torchrun's agent, ``unbroken run``) saves at the next step
+boundary and exits.
 
 torchrun's elastic agent forwards a preemption signal to its workers and stops them when
 it ends. SIGKILLed (an OOM kill of the agent, ``kill -9``, a crashed wrapper), it can do
@@ -15,6 +16,11 @@ and restarts alike) from the agent's main thread, which lives as long as the age
 setting is cleared in children the worker forks (DataLoader workers) and reset when the
 last watcher leaves. A launcher that died before this process imported unbroken (the parent
 it had then is compared after the request) is noticed at once.
+
+A training process started by ``unbroken run`` (:mod:`unbroken.launch.supervisor`; a spare that became
+the training, or a cold start) is the same case: its launcher is the supervisor, which names itself in
+``UNBROKEN_SUPERVISOR`` (its pid); a process whose parent is that pid watches it as a torchrun worker
+watches its agent (its own children, which inherit the variable, do not: their parent is another).
 
 A training process started by a warm torchrun worker (:mod:`unbroken.launch.worker`) is a child of
 the spare server, not of the agent: ``UNBROKEN_WARM_CLIENT=WORKER:AGENT`` names the worker torchrun
@@ -41,9 +47,15 @@ _watcher: threading.Thread | None = None  # a warm worker's training: the thread
 _CLIENT = "UNBROKEN_WARM_CLIENT"
 
 
+_SUPERVISOR = "UNBROKEN_SUPERVISOR"
+
+
 def under_launcher() -> bool:
-    """True in a worker started by torchrun (the elastic agent) on Linux."""
-    return sys.platform.startswith("linux") and bool(os.environ.get("TORCHELASTIC_RUN_ID"))
+    """True in a worker started by torchrun (the elastic agent), or in a training process started by
+    ``unbroken run``'s supervisor, on Linux."""
+    if not sys.platform.startswith("linux"):
+        return False
+    return bool(os.environ.get("TORCHELASTIC_RUN_ID")) or os.environ.get(_SUPERVISOR) == str(_PARENT)
 
 
 def died() -> bool:
@@ -114,8 +126,8 @@ def _prctl(sig: int) -> bool:
         if libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
     except (OSError, AttributeError) as e:
-        log.warning("cannot ask to be signalled when the launcher dies (%s): a worker whose torchrun agent is "
-                    "SIGKILLed keeps running", e)
+        log.warning("cannot ask to be signalled when the launcher dies (%s): a worker whose launcher (torchrun's "
+                    "agent, unbroken run) is SIGKILLed keeps running", e)
         return False
     return True
 

@@ -15,6 +15,10 @@ asked to stop. SIGTERM, SIGINT, SIGUSR1 and SIGHUP sent to the supervisor go to 
 too (a copy that also reached it directly is the same request for unbroken: :mod:`unbroken.faults.signals`),
 and no restart follows them.
 
+The supervisor SIGKILLed (it cannot forward anything then): a training process that uses a
+:class:`~unbroken.Checkpointer` is signalled by the kernel as if preempted (:mod:`unbroken.faults.launcher`):
+it saves at its next step boundary and exits 75, its lock released; a waiting spare exits.
+
 Costs: the spare's memory (an interpreter with torch imported: about 300 MB of RAM, no GPU memory; it
 never touches CUDA) and its CPU while it imports, once per start. A command the spare cannot run
 (:mod:`.command`) restarts cold, with the reason said once.
@@ -43,6 +47,13 @@ READY_TIMEOUT_S = 300.0
 PREEMPTED = 75
 
 
+def child_env() -> dict[str, str]:
+    """The training's environment: this one, and this supervisor's pid (``UNBROKEN_SUPERVISOR``): a training
+    process whose supervisor is SIGKILLed then saves at its next step and exits 75, as a torchrun worker
+    whose agent died does (:mod:`unbroken.faults.launcher`), instead of training on unsupervised."""
+    return dict(os.environ, UNBROKEN_SUPERVISOR=str(os.getpid()))
+
+
 def say(message: str) -> None:
     print(f"unbroken run: {message}", file=sys.stderr, flush=True)
 
@@ -56,7 +67,7 @@ class Spare:
         assert cmd.executable is not None
         self.proc = subprocess.Popen(
             [cmd.executable, *cmd.flags, "-m", "unbroken.launch.spare", str(go_r), str(ready_w), ",".join(preload)],
-            pass_fds=(go_r, ready_w), stdin=None)
+            pass_fds=(go_r, ready_w), stdin=None, env=child_env())
         os.close(go_r)
         os.close(ready_w)
         self.started = time.monotonic()
@@ -122,7 +133,7 @@ class Supervisor:
                 return spare.go(self.cmd), True
             say(f"the spare was not ready ({spare.answer or 'still importing'}): starting cold")
             spare.discard()
-        return subprocess.Popen(self.cmd.argv), False
+        return subprocess.Popen(self.cmd.argv, env=child_env()), False
 
     def run(self) -> Outcome:
         if self.cmd.cold:
