@@ -5,8 +5,8 @@ marker), each time replaced by the spare — a new process image that had import
 failure — and the final parameters equal the uninterrupted run's bit for bit. Then what a supervisor
 must get right: a preemption (SIGTERM to the supervisor) is saved and ends the job with 75, no
 restart; the restarts are bounded; a command a spare cannot run restarts cold; a spare that cannot
-import falls back to a cold start; a supervisor SIGKILLed leaves nothing running, the training saved. No timing is asserted; the
-speed is measured by ``benchmarks/bench_warm_restart.py``.
+import falls back to a cold start; a supervisor SIGKILLed leaves nothing running, the training saved.
+No timing is asserted; the speed is measured by ``benchmarks/bench_warm_restart.py``.
 """
 
 from __future__ import annotations
