@@ -3,6 +3,7 @@ as far as the tests that use it can see, and it starts a plain interpreter where
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import subprocess
@@ -179,6 +180,23 @@ def test_what_an_import_read_from_the_environment_is_what_a_plain_interpreter_re
     assert got == ["20", "20"], got
 
 
+def test_importing_unbroken_reads_nothing_of_the_environment() -> None:
+    """The zygote imports unbroken (zygote_server.PRELOAD) with its own environment: whatever unbroken read
+    then would be the zygote's, not the job's (``UNBROKEN_FAULTS``, ``RANK``...), and every job with another
+    value would start plainly. So unbroken reads its variables when it acts, in the process that acts."""
+    code = ("import importlib, sys; sys.path.insert(0, sys.argv[1]); import zygote_server as z\n"
+            "heavy = [n for n in z.PRELOAD if not n.startswith('unbroken')]\n"
+            "[importlib.import_module(n) for n in heavy]\n"
+            "with z.reads_of_environ() as read:\n"
+            "    [importlib.import_module(n) for n in z.PRELOAD if n.startswith('unbroken')]\n"
+            "print(sorted(read))")
+    out = subprocess.run([REAL_PYTHON, "-c", code, str(Path(__file__).parent)], capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, UNBROKEN_FAULTS="save.mid_file=1", RANK="1"))
+    assert out.returncode == 0, out.stderr
+    read = eval(out.stdout.strip().splitlines()[-1])
+    assert set(read) <= {"TYPER_USE_RICH"}, f"read at import (typer's own aside): {read}"
+
+
 def test_the_reads_recorded_are_reads_by_name_not_scans(monkeypatch: pytest.MonkeyPatch) -> None:
     """What the zygote compares: variables read by name while it imports; not every variable present when
     an import copied or iterated over the whole environment (fsspec's ``dict(os.environ)``, tqdm's
@@ -208,7 +226,8 @@ def test_parse() -> None:
 def test_the_refusals(tmp_path: Path) -> None:
     """The rules, one by one, on a server that is not listening."""
     z = zygote_server.Zygote.__new__(zygote_server.Zygote)
-    z.identity, z.top, z.env = zygote.identity(), {"torch", "numpy"}, dict(os.environ, PYTHONHASHSEED="1")
+    z.identity, z.top, z.env = zygote.identity(), {"torch", "numpy", "unbroken"}, dict(os.environ, PYTHONHASHSEED="1")
+    z.origins = {name: zygote_server._origin(importlib.import_module(name)) for name in z.top}
     z.strict, z.read = False, {"LOGLEVEL"}
     req = lambda args, **kw: dict(dict(args=args, env=z.env, cwd=str(tmp_path), identity=z.identity), **kw)  # noqa: E731
     assert z._refuse(req(["x.py"])) is None
@@ -222,6 +241,13 @@ def test_the_refusals(tmp_path: Path) -> None:
     assert z._refuse(req(["x.py"])) is None, "a folder without __init__.py is not a package"
     (tmp_path / "torch" / "__init__.py").write_text("")
     assert "holds torch" in z._refuse(req(["x.py"]))
+    (tmp_path / "torch" / "__init__.py").unlink()
+    mine = os.path.dirname(z.origins["unbroken"])  # the zygote's own unbroken on the path: no shadow
+    assert z._refuse(req(["-m", "json.tool"], env=dict(z.env, PYTHONPATH=mine))) is None
+    other = tmp_path / "other"
+    (other / "unbroken").mkdir(parents=True)
+    (other / "unbroken" / "__init__.py").write_text("")  # another version of it: a plain start
+    assert "holds unbroken" in z._refuse(req(["-m", "json.tool"], env=dict(z.env, PYTHONPATH=str(other))))
 
 
 def test_the_number_of_threads_is_what_the_environment_asks() -> None:

@@ -4,7 +4,7 @@ Most of the suite's CPU is the start of the processes it launches: ``import torc
 CPU on this machine, ``import transformers.trainer`` or ``lightning.pytorch`` 7-8 s, and a 60-step run
 of the demo 6-7 s in all. The zygote (:mod:`zygote_server`) is a Python process that has imported
 torch and what the jobs import of it as a matter of course (``zygote_server.PRELOAD``), numpy, and
-nothing of unbroken (a test may put another version of it on ``PYTHONPATH``), never ran an operator
+unbroken's training side and CLI (a job that puts another unbroken on its path starts plainly), never ran an operator
 (no thread pool to break a fork), and forks a child for each launch. The test files of ``ZYGOTE_MODULES``
 (``conftest.py``) see ``sys.executable`` replaced by a launcher, ``<dir>/bin/python``; the virtual
 environment's console scripts (``unbroken``, ``torchrun``) are copied beside it with the launcher as their

@@ -28,10 +28,14 @@ from zygote_flavour import flavour
 
 PRELOAD = ("numpy", "torch", "torch._dynamo", "torch._inductor", "torch.distributed.run", "torch.distributed.tensor",
            "torch.distributed.checkpoint", "torch.distributed.fsdp", "torch.utils.data", "safetensors.torch", "xxhash",
-           "sqlite3")
+           "sqlite3", "unbroken", "unbroken.checkpointer.manager", "unbroken.cli")
 """What the zygote imports: torch, and the parts of it that the tests' jobs import later as a matter of course
 (``torch.use_deterministic_algorithms`` imports inductor and dynamo: 2-3 s of CPU; unbroken imports the
-distributed packages; torchrun's agent is ``torch.distributed.run``). Third-party only: never unbroken."""
+distributed packages; torchrun's agent is ``torch.distributed.run``), and unbroken's training side and CLI
+(0.13 s of CPU in each of the suite's ~1,500 children). unbroken reads nothing of the environment when it is
+imported (each process reads its own when it acts: ``tests/test_zygote.py`` checks), and what it keeps of its
+process (its signal handlers' owner, its launcher) is taken when it acts or after a fork. A job that puts
+another unbroken on its path is started plainly, as any shadowed module (:func:`_shadows`)."""
 EMULATED_AT_START = {"TMPDIR", "TEMP", "TMP"}  # read by tempfile when an import asked for a temporary folder: its
 # cache (tempfile.tempdir) is cleared in the child, which reads them again
 MAX_FRAMEWORK_ZYGOTES = 6  # per worker (each rank of a job has its own: RANK is in the key); the least
@@ -130,6 +134,7 @@ class Zygote:
         # the fork server's own modules (zygote*.py) sit beside the test scripts: a script that imports one gets
         # the same file, so tests/ first on its path shadows nothing
         self.top = {m.split(".")[0] for m in sys.modules if not m.startswith("zygote")} - {"__main__"}
+        self.origins = {name: _origin(sys.modules.get(name)) for name in self.top}
         self.wake_r, wake_w = os.pipe()
         os.set_blocking(wake_w, False)
         signal.set_wakeup_fd(wake_w)
@@ -426,21 +431,34 @@ class Zygote:
                 names = os.listdir(os.path.join(req["cwd"], folder) if folder else req["cwd"])
             except OSError:
                 continue
-            shadow = _shadows(os.path.join(req["cwd"], folder), names, self.top)
+            shadow = _shadows(os.path.join(req["cwd"], folder), names, self.origins)
             if shadow:
                 return f"{folder} holds {shadow}, which the zygote imported"
         return None
 
 
-def _shadows(folder: str, names: list[str], imported: set[str]) -> str | None:
-    """The first module of ``imported`` that ``folder`` (listing ``names``) would provide before the
-    folders after it: a source or compiled module, an extension module, or a regular package."""
+def _origin(module: object) -> str | None:
+    """Where a top-level module was imported from: its package's folder or its file (resolved)."""
+    path = getattr(module, "__file__", None)
+    if not path:
+        return None
+    if os.path.basename(path).startswith("__init__."):
+        path = os.path.dirname(path)
+    return os.path.realpath(path)
+
+
+def _shadows(folder: str, names: list[str], imported: dict[str, str | None]) -> str | None:
+    """The first module of ``imported`` (name -> where the zygote imported it from) that ``folder`` (listing
+    ``names``) would provide before the folders after it, from another place: a source or compiled module,
+    an extension module, or a regular package. The very module the zygote imported is no shadow."""
     for entry in names:
         stem = entry.split(".")[0]
         if stem not in imported:
             continue
-        if entry.endswith((".py", ".pyc", ".so")) or os.path.isfile(os.path.join(folder, entry, "__init__.py")):
-            return stem
+        candidate = os.path.join(folder, entry)
+        if entry.endswith((".py", ".pyc", ".so")) or os.path.isfile(os.path.join(candidate, "__init__.py")):
+            if imported[stem] is None or os.path.realpath(candidate) != imported[stem]:
+                return stem
     return None
 
 

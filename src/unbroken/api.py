@@ -13,7 +13,7 @@ from collections.abc import Mapping, MutableMapping
 from concurrent.futures import Future
 from typing import Any, Literal, overload
 
-from ._support.exithooks import at_exit
+from ._support.exithooks import at_process_exit
 from .checkpoint.adapting import adapt
 from .checkpoint.background.thread import in_thread
 from .checkpoint.manifests import CheckpointInfo, is_run
@@ -75,7 +75,13 @@ def _wait_inflight(raise_unseen: bool) -> None:
                       pending.path, type(e).__name__, e)
 
 
-@at_exit
+def _forget_in_child() -> None:
+    """A forked child does not own its parent's background save (its thread is not in the child)."""
+    global _inflight, _inflight_lock
+    _inflight, _inflight_lock = None, threading.Lock()
+
+
+@at_process_exit(forget=_forget_in_child)
 def _wait_at_exit() -> None:
     _wait_inflight(raise_unseen=False)
 

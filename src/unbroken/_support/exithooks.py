@@ -6,6 +6,11 @@ run *after* Python has shut ``concurrent.futures`` down ("cannot schedule new fu
 interpreter shutdown": the upload failed and the exit waited for ``close_timeout_s``). Hooks of
 :mod:`threading` run before that, the last registered first, so one registered after
 ``concurrent.futures`` registered its own runs ahead of it.
+
+Two kinds: :func:`at_exit` for what a running process registers (a hook of *this* process, never
+run in a child it forks), and :func:`at_process_exit` for a module's own state (registered when the
+module is imported, run at the exit of every process that has the module, each acting on what it made
+itself: the module forgets its parent's state in a forked child).
 """
 
 from __future__ import annotations
@@ -36,3 +41,24 @@ def at_exit(fn: Callable[[], None]) -> Callable[[], None]:
     except RuntimeError:  # already shutting down, or an interpreter without the hook
         atexit.register(hook)
     return fn
+
+
+def at_process_exit(forget: Callable[[], None]) -> Callable[[Callable[[], None]], Callable[[], None]]:
+    """Decorator for a module's exit hook over the module's own state (saves in flight, leases held, sessions
+    open): the hook runs at the normal exit of the importing process and of every process forked from it,
+    and ``forget`` runs first thing in each forked child (``os.register_at_fork``) so that the child holds
+    nothing of its parent's: a DataLoader worker never waits on or releases its parent's work, while a
+    child forked before it made anything (a fork server's, with unbroken imported) closes its own."""
+    os.register_at_fork(after_in_child=forget)
+
+    def register(fn: Callable[[], None]) -> Callable[[], None]:
+        hook = getattr(threading, "_register_atexit", None)
+        try:
+            if hook is None:
+                raise RuntimeError("no threading exit hooks")
+            hook(fn)
+        except RuntimeError:
+            atexit.register(fn)
+        return fn
+
+    return register

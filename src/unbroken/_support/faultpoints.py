@@ -12,7 +12,7 @@ save is then certainly still in flight while training goes on).
 ``UNBROKEN_FAULT_ONCE=/path/marker`` lets the fault fire in the first process that reaches it only
 (it creates the marker; a process started later with the same environment, such as the RAM tier's
 next writer process, finds it and goes on).
-Unset (the normal case), a point costs one dictionary lookup.
+Unset (the normal case), a point costs a pid comparison and one dictionary lookup.
 """
 
 from __future__ import annotations
@@ -41,25 +41,43 @@ def _parse(spec: str, rank: str) -> dict[str, int]:
     return out
 
 
-_ACTION = signal.SIGSTOP if os.environ.get("UNBROKEN_FAULT_ACTION") == "stop" else signal.SIGKILL
-_SPEC = _parse(os.environ.get("UNBROKEN_FAULTS", ""), os.environ.get("RANK", "0"))
-_DELAY = float(os.environ.get("UNBROKEN_FAULT_DELAY", "0") or 0)
+class _Plan:
+    """What the environment asks of this process, read at its first fault point (not at import: a process
+    forked from one that imported unbroken, as a fork server's child, has an environment of its own)."""
+
+    def __init__(self) -> None:
+        self.action = signal.SIGSTOP if os.environ.get("UNBROKEN_FAULT_ACTION") == "stop" else signal.SIGKILL
+        self.spec = _parse(os.environ.get("UNBROKEN_FAULTS", ""), os.environ.get("RANK", "0"))
+        self.delay = float(os.environ.get("UNBROKEN_FAULT_DELAY", "0") or 0)
+        self.pid = os.getpid()
+
+
+_plan: _Plan | None = None
 _hits: Counter[str] = Counter()
+
+
+def _current() -> _Plan:
+    global _plan
+    if _plan is None or _plan.pid != os.getpid():
+        _plan = _Plan()
+    return _plan
 
 
 def point(name: str) -> None:
     """Mark a fault point; kill the process here if the environment asks for it."""
-    if _DELAY:
-        time.sleep(_DELAY)
-    if name in _SPEC:
+    plan = _current()
+    if plan.delay:
+        time.sleep(plan.delay)
+    if name in plan.spec:
         _hits[name] += 1
-        if _hits[name] == _SPEC[name] and _first():
-            os.kill(os.getpid(), _ACTION)
+        if _hits[name] == plan.spec[name] and _first():
+            os.kill(os.getpid(), plan.action)
 
 
 def armed(name: str) -> bool:
     """Whether reaching ``name`` may do something (kill, stop or sleep) in this process."""
-    return bool(_DELAY) or name in _SPEC
+    plan = _current()
+    return bool(plan.delay) or name in plan.spec
 
 
 def _first() -> bool:

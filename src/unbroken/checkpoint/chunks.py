@@ -52,16 +52,19 @@ from ..format import chunkmap
 from ..format.manifest import CHUNK_PREFIX, FileEntry, Manifest
 from ..format.tensorfile import TensorEntry, raw_bytes
 from ..store.base import Staging, Store
+from .persist import writers  # threads that hash and write the chunks of one tensor file, as for whole files
 
 log = logging.getLogger("unbroken")
 
-WRITERS = int(os.environ.get("UNBROKEN_WRITERS", "2"))
-"""Threads that hash and write the chunks of one tensor file (as for whole files, persist.WRITERS)."""
 PARALLEL_MIN = 1024 * 1024
 """Only tensors at least this large are handed to the threads."""
-GRACE_S = float(os.environ.get("UNBROKEN_CHUNK_GRACE_S", "60"))
-"""While saves may be in flight, a chunk is collected only if it is this much older than the
-newest committed checkpoint's start (clock differences between hosts and an object store)."""
+
+
+def _grace() -> float:
+    """While saves may be in flight, a chunk is collected only if it is this much older than the
+    newest committed checkpoint's start (clock differences between hosts and an object store):
+    ``UNBROKEN_CHUNK_GRACE_S`` (default 60 s), read at each collection."""
+    return float(os.environ.get("UNBROKEN_CHUNK_GRACE_S", "60"))
 
 
 def chunk_id(data: Any) -> str:
@@ -129,7 +132,7 @@ class ChunkSave:
                    on_half: Callable[[], None] | None = None) -> dict[str, FileEntry]:
         """Store the tensors of ``fname`` as chunks (new bytes only) and write its chunk map
         into ``staging``; the manifest entries (the map and every chunk it uses). Tensors are
-        hashed and written by ``WRITERS`` threads (hashing and writing release the GIL)."""
+        hashed and written by :func:`~.persist.writers` threads (hashing and writing release the GIL)."""
         total = sum(e.tensor.numel() * e.tensor.element_size() for e in entries)
         done = [0]
         half = [on_half]
@@ -168,8 +171,8 @@ class ChunkSave:
 
         big = [e for e in entries if e.tensor.numel() * e.tensor.element_size() >= PARALLEL_MIN]
         results: dict[str, tuple[str, FileEntry]] = {}
-        if len(big) > 1 and WRITERS > 1:
-            with ThreadPoolExecutor(min(WRITERS, len(big)), thread_name_prefix="unbroken-chunk") as pool:
+        if len(big) > 1 and writers() > 1:
+            with ThreadPoolExecutor(min(writers(), len(big)), thread_name_prefix="unbroken-chunk") as pool:
                 futures = {e.key: pool.submit(one, e) for e in big}
                 results.update({k: f.result() for k, f in futures.items()})
         for e in entries:
@@ -307,7 +310,7 @@ def collect(store: Store, *, pinned: Callable[[], set[str]] | None = None, elsew
             except CorruptCheckpointError:
                 pass
     _faults.point("gc.after_mark")
-    cutoff = newest - (GRACE_S if grace_s is None else grace_s) if elsewhere else float("inf")
+    cutoff = newest - (_grace() if grace_s is None else grace_s) if elsewhere else float("inf")
     deleted: list[str] = []
     for cid, mtime in sorted(chunks.items()):
         if cid in marked or cid in busy or mtime >= cutoff:

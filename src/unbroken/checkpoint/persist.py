@@ -35,9 +35,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("unbroken")
 
-WRITERS = int(os.environ.get("UNBROKEN_WRITERS", "2"))
-"""Large tensor files of one save written at the same time (measured: 2 files of 384 MB in 2
-threads took 1.17-1.40 s against 1.39-2.25 s one after the other, on 2 cores)."""
+def writers() -> int:
+    """Large tensor files of one save written at the same time, ``UNBROKEN_WRITERS`` (default 2; measured:
+    2 files of 384 MB in 2 threads took 1.17-1.40 s against 1.39-2.25 s one after the other, on 2 cores).
+    Read at each save, not at import."""
+    return int(os.environ.get("UNBROKEN_WRITERS", "2"))
 PARALLEL_MIN = 64 * 1024 * 1024
 """Only files at least this large are written in parallel."""
 
@@ -85,9 +87,9 @@ def write_part(staging: Staging, snapshot: Snapshot, json_name: str | None, tens
         elif snapshot.writer is not None and (done := _in_writer_process(staging, snapshot.writer, mine)) is not None:
             files.update(done)
             progress.advance(total)
-        elif len(big) > 1 and WRITERS > 1 and getattr(staging, "parallel_files", False):
+        elif len(big) > 1 and writers() > 1 and getattr(staging, "parallel_files", False):
             # local files: one file's write or fsync overlaps another's hashing
-            with ThreadPoolExecutor(min(WRITERS, len(big)), thread_name_prefix="unbroken-write") as pool:
+            with ThreadPoolExecutor(min(writers(), len(big)), thread_name_prefix="unbroken-write") as pool:
                 futures = {f: pool.submit(write_tensors, staging, f, snapshot.files[f]) for f in big}
                 files.update({f: fut.result() for f, fut in futures.items()})
         if chunks is None:

@@ -70,8 +70,10 @@ def failure(storage: Storage, name: str, e: BaseException, manifest: Manifest | 
     return CorruptCheckpointError(f"{where}: {e}")
 
 
-READERS = int(os.environ.get("UNBROKEN_READERS", "2"))
-"""Large files of one checkpoint read (and hashed) at the same time."""
+def readers() -> int:
+    """Large files of one checkpoint read (and hashed) at the same time, ``UNBROKEN_READERS`` (default 2),
+    read at each load, not at import."""
+    return int(os.environ.get("UNBROKEN_READERS", "2"))
 PARALLEL_MIN = 16 * 1024 * 1024
 
 
@@ -143,8 +145,8 @@ class CheckpointFiles:
         total = sum(e.size for f in todo if (e := self.manifest.files.get(f)) is not None)
         big = [f for f in todo if (e := self.manifest.files.get(f)) is not None and e.size >= PARALLEL_MIN]
         with progress.task(f"reading {self.name}", total):
-            if len(big) > 1 and READERS > 1:  # large files in parallel: one reads while another hashes
-                with ThreadPoolExecutor(min(READERS, len(big)), thread_name_prefix="unbroken-read") as pool:
+            if len(big) > 1 and readers() > 1:  # large files in parallel: one reads while another hashes
+                with ThreadPoolExecutor(min(readers(), len(big)), thread_name_prefix="unbroken-read") as pool:
                     for f in [pool.submit(self.read, fname) for fname in big]:
                         f.result()
             for fname in todo:

@@ -15,7 +15,7 @@ import logging
 import weakref
 from typing import Any
 
-from .._support.exithooks import at_exit
+from .._support.exithooks import at_process_exit
 from ..faults import slurm
 from ..faults.signals import SignalWatcher
 from ..run.index.recorder import Recorder
@@ -29,7 +29,13 @@ _held: set[Session] = set()
 variable of ``main()``) must still persist its newest RAM checkpoint at exit, so it is not collected before."""
 
 
-@at_exit
+def _forget_in_child() -> None:
+    """A forked child (a DataLoader worker) does not own its parent's sessions: its exit must not close them."""
+    global _open, _held
+    _open, _held = weakref.WeakSet(), set()
+
+
+@at_process_exit(forget=_forget_in_child)
 def _close_at_exit() -> None:
     """A script that never calls close(): wait for its uploads and release its lock/lease."""
     for each in list(_open):

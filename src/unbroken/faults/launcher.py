@@ -41,7 +41,15 @@ import threading
 
 log = logging.getLogger("unbroken")
 _PR_SET_PDEATHSIG = 1
-_PARENT = os.getppid()  # the launcher, as this process knew it when unbroken was imported
+_PARENT = os.getppid()  # the launcher, as this process knew it when unbroken was imported (or was forked)
+
+
+def _forked() -> None:
+    global _PARENT
+    _PARENT = os.getppid()  # a child forked after the import (a fork server's): its launcher is its parent
+
+
+os.register_at_fork(after_in_child=_forked)
 _current: int = 0  # the signal asked for now (0: none)
 _watcher: threading.Thread | None = None  # a warm worker's training: the thread watching the agent
 _CLIENT = "UNBROKEN_WARM_CLIENT"

@@ -145,7 +145,10 @@ class _Dispatcher:
         # signals whose last watcher left less than SAME_REQUEST_S after their first arrival: their
         # straggling copies are swallowed (see the module docstring); signal -> first arrival
         self.lingering: dict[signal.Signals, float] = {}
-        self._pid = os.getpid()  # a forked child (a DataLoader worker) inherits the handler: it stays quiet
+        # the process whose watchers the handlers serve: set when the first one installs them, so that a child
+        # forked after that (a DataLoader worker) inherits the handlers and stays quiet, while one forked
+        # before (a fork server's child: unbroken imported, nothing installed) serves its own watchers
+        self._pid = os.getpid()
         self.arrivals = Arrivals()  # when signals arrived (their handler may run seconds later)
         self.handled: dict[signal.Signals, float] = {}  # when the handler last ran, per signal
         self.requested: set[signal.Signals] = set()  # arrived while watched, since the newest watcher came
@@ -160,6 +163,8 @@ class _Dispatcher:
         return live
 
     def add(self, w: SignalWatcher) -> None:
+        if not self.found and not self._watchers:
+            self._pid = os.getpid()
         self._watchers = [weakref.ref(x) for x in self.watchers] + [weakref.ref(w)]
         self.requested.clear()  # a new run: what arrived before was served (or the run abandoned)
         self.exiting_until = 0.0  # (a process that caught the preemption's SystemExit and trains again)

@@ -52,7 +52,7 @@ import uuid
 import weakref
 from typing import Any
 
-from .._support.exithooks import at_exit
+from .._support.exithooks import at_process_exit
 from ..errors import RunLockedError
 
 log = logging.getLogger("unbroken")
@@ -275,14 +275,10 @@ def _forget_in_child() -> None:
     _mutex = threading.Lock()  # another thread may have held it at the fork
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_in_child)
-
-
-@at_exit
+@at_process_exit(forget=_forget_in_child)
 def _release_all_at_exit() -> None:
     """Leases still held when the interpreter exits (a holder never released, or dropped). A
-    :mod:`threading` exit hook (:func:`~unbroken._support.exithooks.at_exit`), not ``atexit``: deleting the
+    :mod:`threading` exit hook (:func:`~unbroken._support.exithooks.at_process_exit`), not ``atexit``: deleting the
     lease is an S3 request, and by ``atexit`` time the thread pools the S3 client resolves
     addresses on are shut down (the delete retried until its deadline: every exit of a process
     that held a lease took 30-60 s)."""
