@@ -42,6 +42,10 @@ import threading
 log = logging.getLogger("unbroken")
 _PR_SET_PDEATHSIG = 1
 _PARENT = os.getppid()  # the launcher, as this process knew it when unbroken was imported (or was forked)
+_current: int = 0  # the signal asked for now (0: none)
+_watcher: threading.Thread | None = None  # a warm worker's training: the thread watching the agent
+_CLIENT = "UNBROKEN_WARM_CLIENT"
+_SUPERVISOR = "UNBROKEN_SUPERVISOR"
 
 
 def _forked() -> None:
@@ -50,12 +54,6 @@ def _forked() -> None:
 
 
 os.register_at_fork(after_in_child=_forked)
-_current: int = 0  # the signal asked for now (0: none)
-_watcher: threading.Thread | None = None  # a warm worker's training: the thread watching the agent
-_CLIENT = "UNBROKEN_WARM_CLIENT"
-
-
-_SUPERVISOR = "UNBROKEN_SUPERVISOR"
 
 
 def under_launcher() -> bool:
