@@ -45,9 +45,9 @@ rank of a torchrun job dies, its peers fail in their next collective and the age
 them; flagged, a survivor went on through the interpreter's finalization (a full garbage
 collection of torch's modules, 1-4 s on a loaded machine, measured in
 ``benchmarks/bench_goodput.py``) before torchrun could restart the group, where without
-unbroken the SIGTERM ends it at once. So at exit after an uncaught exception (``atexit``,
-after unbroken's exit hooks have closed the Checkpointers and waited for their saves) every
-signal goes back to the handling found before unbroken, and a watched signal that arrived
+unbroken the SIGTERM ends it at once. So at exit after an uncaught exception (``atexit``, registered
+when the process first watches; after unbroken's exit hooks have closed the Checkpointers and waited
+for their saves) every signal goes back to the handling found before unbroken, and a watched signal that arrived
 unserved is delivered to it again: the process ends as it would have without unbroken, only
 after closing. A normal exit and ``sys.exit`` (the preemption's exit 75) keep swallowing
 straggling copies as above.
@@ -149,6 +149,7 @@ class _Dispatcher:
         # forked after that (a DataLoader worker) inherits the handlers and stays quiet, while one forked
         # before (a fork server's child: unbroken imported, nothing installed) serves its own watchers
         self._pid = os.getpid()
+        self._exit_pid = 0  # the process that registered the exit step-aside (see add)
         self.arrivals = Arrivals()  # when signals arrived (their handler may run seconds later)
         self.handled: dict[signal.Signals, float] = {}  # when the handler last ran, per signal
         self.requested: set[signal.Signals] = set()  # arrived while watched, since the newest watcher came
@@ -165,6 +166,12 @@ class _Dispatcher:
     def add(self, w: SignalWatcher) -> None:
         if not self.found and not self._watchers:
             self._pid = os.getpid()
+        if self._exit_pid != os.getpid():
+            # plain atexit, after the exit hooks that close the Checkpointers; registered when this process first
+            # watches, not when unbroken was imported (that may have been in a fork server, before the script's
+            # own atexit handlers: those registered before the watching must run after this, as they would)
+            atexit.register(_step_aside_at_exit)
+            self._exit_pid = os.getpid()
         self._watchers = [weakref.ref(x) for x in self.watchers] + [weakref.ref(w)]
         self.requested.clear()  # a new run: what arrived before was served (or the run abandoned)
         self.exiting_until = 0.0  # (a process that caught the preemption's SystemExit and trains again)
@@ -394,7 +401,6 @@ def _step_aside_at_exit() -> None:
         _dispatcher.step_aside()
 
 
-atexit.register(_step_aside_at_exit)  # plain atexit: after the exit hooks that close the Checkpointers
 
 
 def describe(sig: signal.Signals | None) -> str:
