@@ -281,6 +281,44 @@ def test_a_restart_during_an_outage_uploads_every_local_checkpoint_not_yet_uploa
     ckpt.close()
 
 
+def test_a_transient_error_while_reconciling_never_uploads_again_what_the_remote_has(tmp_path: Path, s3, s3_url,
+                                                                                     monkeypatch) -> None:
+    """A checkpoint queued while the remote could not be listed is checked against the remote before it is
+    sent; a server just back may answer that check with a 500 ("please try again"). That is no answer:
+    the check is retried, never read as "the remote lacks it" (it was, under load in run 10 of the suite:
+    step 1, already there, was uploaded again)."""
+    def open_run() -> unbroken.Checkpointer:
+        remote = unbroken.Remote(s3_url, storage_options=s3.storage_options, retry_wait_s=0.2, retry_max_wait_s=0.5)
+        return unbroken.Checkpointer(tmp_path / "run", save_every=1, remote=remote, preemption=None)
+
+    state = make_state()
+    ckpt = open_run()
+    ckpt.restore(state)
+    train_step(state)
+    ckpt.step(state)
+    assert ckpt.wait(timeout=60)
+    ckpt.close()
+    ckpt, events = open_run(), Events()
+    ckpt.events.subscribe(events)
+    ckpt.restore(make_state(seed=1))
+    store = ckpt.run.remote_store
+    real, failed = type(store).read, []
+
+    def read(self, name, file, *args, **kwargs):
+        if self is store and file == "manifest.json" and not failed:
+            failed.append(name)
+            raise OSError(121, "We encountered an internal error, please try again.")
+        return real(self, name, file, *args, **kwargs)
+
+    monkeypatch.setattr(type(store), "read", read)
+    ckpt.run.uploader.enqueue("step-000000001", unverified=True)  # as queued by a start during an outage
+    assert ckpt.wait(timeout=60)
+    assert failed == ["step-000000001"], failed
+    assert events.of(Uploaded) == [], events.of(Uploaded)  # the remote has it: not sent again
+    assert len(events.of(UploadFailed)) == 1  # the check failed once, and was asked again
+    ckpt.close()
+
+
 def test_wait_is_false_while_a_queued_checkpoint_never_reached_the_remote(tmp_path: Path, s3, s3_url) -> None:
     """Step 2 is saved during an outage and its local copy is damaged before it could be sent:
     it is never uploaded (a local bit flip is never uploaded), so wait() must not say that
