@@ -145,11 +145,8 @@ class _Dispatcher:
         # signals whose last watcher left less than SAME_REQUEST_S after their first arrival: their
         # straggling copies are swallowed (see the module docstring); signal -> first arrival
         self.lingering: dict[signal.Signals, float] = {}
-        # the process whose watchers the handlers serve: set when the first one installs them, so that a child
-        # forked after that (a DataLoader worker) inherits the handlers and stays quiet, while one forked
-        # before (a fork server's child: unbroken imported, nothing installed) serves its own watchers
-        self._pid = os.getpid()
-        self._exit_pid = 0  # the process that registered the exit step-aside (see add)
+        self._pid = os.getpid()  # whose watchers the handlers serve (taken at the first add: a child forked later,
+        self._exit_pid = 0  # a DataLoader worker, stays quiet); the process that registered the exit step-aside
         self.arrivals = Arrivals()  # when signals arrived (their handler may run seconds later)
         self.handled: dict[signal.Signals, float] = {}  # when the handler last ran, per signal
         self.requested: set[signal.Signals] = set()  # arrived while watched, since the newest watcher came
@@ -166,11 +163,8 @@ class _Dispatcher:
     def add(self, w: SignalWatcher) -> None:
         if not self.found and not self._watchers:
             self._pid = os.getpid()
-        if self._exit_pid != os.getpid():
-            # plain atexit, after the exit hooks that close the Checkpointers; registered when this process first
-            # watches, not when unbroken was imported (that may have been in a fork server, before the script's
-            # own atexit handlers: those registered before the watching must run after this, as they would)
-            atexit.register(_step_aside_at_exit)
+        if self._exit_pid != os.getpid():  # plain atexit, after the hooks that close the Checkpointers; at the first
+            atexit.register(_step_aside_at_exit)  # watch, not the import (a fork server's): before earlier handlers
             self._exit_pid = os.getpid()
         self._watchers = [weakref.ref(x) for x in self.watchers] + [weakref.ref(w)]
         self.requested.clear()  # a new run: what arrived before was served (or the run abandoned)
@@ -399,8 +393,6 @@ def _step_aside_at_exit() -> None:
     ``sys.exit``), stop watching and deliver an unserved request (see the module docstring)."""
     if getattr(sys, "last_value", None) is not None:
         _dispatcher.step_aside()
-
-
 
 
 def describe(sig: signal.Signals | None) -> str:
