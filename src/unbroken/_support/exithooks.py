@@ -33,6 +33,12 @@ def at_exit(fn: Callable[[], None]) -> Callable[[], None]:
         if os.getpid() == owner:
             fn()
 
+    _register(hook)
+    return fn
+
+
+def _register(hook: Callable[[], None]) -> None:
+    """A :mod:`threading` exit hook, or an ``atexit`` one when there is none (or it is too late for one)."""
     register = getattr(threading, "_register_atexit", None)
     try:
         if register is None:
@@ -40,7 +46,6 @@ def at_exit(fn: Callable[[], None]) -> Callable[[], None]:
         register(hook)
     except RuntimeError:  # already shutting down, or an interpreter without the hook
         atexit.register(hook)
-    return fn
 
 
 def at_process_exit(forget: Callable[[], None]) -> Callable[[Callable[[], None]], Callable[[], None]]:
@@ -52,13 +57,7 @@ def at_process_exit(forget: Callable[[], None]) -> Callable[[Callable[[], None]]
     os.register_at_fork(after_in_child=forget)
 
     def register(fn: Callable[[], None]) -> Callable[[], None]:
-        hook = getattr(threading, "_register_atexit", None)
-        try:
-            if hook is None:
-                raise RuntimeError("no threading exit hooks")
-            hook(fn)
-        except RuntimeError:
-            atexit.register(fn)
+        _register(fn)
         return fn
 
     return register
