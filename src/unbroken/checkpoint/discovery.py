@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import CorruptCheckpointError, UnbrokenError
 from ..format.manifest import Manifest
+from ..store.retry import is_transient
 from .manifests import CheckpointInfo, read_manifest
 from .tags import tags_by_checkpoint
 
@@ -20,13 +21,17 @@ if TYPE_CHECKING:
     from .reader import LoadedCheckpoint
 
 
-def manifests(store: Any) -> dict[str, Manifest]:
-    """The readable manifests of a store's committed checkpoints (unreadable ones left out)."""
+def manifests(store: Any, *, raise_transient: bool = False) -> dict[str, Manifest]:
+    """The readable manifests of a store's committed checkpoints (unreadable ones left out).
+    ``raise_transient``: a read that failed with a transient error (:func:`~unbroken.store.retry.is_transient`:
+    a server not answering yet) raises instead, for a caller that must not take "unreadable now" for "absent"."""
     out = {}
     for name in store.list_committed():
         try:
             out[name] = read_manifest(store, name)
-        except (UnbrokenError, OSError):
+        except (UnbrokenError, OSError) as e:
+            if raise_transient and is_transient(e):
+                raise
             continue
     return out
 

@@ -39,12 +39,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._support import faultpoints as _faults
-from ..checkpoint.manifests import read_manifest
+from ..checkpoint.discovery import manifests
 from ..errors import ConfigurationError, CorruptCheckpointError
 from ..events import Event, Pruned, Uploaded, UploadFailed
 from ..format.manifest import MANIFEST, Manifest, is_chunk, new_hasher
 from ..policies import Retention
-from ..store.retry import is_transient
 
 log = logging.getLogger("unbroken")
 
@@ -247,14 +246,9 @@ class Uploader:
         dropped from the queue (the one in hand is the caller's): those it has (same name and
         manifest) and those older than its newest (uploaded before and since removed by its
         retention: uploads go oldest first)."""
-        remote = {}
-        for name in self.remote.list_committed():
-            try:
-                remote[name] = read_manifest(self.remote, name)
-            except Exception as e:
-                if is_transient(e):  # not answering yet (a server just back): reconcile at the next attempt,
-                    raise            # never take a checkpoint it has for one it lacks and upload it again
-                continue  # damaged or gone since the listing: not one the remote has
+        # a server just back may not answer yet: reconcile at the next attempt, never take a checkpoint it has
+        # for one it lacks (and upload it again)
+        remote = manifests(self.remote, raise_transient=True)
         newest = max((m.seq for m in remote.values()), default=-1)
         with self._cv:
             names = sorted(self._unverified)
