@@ -14,9 +14,13 @@ gloo on ``--ranks`` (2) processes of one torch thread each. Configurations, in o
 * ``ram``: ``Checkpointer(run, save_every=1, ram=unbroken.RamTier(keep_last=2, persist_every=N))``.
 * ``inproc``: ``disk`` inside ``ckpt.recover(train, state, on=(InjectedFault,))`` (exceptions only).
 * ``warm``: ``disk``, its workers started by ``torchrun ... -m unbroken.launch.worker`` (restarts from warm
-  spares: ``docs/faults.md``).
+  spares: ``docs/faults.md``); ``warm-CONFIG`` is any other unbroken configuration so started (``warm-auto``,
+  ``warm-ram-auto``).
 * ``auto``: ``Checkpointer(run, save_every="auto")``: the interval chosen from the saves' measured blocking
-  time and the run's failures (:class:`unbroken.policies.AutoInterval`, its 24 h prior until the first).
+  time and the run's failures (:class:`unbroken.policies.AutoInterval`, its 24 h prior until the first, or
+  ``--mtbf-prior-hours``).
+* ``ram-auto``: the RAM tier with ``save_every="auto"`` (the RAM saves' interval chosen the same way; every
+  ``N``-th RAM checkpoint persisted to disk).
 
 ``CONFIG@N`` runs a configuration with a save every ``N`` steps instead of ``--save-every`` (``disk@10``,
 ``dcp@25``): ``--configs auto,disk@10,disk@25,disk@50,disk@100`` compares ``auto`` with a sweep of fixed
@@ -73,7 +77,9 @@ from goodput_report import metrics, plot, read_events, table  # noqa: E402
 from goodput_timeline import breakdown, median_table  # noqa: E402
 
 WORKER = str(HERE / "goodput_worker.py")
-CONFIGS = ("dcp", "dcp-async", "disk", "auto", "warm", "ram", "inproc")
+UNBROKEN = ("disk", "auto", "ram", "ram-auto", "inproc")
+CONFIGS = ("dcp", "dcp-async", *UNBROKEN, "warm", *(f"warm-{c}" for c in UNBROKEN if c not in ("disk", "inproc")))
+WARM = "warm"  # the prefix of a configuration whose workers start from warm spares
 KINDS = ("none", "kill", "exception", "node")
 MODEL = (("layers", 2), ("dim", 256), ("seq", 64), ("batch", 4), ("vocab", 8192))
 RDZV_PORT = 29400
@@ -88,17 +94,28 @@ def kind_of(config: str) -> str:
 def _every_ok(config: str) -> bool:
     every = config.removesuffix(BASE).partition("@")[2]
     return not every or (every.isdigit() and int(every) > 0
-                         and kind_of(config) in ("dcp", "dcp-async", "disk", "warm", "ram"))
+                         and kind_of(config) in ("dcp", "dcp-async", "disk", "warm", "ram", "ram-auto",
+                                                 "warm-ram", "warm-ram-auto"))
+
+
+def worker_config(config: str) -> tuple[bool, str]:
+    """Whether ``config`` starts its workers from warm spares, and the worker's own configuration
+    (``warm-ram-auto@50``: ``(True, "ram-auto")``; ``warm``: ``(True, "disk")``)."""
+    kind = kind_of(config)
+    if kind == WARM or kind.startswith(WARM + "-"):
+        return True, kind.removeprefix(WARM).removeprefix("-") or "disk"
+    return False, kind
 
 
 def unavailable(config: str, kind: str) -> str | None:
     import unbroken
 
-    if config == "ram" and not hasattr(unbroken, "RamTier"):
-        return "unbroken.RamTier is not in this unbroken"
-    if config == "warm" and importlib.util.find_spec("unbroken.launch.worker") is None:
+    warm, config = worker_config(config)
+    if warm and importlib.util.find_spec("unbroken.launch.worker") is None:
         return "unbroken.launch.worker (warm restarts under torchrun) is not in this unbroken"
-    if config == "auto" and not _has_auto():
+    if config.startswith("ram") and not hasattr(unbroken, "RamTier"):
+        return "unbroken.RamTier is not in this unbroken"
+    if config.endswith("auto") and not _has_auto():
         return "save_every='auto' is not in this unbroken"
     if config == "inproc" and not hasattr(unbroken.Checkpointer, "recover"):
         return "unbroken.Checkpointer.recover is not in this unbroken"
@@ -180,11 +197,13 @@ class Job:
     def __init__(self, a: argparse.Namespace, config: str, base: Path, cluster: Any, log: Any) -> None:
         self.a, self.base, self.cluster, self.log = a, base, cluster, log
         model = [f"--{k}={getattr(a, k)}" for k, _ in MODEL]
-        name, _, every = config.removesuffix(BASE).partition("@")  # "disk@25": disk, a save every 25 steps
-        warm = ["-m", "unbroken.launch.worker"] if name == "warm" else []  # disk, restarted from warm spares
-        self.argv = [*warm, WORKER, "--config", "disk" if warm else name, "--run-dir", str(base / "run"),
+        every = config.removesuffix(BASE).partition("@")[2]  # "disk@25": disk, a save every 25 steps
+        warm, name = worker_config(config)
+        spares = ["-m", "unbroken.launch.worker"] if warm else []  # restarted from warm spares
+        prior = ["--mtbf-prior-hours", str(a.mtbf_prior_hours)] if a.mtbf_prior_hours and name.endswith("auto") else []
+        self.argv = [*spares, WORKER, "--config", name, "--run-dir", str(base / "run"),
                      "--out", str(base / "out"), "--steps", str(a.steps), "--save-every", every or str(a.save_every),
-                     *model]
+                     *prior, *model]
         self.env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         if config.endswith(BASE):  # the same configuration on the unbroken of --base-src
             self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [a.base_src, os.environ.get("PYTHONPATH")]))
@@ -261,10 +280,14 @@ def run_one(a: argparse.Namespace, config: str, kind: str, tmp: Path, cluster: A
     exits: list[ExitWatch] = []
     with open(base / "log.txt", "w") as log:
         job = Job(a, config, base, cluster, log)
+        release = out / "released"  # --hold-for-failures: the jobs wait before their last steps until it exists
+        if a.hold_for_failures and kind != "none":
+            job.env["GOODPUT_RELEASE"] = str(release)
         tail = Tail(out, a.ranks)
         load0, launched = loadavg(), time.time()
         job.launch()
         next_at, pending, deadline = launched + a.interval, None, launched + a.timeout
+        planned = launched
         try:
             while True:
                 codes = job.codes()
@@ -284,7 +307,8 @@ def run_one(a: argparse.Namespace, config: str, kind: str, tmp: Path, cluster: A
                 if now > deadline:
                     raise RuntimeError(f"{config}/{kind}: not done within {a.timeout} s (see {base / 'log.txt'})")
                 if pending is not None:  # an exception was planned: when it fires, it is the failure
-                    fired = [e["t"] for e in events if e["ev"] == "fault" and e["step"] == pending]
+                    fired = [e["t"] for e in events
+                             if e["ev"] == "fault" and e["step"] >= pending and e["t"] >= planned]
                     if fired:
                         failures.append(min(fired))
                         pending, next_at = None, min(fired) + a.interval
@@ -295,8 +319,8 @@ def run_one(a: argparse.Namespace, config: str, kind: str, tmp: Path, cluster: A
                 progressed = any(e["t"] > since and e["rank"] == 0 and e["step"] > done_before for e in steps)
                 if kind != "none" and pending is None and now >= next_at and progressed and latest < a.steps - 3 \
                         and len(failures) < (a.max_failures if a.max_failures is not None else a.steps):
-                    if kind == "exception":
-                        pending = latest + 2
+                    if kind == "exception":  # at the first step from latest + 2 on that the ranks see it
+                        pending, planned = latest + 2, time.time()
                         (out / "fault-at").write_text(str(pending))
                     elif kind == "kill":
                         watch = ExitWatch(out, a.ranks)
@@ -309,6 +333,8 @@ def run_one(a: argparse.Namespace, config: str, kind: str, tmp: Path, cluster: A
                         cluster.nodes[1].kill_all()
                         job.lose_memory(1)  # a replacement machine: nothing of node 1 is left
                         next_at = failures[-1] + a.interval
+                    if a.max_failures is not None and len(failures) + (pending is not None) >= a.max_failures:
+                        release.touch()  # every failure asked for is on its way: a held job may finish
                 time.sleep(0.05)
         finally:
             job.stop()
@@ -337,6 +363,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=600, help="steps per job (default 600: ~90 s without failures)")
     ap.add_argument("--interval", type=float, default=60.0, help="seconds between failures (default 60)")
     ap.add_argument("--save-every", type=int, default=50, help="steps between disk checkpoints (default 50)")
+    ap.add_argument("--mtbf-prior-hours", type=float, default=None,
+                    help="the auto configurations' AutoInterval(mtbf_hours=...) (default: the library's)")
     ap.add_argument("--ram-root", default=None, help="where the nodes' RAM tiers live for 'node' (default /dev/shm)")
     ap.add_argument("--ranks", type=int, default=2, help="processes (default 2; split over 2 nodes for 'node')")
     ap.add_argument("--configs", default="dcp,disk,ram,inproc", help=f"of {','.join(CONFIGS)}")
@@ -347,6 +375,9 @@ def main() -> None:
                     help="also run every unbroken configuration on the unbroken package in DIR (e.g. an "
                          "older checkout's src/), reported as '<config>-base', job after job with the current one")
     ap.add_argument("--max-failures", type=int, default=None, help="at most this many failures a job")
+    ap.add_argument("--hold-for-failures", action="store_true",
+                    help="with --max-failures: a job with failures to inject waits before step steps - 3 until "
+                         "all are on their way (for tests on a loaded machine: the wait counts in the wall time)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds a job may take before it is killed")
     ap.add_argument("--dir", help="where the jobs run (default: the temporary folder)")
     ap.add_argument("--keep-logs", action="store_true", help="keep each job's log and event records in --dir")
@@ -365,6 +396,8 @@ def main() -> None:
         a.base_src = str(Path(a.base_src).resolve())
         configs = [c for config in configs
                    for c in ((config,) if config.startswith("dcp") else (config + BASE, config))]
+    if a.hold_for_failures and a.max_failures is None:
+        ap.error("--hold-for-failures needs --max-failures (the failures a job waits for)")
     if a.ranks < 2 or a.ranks % 2:
         ap.error("--ranks must be even and at least 2 (a rank is killed; 'node' splits them over 2 nodes)")
     if "none" not in kinds:
@@ -388,7 +421,7 @@ def main() -> None:
             try:
                 for config in configs:
                     if (kind_of(config) == "inproc" and kind not in ("none", "exception")) or (
-                            kind_of(config) == "warm" and kind == "node"):  # (warm: one node's spares; not measured)
+                            worker_config(config)[0] and kind == "node"):  # (warm: one node's spares; not measured)
                         continue
                     if not config.endswith(BASE) and (why := unavailable(kind_of(config), kind)) is not None:
                         rows.append({"config": config, "kind": kind, "unavailable": why})

@@ -112,7 +112,7 @@ class Loop:
                 self.sampler.set_epoch(epoch)
                 batches = iter(self.loader)
                 batch = next(batches)
-            self.faults.check(self.step + 1, self.events)
+            self.faults.check(self.step + 1, self.events, self.a.steps)
             train_step(self.model, self.opt, batch)
             self.step += 1
             self.events.step(self.step, t0)

@@ -14,11 +14,14 @@ holds), ``step`` (``step``, ``t0`` before the batch is fetched, ``t1`` after ``o
 raised) and ``done``. Times are ``time.time()``. At the end rank 0 writes ``OUT/final.json``:
 the SHA-256 of every parameter and AdamW moment, bitwise.
 
-An exception is injected when ``OUT/fault-at`` names the step about to run: every rank raises
-:class:`InjectedFault` before that step's forward pass (no collective is in flight), once per
-step number (``OUT/fired-<step>-r<rank>``). The ranks agree on it (one all-reduce of a flag per step,
-in every configuration alike): the file may appear between two ranks' checks of the same step, and one
-rank raising alone cannot be recovered in the process (docs/faults.md, "Several ranks").
+An exception is injected at the first step at or after the one ``OUT/fault-at`` names (the file may appear
+after the ranks have passed that step: a loaded machine): every rank raises :class:`InjectedFault` before
+that step's forward pass (no collective is in flight), once per request (``OUT/fired-<N>-r<rank>``, ``N``
+the file's step). The ranks agree on it (one all-reduce of a flag per step, in every configuration alike):
+the file may appear between two ranks' checks of the same step, and one rank raising alone cannot be
+recovered in the process (docs/faults.md, "Several ranks"). ``GOODPUT_RELEASE`` (``bench_goodput.py
+--hold-for-failures``) names a file the ranks wait for, at most two minutes, before step ``steps - 3`` (the
+harness injects nothing later).
 """
 
 from __future__ import annotations
@@ -69,15 +72,21 @@ class FaultPlan:
     def __init__(self, out: Path, rank: int) -> None:
         self.file, self.out, self.rank, self.mtime, self.at = out / "fault-at", out, rank, None, None
 
-    def check(self, step: int, events: Events) -> None:
+    def check(self, step: int, events: Events, steps: int) -> None:
+        release = os.environ.get("GOODPUT_RELEASE")
+        if release and step == steps - 3:  # (the harness injects until step steps - 4) held until every failure
+            # asked for is on its way, bounded
+            deadline = time.time() + 120
+            while not os.path.exists(release) and time.time() < deadline:
+                time.sleep(0.01)
         try:
             mtime: int | None = self.file.stat().st_mtime_ns
         except FileNotFoundError:  # not yet here; another rank may see it already: every rank decides
             mtime = None
         if mtime is not None and mtime != self.mtime:
             self.mtime, self.at = mtime, int(self.file.read_text() or 0)
-        fired = self.out / f"fired-{step}-r{self.rank}"
-        if agreed(step == self.at and not fired.exists()):
+        fired = self.out / f"fired-{self.at}-r{self.rank}"
+        if agreed(self.at is not None and step >= self.at and not fired.exists()):
             fired.touch()
             events("fault", step=step)
             raise InjectedFault(f"injected at step {step} on rank {self.rank}")
@@ -123,7 +132,9 @@ def digest(model, opt) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--config", choices=["dcp", "dcp-async", "disk", "auto", "ram", "inproc"], required=True)
+    p.add_argument("--config", choices=["dcp", "dcp-async", "disk", "auto", "ram", "ram-auto", "inproc"],
+                   required=True)
+    p.add_argument("--mtbf-prior-hours", type=float, default=None)
     p.add_argument("--run-dir", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, required=True)

@@ -30,7 +30,10 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "benchmarks" / "bench_goodput.py"
 SAVE_EVERY = 5
 TINY = ["--layers", "1", "--dim", "64", "--seq", "16", "--batch", "2", "--vocab", "512", "--steps", "60",
-        "--save-every", str(SAVE_EVERY), "--interval", "1", "--max-failures", "1", "--timeout", "240"]
+        "--save-every", str(SAVE_EVERY), "--interval", "1", "--max-failures", "1", "--hold-for-failures",
+        "--timeout", "240"]
+"""``--hold-for-failures``: a job waits before its last steps until its failure is on its way, so that a loaded
+machine (the harness slow to see the steps) never lets a job finish first (run 14 of 2026-11-30)."""
 CONFIGS = ("disk", "ram", "inproc")
 """unbroken's configurations; the benchmark's peer, the DIY DCP loop, is measured by ``make bench-peers``
 (benchmarks/peers/test_goodput_dcp_alone.py)."""
@@ -91,7 +94,7 @@ if rank == 1:  # rank 0 is inside its check of step 5 (the file not there yet) w
     time.sleep(2)
     (out / "fault-at").write_text("5")
 try:
-    plan.check(5, events)
+    plan.check(5, events, 100)
     print(f"rank {rank} ran step 5", flush=True)
 except InjectedFault:
     print(f"rank {rank} raised at step 5", flush=True)

@@ -74,6 +74,11 @@ def _describe_fault(spec: str) -> str:
 
 
 ATTEMPT_TIMEOUT_S = 900.0
+HOLD_ENV = "UNBROKEN_DEMO_HOLD"
+"""A file :func:`run_attempt` creates once it has signalled the child: a training script that finds this
+variable set waits before its last step's ``ckpt.step()`` until the file exists (at most
+:data:`HOLD_TIMEOUT_S`), so that it never finishes before a signal planned for an earlier step."""
+HOLD_TIMEOUT_S = 60.0
 """The longest one attempt may run before it is killed and the demo fails (a hang, not a slow machine)."""
 
 
@@ -86,6 +91,11 @@ def run_attempt(cmd: list[str], kind: str, arg: str, env: dict[str, str],
     ``"save"`` (``arg`` = a fault spec: SIGKILL inside a save). An exit status that is not
     the expected one for the kind, nor in ``ok_codes``, raises with the child's stderr; so does an
     attempt still running after ``timeout`` seconds (it is killed first: every wait is bounded).
+
+    The signal lands where the child is when it arrives (mid-step, in a save...), a few steps after
+    ``arg`` when this process is slow to read the line. So that a loaded machine never lets the child
+    finish before its signal, a child that honours :data:`HOLD_ENV` (the demo's training script does)
+    waits before its last step's ``ckpt.step()`` until the signal has been sent (bounded).
     """
     if kind == "step":
         plan = f"SIGKILL after step {arg}"
@@ -95,6 +105,9 @@ def run_attempt(cmd: list[str], kind: str, arg: str, env: dict[str, str],
         plan = _describe_fault(arg) if kind == "save" else "run"
     att = Attempt(plan=plan)
     child_env = dict(env)
+    hold_dir = tempfile.mkdtemp(prefix="unbroken-attempt-") if kind in ("step", "signal") else None
+    if hold_dir is not None:
+        child_env[HOLD_ENV] = os.path.join(hold_dir, "sent")
     if kind == "save":
         child_env["UNBROKEN_FAULTS"] = arg
     sig, at = signal.SIGKILL, int(arg) if kind == "step" else 0
@@ -126,7 +139,11 @@ def run_attempt(cmd: list[str], kind: str, arg: str, env: dict[str, str],
                 if kind in ("step", "signal") and not sent and att.last_step >= at:
                     proc.send_signal(sig)
                     sent = True
+                    if hold_dir is not None:  # a child held before its last step may go on: the signal is sent
+                        Path(hold_dir, "sent").touch()
         rc = proc.wait()
+        if hold_dir is not None:
+            shutil.rmtree(hold_dir, ignore_errors=True)
         watchdog.cancel()
         err.seek(0)
         stderr = err.read()

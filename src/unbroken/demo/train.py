@@ -22,6 +22,7 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -148,12 +149,25 @@ def train(args: argparse.Namespace) -> int:
             log.flush()
             crash("after", args.crash_after_opt)
             print(f"step {ckpt.progress.step + 1}", flush=True)
+            if ckpt.progress.step + 1 == args.steps:
+                hold_for_the_harness()
             ckpt.step(state, loss=total)  # saves every --save-every steps; saves and exits on SIGTERM
 
     ckpt.close()  # release the run (and wait for uploads of a tiered run)
     write_final(out, model, opt, sched, scaler)
     print("done", flush=True)
     return 0
+
+
+def hold_for_the_harness() -> None:
+    """Test hook (:func:`unbroken.demo.run_attempt`): before the last step's boundary, wait until the harness has
+    sent the signal it planned (the file named by ``UNBROKEN_DEMO_HOLD`` exists; at most a minute)."""
+    from . import HOLD_ENV, HOLD_TIMEOUT_S
+
+    sent = os.environ.get(HOLD_ENV)
+    deadline = time.monotonic() + HOLD_TIMEOUT_S
+    while sent and not os.path.exists(sent) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def write_final(out: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any,
