@@ -83,6 +83,15 @@ class Persisted(Event):
 
 
 @dataclass(frozen=True)
+class PersistIntervalChosen(Event):
+    """``RamTier(persist_every="auto")`` chose a new interval between persists (:mod:`unbroken.tiers.ramauto`)."""
+
+    seconds: float | None
+    reason: str
+    """The choice and its numbers, in words."""
+
+
+@dataclass(frozen=True)
 class UploadFailed(Event):
     """An upload attempt failed; it is retried (``will_retry``) or given up."""
 

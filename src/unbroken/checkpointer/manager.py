@@ -140,6 +140,8 @@ class Checkpointer:
         self.allow_unsaved: frozenset[str] = core.rules.allow_unsaved
         self._epoch_loop = EpochLoop(core.progress)  # the epoch the loop is in (unbroken.checkpointer.epochs)
         events.subscribe(self._epoch_loop)
+        if run.ram is not None and run.ram.auto is not None:
+            events.subscribe(run.ram)  # RamTier(persist_every="auto") times the steps
         self._signals = SignalWatcher(core.preemption.signals)
         self._saver = Saver(core)  # the save path (unbroken.checkpointer.saving)
         self._stepper = Stepper(core, self._saver, self._signals, self._epoch_loop)  # the step boundary

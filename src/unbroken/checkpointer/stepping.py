@@ -26,7 +26,7 @@ from ..faults.guard import StepGuard
 from ..faults.handlers import preempt_and_exit
 from ..faults.signals import SignalWatcher
 from ..policies import Trigger
-from ..run.index.goodput import failure_history
+from ..run.index.goodput import failure_history, lost_save_history
 from ..state.checks import clean_metrics
 from .agreement import SAVE, SIGNAL, SPIKE, StepAgreement
 from .core import Core
@@ -78,7 +78,7 @@ class Stepper:
         core.events.publish(StepEnded(progress.step, clean))
         if self.selftest is not None:  # the step's fingerprint, before any save (same instant in every run)
             self.selftest.step_ended(ckpt, state, clean)
-        if core.schedule.auto:
+        if core.schedule.auto or (core.run.ram is not None and core.run.ram.auto is not None):
             self._learn_history()
         # the ranks agree on saving, preemption and a loss spike (agreement.py): time triggers and signals
         # one step later, without waiting; rollback_if and metric triggers at once; nothing at world size 1
@@ -118,19 +118,23 @@ class Stepper:
         return info
 
     def _learn_history(self) -> None:
-        """``save_every="auto"``: once per segment (a process, or a rollback inside one), what the run index
-        says of the run's failures so far (on the ranks that keep the index; the others keep the prior)."""
-        recorder = self.core.recorder
+        """``save_every="auto"`` and ``RamTier(persist_every="auto")``: once per segment (a process, or a
+        rollback inside one), what the run index says of the run's failures so far (on the ranks that keep
+        the index; the others keep the prior)."""
+        recorder, ram = self.core.recorder, self.core.run.ram
         segment = recorder.segment_id if recorder is not None else None
         if recorder is None or segment is None or segment == self._history_of or recorder.index is None:
             return
         self._history_of = segment
         try:
             failures, wall = failure_history(recorder.index, time.time())
+            losses, _ = lost_save_history(recorder.index, time.time()) if ram is not None and ram.auto else (0, 0)
         except Exception as e:  # noqa: BLE001 - the index is an aid: the prior stands in
             log.debug("save_every='auto': the run index could not say the run's failures (%s)", e)
             return
-        said = self.core.schedule.observe_history(failures, wall, time.monotonic())
+        if ram is not None and ram.auto is not None:
+            ram.auto.observe_history(losses, wall, time.monotonic())
+        said = self.core.schedule.observe_history(failures, wall, time.monotonic()) if self.core.schedule.auto else None
         if said:
             recorder.event("save_interval", said, step=self.core.progress.step)
 

@@ -104,11 +104,11 @@ class AutoInterval(_TriggerOps):
         """The choice in words, for the run index."""
         interval = self.interval_s(now)
         m = self.mtbf_s(now)
-        why = (f"{self.failures} failure{'s' if self.failures != 1 else ''} in {_span(self.history_s)}"
-               if self.failures else f"no failure yet: the prior {_span(self.mtbf_hours * 3600)} or the run's age")
-        every = "at the next step (to measure a save)" if interval is None else f"every {_span(interval)}"
+        why = (f"{self.failures} failure{'s' if self.failures != 1 else ''} in {span(self.history_s)}"
+               if self.failures else f"no failure yet: the prior {span(self.mtbf_hours * 3600)} or the run's age")
+        every = "at the next step (to measure a save)" if interval is None else f"every {span(interval)}"
         cost = "unknown" if self.cost_s is None else f"{self.cost_s:.3g} s"
-        return f"save {every}: a save blocks {cost}, mean time between failures {_span(m)} ({why})"
+        return f"save {every}: a save blocks {cost}, mean time between failures {span(m)} ({why})"
 
     def state_dict(self) -> dict[str, Any]:
         return {"cost_s": self.cost_s}
@@ -118,7 +118,8 @@ class AutoInterval(_TriggerOps):
         self.cost_s = float(cost) if isinstance(cost, (int, float)) and cost >= 0 else self.cost_s
 
 
-def _span(seconds: float) -> str:
+def span(seconds: float) -> str:
+    """A duration in words: seconds, minutes or hours."""
     if seconds < 120:
         return f"{seconds:.3g} s"
     if seconds < 7200:

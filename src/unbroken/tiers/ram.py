@@ -72,13 +72,14 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ..errors import ConfigurationError, StorageError, UnbrokenError
-from ..events import Event, Persisted, Pruned
+from ..events import Event, Persisted, PersistIntervalChosen, Pruned, StepEnded
 from ..format.manifest import Manifest
 from ..store import open_ram_store
 from ..store.private import private_folder
+from .ramauto import PersistInterval, check_settings
 from .ramfolder import MARKER, collect_orphans, exclusive, own, remove_folder
 from .rampeers import Nodes
 from .ramwriter import Persister
@@ -92,21 +93,28 @@ class RamTier:
         keep_last: RAM checkpoints kept (at least 1). Memory: ``keep_last + 1`` checkpoints.
         persist_every: every this many RAM saves, the RAM checkpoint is copied to the run
             location by the writer process (1: every save; the writer takes the newest due
-            one when it is free, so a slow disk skips, never queues, copies).
+            one when it is free, so a slow disk skips, never queues, copies). ``"auto"``: at the
+            interval that loses the least, from what a copy costs the training and how often the
+            run loses its RAM checkpoints (:mod:`unbroken.tiers.ramauto`).
         root: where the RAM folders live (default ``$UNBROKEN_RAM_ROOT`` or ``/dev/shm``).
         close_timeout_s: how long ``close()`` waits for the writer's last copy.
+        node_mtbf_hours: ``persist_every="auto"``: the mean time between losses of the node's
+            memory to assume until the run has had one.
+        persist_max_seconds: ``persist_every="auto"``: never leave more than this much work unpersisted.
     """
 
     keep_last: int = 2
-    persist_every: int = 10
+    persist_every: int | Literal["auto"] = 10
     root: str | None = None
     close_timeout_s: float = 300.0
+    node_mtbf_hours: float = 168.0
+    persist_max_seconds: float = 3600.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.keep_last, int) or self.keep_last < 1:
             raise ConfigurationError(f"RamTier(keep_last={self.keep_last!r}): keep at least 1 checkpoint in RAM")
-        if not isinstance(self.persist_every, int) or self.persist_every < 1:
-            raise ConfigurationError(f"RamTier(persist_every={self.persist_every!r}): a positive number of saves")
+        check_settings(persist_every=self.persist_every, node_mtbf_hours=self.node_mtbf_hours,
+                       persist_max_seconds=self.persist_max_seconds)
 
     def folder(self, identity: str, run_id: str) -> Path:
         """The RAM folder of the run whose store identity (its real path) is ``identity`` and whose id
@@ -138,6 +146,9 @@ class RamRun:
         self._manifests: dict[str, Manifest] = {}  # committed RAM checkpoints (a name never changes)
         self._lock = threading.RLock()  # saves commit in a background thread (async_save), prunes in the loop's
         self.nodes: Nodes | None = None  # several nodes (unbroken.tiers.rampeers); None on one
+        self.auto = PersistInterval(tier.node_mtbf_hours, tier.persist_max_seconds) \
+            if tier.persist_every == "auto" else None
+        """``persist_every="auto"``: the interval's choice (:mod:`unbroken.tiers.ramauto`)."""
 
     # ---------------------------------------------------------------- lifecycle
     def attach(self, run_id: str) -> None:
@@ -243,8 +254,17 @@ class RamRun:
         with self._lock:
             self.saves += 1
             self.collect()
-            if self.saves % self.tier.persist_every == 0:
+            if self.auto is not None:
+                due = self.auto.due(time.monotonic(), self.persister.busy is not None)
+            else:
+                due = self.saves % int(self.tier.persist_every) == 0
+            if due:
                 self._persist(name)
+
+    def on_event(self, e: Event) -> None:
+        """``persist_every="auto"``: each step's end, timed, with whether the writer is copying."""
+        if self.auto is not None and isinstance(e, StepEnded):
+            self.auto.step_ended(time.monotonic(), self.persister.busy is not None)
 
     def _persist(self, name: str) -> None:
         busy = self.persister.busy
@@ -295,6 +315,11 @@ class RamRun:
                 log.info("persisted %s from RAM to %s in %.2f s", name, self.disk.describe(answer["final"]),
                          answer["took_s"])
                 self.publish(Persisted(answer["final"], self.disk.describe(answer["final"]), answer["took_s"]))
+                if self.auto is not None:
+                    self.auto.persisted(float(answer["took_s"]))
+                    if (said := self.auto.moved(time.monotonic())) is not None:
+                        log.info("RAM tier: %s", said)
+                        self.publish(PersistIntervalChosen(self.auto.interval_s(time.monotonic()), said))
             if self.pending is not None:
                 nxt, self.pending = self.pending, None
                 self.persister.submit(nxt)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
+from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
 from .progress import TABLE, decode
@@ -256,3 +257,17 @@ def failure_history(index: RunIndex, now: float) -> tuple[int, float]:
     failures = sum(1 for seg in rows[:-1]
                    if seg.how in ("not closed", "rolled back") or (seg.redone_steps or 0) > 0)
     return failures, max(0.0, now - rows[0].started) if rows else 0.0
+
+
+def lost_save_history(index: RunIndex, now: float) -> tuple[int, float]:
+    """``(losses, wall_s)`` of the run so far, for ``RamTier(persist_every="auto")``: the restarts that resumed
+    from an earlier step than the newest checkpoint the segment before them had saved — what it saved last was
+    gone (the RAM checkpoints of a lost or rebooted node; a quarantined one too) — not counting in-process
+    rollbacks (which may go back on purpose), and the seconds from the run's first segment to ``now``."""
+    rows = compute(index).segments
+    newest = {r[0]: r[1] for r in index.query(  # the events, not the checkpoints' rows: a step saved again by a
+        "SELECT segment, max(step) FROM events WHERE kind IN ('saved', 'emergency_save') "  # later segment takes
+        "AND segment IS NOT NULL GROUP BY segment")}  # over its row (one row per name)
+    losses = sum(1 for before, after in pairwise(rows)
+                 if before.how != "rolled back" and after.start_step < (newest.get(before.id) or 0))
+    return losses, max(0.0, now - rows[0].started) if rows else 0.0

@@ -64,6 +64,8 @@ class Recorder:
             self.event("uploaded", e.location, checkpoint=e.name, data={"took_s": e.took_s})
         elif isinstance(e, ev.Persisted):
             self.event("persisted", e.location, checkpoint=e.name, data={"took_s": e.took_s})
+        elif isinstance(e, ev.PersistIntervalChosen):
+            self.event("persist_interval", e.reason, data={"seconds": e.seconds})
         elif isinstance(e, ev.UploadFailed):
             self.event("upload_failed", e.error, checkpoint=e.name,
                        data={"attempt": e.attempt, "will_retry": e.will_retry})
