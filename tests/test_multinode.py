@@ -336,6 +336,35 @@ def test_ram_tier_a_lost_node_resumes_from_the_other_nodes_memory_and_the_job_en
     check_bitwise(reference, tmp_path)
 
 
+# ------------------------------------------------------------------------------ warm restarts
+def test_warm_spares_on_each_node_a_killed_rank_restarts_both_nodes_warm_and_the_job_ends_bitwise(
+        nodes: Cluster, reference: Path, tmp_path: Path) -> None:
+    """``torchrun --nnodes 2 ... -m unbroken.launch.worker``: each node's agent has a spare server of its own,
+    started inside the node (its namespace). Rank 1's training is SIGKILLed after step 10, once both nodes have
+    a spare ready; both agents restart their workers (``--max-restarts``), each from a spare of its own node
+    (four warm starts: two nodes, two rounds; no cold one), both ranks resume from step 8 and the job ends
+    bitwise equal to the uninterrupted one (which ran cold)."""
+    from unbroken.launch.worker import status
+
+    spares = tmp_path / "spares"  # one folder for both nodes, as a shared home would be: a server each
+    env = dict(ENV, UNBROKEN_SPARES_DIR=str(spares), UNBROKEN_SPARES_IDLE_S="30")
+    job = Job(nodes, tmp_path, script=["-m", "unbroken.launch.worker", SCRIPT, *args(tmp_path)])
+    job.start(1, "--stop-after", "10", restarts=1, env=env)
+    job.start(0, restarts=1, env=env)
+    (training,) = job.until("rank 1 stopped after step 10", nodes.nodes[1].stopped)
+
+    def both_ready() -> bool:
+        found = [status(str(f)) for f in spares.iterdir()] if spares.is_dir() else []
+        return len(found) == 2 and all(s is not None and s["ready"] >= 1 for s in found)
+
+    job.until("a spare ready on each node", both_ready)
+    os.kill(training, signal.SIGKILL)
+    assert job.wait() == [0, 0], job.out
+    assert job.out.count("warm start: the spare") == 4 and "cold start" not in job.out, job.out
+    assert all(job.out.count(f"rank {r}: resumed from step 8") == 1 for r in (0, 1)), job.out
+    check_bitwise(reference, tmp_path)
+
+
 # ------------------------------------------------------------------------------- SIGTERM
 def test_sigterm_to_every_process_on_every_node_is_one_preemption_and_no_step_is_lost(
         nodes: Cluster, reference: Path, tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -272,3 +273,63 @@ srun --kill-on-bad-exit=0 bash -c {shlex.quote(task)}
         rows = [json.loads(x) for x in (work / "out" / f"losses-r{rank}.jsonl").read_text().splitlines()]
         refs = [json.loads(x) for x in (ref / "out" / f"losses-r{rank}.jsonl").read_text().splitlines()]
         assert {r["step"]: r["loss"] for r in rows} == {r["step"]: r["loss"] for r in refs}, diag
+
+
+def test_warm_restarts_inside_a_job_a_killed_rank_comes_back_from_a_spare_and_the_run_is_exact(
+        cluster: SlurmCluster, tmp_path: Path) -> None:
+    """``srun torchrun ... -m unbroken.launch.worker train.py`` in a batch job (docs/faults.md, "Warm restarts"):
+    rank 1's training SIGKILLed while it holds at step 12, once the spares that replace it are ready; torchrun
+    restarts both workers inside the job, both from warm spares (four warm starts, no cold one), both ranks
+    resume from step 10, the job completes and ends bitwise equal to a plain (cold) torchrun run of the same
+    script; the spare server does not outlive the job (SLURM's process tracking here does not follow a detached
+    process: the server ends because its agent did)."""
+    from procs import alive
+    from test_warm_restart_torchrun import START, TRAIN, server_folders, stop_servers, wait_ready
+    from test_warm_restart_torchrun import env as warm_env
+    from test_warm_restart_torchrun import torchrun as warm_torchrun
+
+    work = tmp_path / "slurm"
+    work.mkdir()
+    (work / "train.py").write_text(TRAIN)
+    out = work / "job.out"
+    cmd = [*warm_torchrun("-m", "unbroken.launch.worker", restarts=1), "train.py", str(work / "run"), "30",
+           str(work / "final")]
+    (work / "job.sh").write_text(f"""#!/bin/bash
+#SBATCH --job-name=unbroken-warm
+#SBATCH --output={out}
+#SBATCH --chdir={work}
+#SBATCH --ntasks=1
+#SBATCH --cpus-per-task=2
+#SBATCH --time=10
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 UNBROKEN_SPARES_DIR={shlex.quote(str(tmp_path / "spares"))}
+export UNBROKEN_SPARES_IDLE_S=30 HOLD_AT=12
+srun {shlex.join(cmd)}
+""")
+    try:
+        job = cluster.sbatch(str(work / "job.sh"))
+        wait_job(cluster, job, out, 180, "rank 1 to hold at step 12",
+                 lambda f, text: "rank 1 step 12" in text and (work / "run.held-12").exists())
+        wait_ready(tmp_path, 2)
+        (server,) = server_folders(tmp_path)
+        server_pid = int((server / "pid").read_text())
+        pid = next(int(p) for r, p, _, _ in START.findall(read(out)) if r == "1")
+        os.kill(pid, signal.SIGKILL)
+        fields = wait_job(cluster, job, out, 180, "the job to complete", lambda f, _: f.get("JobState") == "COMPLETED")
+        text, diag = read(out), cluster.diagnostics(out)
+        assert fields.get("ExitCode") == "0:0", diag
+        assert text.count("warm start: the spare") == 4 and "cold start" not in text, diag
+        assert text.count("resumed from step 10") == 2, diag
+        deadline = time.monotonic() + 60
+        while alive(server_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(server_pid), "the spare server outlived the job"
+
+        ref = tmp_path / "reference"
+        ref.mkdir()
+        (ref / "train.py").write_text(TRAIN)
+        proc = subprocess.run([*warm_torchrun(restarts=0), "train.py", str(ref / "run"), "30", str(ref / "final")],
+                              cwd=ref, env=warm_env(tmp_path), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert (work / "final").read_text() == (ref / "final").read_text()
+    finally:
+        stop_servers(tmp_path)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -273,3 +274,16 @@ def test_the_training_dies_with_its_worker(tmp_path: Path) -> None:
         assert not alive(training), "the training outlived its worker"
     finally:
         stop_servers(tmp_path)
+
+
+def test_two_hosts_agents_of_the_same_pid_have_servers_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A spares folder on a filesystem the nodes share (``UNBROKEN_SPARES_DIR`` on NFS): agents of the same pid
+    and run on two hosts get two server folders (a unix socket reaches only its own host's server)."""
+    from unbroken.launch import wire
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "node-a")
+    a = wire.key("run", 1234, sys.executable)
+    assert wire.key("run", 1234, sys.executable) == a  # stable on one host
+    monkeypatch.setattr(socket, "gethostname", lambda: "node-b")
+    assert wire.key("run", 1234, sys.executable) != a
+    assert wire.key("run", 1235, sys.executable) != wire.key("run", 1234, sys.executable)

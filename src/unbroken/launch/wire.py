@@ -3,11 +3,13 @@
 
 **Where.** One server per torchrun agent and run: a unix socket ``sock`` in a folder ``<base>/<key>``.
 ``base`` is ``$UNBROKEN_SPARES_DIR``, else ``$XDG_RUNTIME_DIR/unbroken-spares``, else
-``/tmp/unbroken-spares-<uid>``; ``key`` hashes the user, ``TORCHELASTIC_RUN_ID``, the agent's pid and
-the interpreter. Both folders are created ``0700``; an existing one is used only when it is a real
-folder (not a symbolic link), owned by this user, and closed to group and others, and the socket only
-when it is a socket owned by this user. Once connected, the peer's uid (``SO_PEERCRED``) must be this
-user's: another local user can neither plant a server nor read what a worker sends (its environment).
+``/tmp/unbroken-spares-<uid>``; ``key`` hashes the user, the host's name, ``TORCHELASTIC_RUN_ID``, the
+agent's pid and the interpreter (the host's name: on a base folder the nodes share, two nodes' agents of
+the same pid would otherwise get one folder, and a socket reaches only its own host). Both folders are
+created ``0700``; an existing one is used only when it is a real folder (not a symbolic link), owned by
+this user, and closed to group and others, and the socket only when it is a socket owned by this user.
+Once connected, the peer's uid (``SO_PEERCRED``) must be this user's: another local user can neither
+plant a server nor read what a worker sends (its environment).
 
 **How.** A message is 4 bytes of length (big-endian) and that much JSON; file descriptors travel with
 its first bytes (``SCM_RIGHTS``).
@@ -60,7 +62,9 @@ def base_dir(env: Mapping[str, str] | None = None) -> str:
 
 
 def key(run_id: str, agent: int, executable: str) -> str:
-    return hashlib.sha256(f"{os.getuid()}\0{run_id}\0{agent}\0{executable}".encode()).hexdigest()[:16]
+    """The name of the server folder of ``agent`` (its pid) in run ``run_id`` on this host."""
+    who = f"{os.getuid()}\0{socket.gethostname()}\0{run_id}\0{agent}\0{executable}"
+    return hashlib.sha256(who.encode()).hexdigest()[:16]
 
 
 def private_dir(path: str) -> str:
