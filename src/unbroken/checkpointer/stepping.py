@@ -121,21 +121,20 @@ class Stepper:
         """``save_every="auto"`` and ``RamTier(persist_every="auto")``: once per segment (a process, or a
         rollback inside one), what the run index says of the run's failures so far (on the ranks that keep
         the index; the others keep the prior)."""
-        recorder, ram = self.core.recorder, self.core.run.ram
+        recorder, persists = self.core.recorder, self.core.run.ram.auto if self.core.run.ram is not None else None
         segment = recorder.segment_id if recorder is not None else None
         if recorder is None or segment is None or segment == self._history_of or recorder.index is None:
             return
         self._history_of = segment
         try:
             failures, wall = failure_history(recorder.index, time.time())
-            losses, _ = lost_save_history(recorder.index, time.time()) if ram is not None and ram.auto else (0, 0)
+            losses = lost_save_history(recorder.index, time.time())[0] if persists is not None else 0
         except Exception as e:  # noqa: BLE001 - the index is an aid: the prior stands in
-            log.debug("save_every='auto': the run index could not say the run's failures (%s)", e)
+            log.debug("the auto intervals: the run index could not say the run's failures (%s)", e)
             return
-        if ram is not None and ram.auto is not None:
-            ram.auto.observe_history(losses, wall, time.monotonic())
-        said = self.core.schedule.observe_history(failures, wall, time.monotonic()) if self.core.schedule.auto else None
-        if said:
+        if persists is not None:
+            persists.observe_history(losses, wall, time.monotonic())
+        if self.core.schedule.auto and (said := self.core.schedule.observe_history(failures, wall, time.monotonic())):
             recorder.event("save_interval", said, step=self.core.progress.step)
 
     def due(self, epoch_end: bool, triggers: Sequence[Trigger] | None = None) -> bool:

@@ -74,12 +74,12 @@ def _describe_fault(spec: str) -> str:
 
 
 ATTEMPT_TIMEOUT_S = 900.0
+"""The longest one attempt may run before it is killed and the demo fails (a hang, not a slow machine)."""
 HOLD_ENV = "UNBROKEN_DEMO_HOLD"
 """A file :func:`run_attempt` creates once it has signalled the child: a training script that finds this
 variable set waits before its last step's ``ckpt.step()`` until the file exists (at most
 :data:`HOLD_TIMEOUT_S`), so that it never finishes before a signal planned for an earlier step."""
 HOLD_TIMEOUT_S = 60.0
-"""The longest one attempt may run before it is killed and the demo fails (a hang, not a slow machine)."""
 
 
 def run_attempt(cmd: list[str], kind: str, arg: str, env: dict[str, str],

@@ -89,8 +89,7 @@ class PersistInterval:
         took = max(0.0, float(took_s))
         self.copy_s = took if self.copy_s is None else 0.7 * self.copy_s + 0.3 * took
         slow = self.slowdown()
-        self.choice.cost_s = None  # C is recomputed from the copy time and the slowdown, not averaged twice
-        self.choice.observe_save(self.copy_s * (1.0 if slow is None else slow))
+        self.choice.cost_s = self.copy_s * (1.0 if slow is None else slow)  # C (the copy time is averaged already)
 
     def observe_history(self, losses: int, wall_s: float, now: float) -> None:
         """The run index says: the saved state was lost ``losses`` times in ``wall_s`` seconds of the run."""
