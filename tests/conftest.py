@@ -319,7 +319,7 @@ ZYGOTE_MODULES: set[str] = {
     "test_integration_lightning_ddp4", "test_ddp_align", "test_integration_accelerate", "test_integration_lightning",
     "test_data_stream", "test_selftest", "test_selftest_trust", "test_signals_exit", "test_ram_tier", "test_examples",
     "test_readonly", "test_lock", "test_boundary", "test_upstream_gpt", "test_doc_blocks", "test_goodput_report",
-    "test_auto_interval",
+    "test_auto_interval", "test_multinode", "test_ram_auto",
 }
 """The test files whose processes start from the fork server (:mod:`zygote`, docs/testing.md): each was read
 for what a forked child does not give (a SIGSTOP of ``proc.pid``, its ``/proc`` read through ``proc.pid``:

@@ -123,6 +123,18 @@ def _pids(namespace: str) -> list[int]:
     return [int(p) for p in _ip("netns", "pids", namespace, check=False).split()]
 
 
+STAND_IN = b"zygote-launch\n"
+"""``/proc/PID/comm`` of a launcher of the tests' fork server (tests/zygote.py), which stands for a process it
+had forked into the node (the child joins the node's namespaces): the child is the node's process."""
+
+
+def _stand_in(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/comm").read_bytes() == STAND_IN
+    except OSError:
+        return False
+
+
 def _kill_namespace(namespace: str, rounds: int = 50) -> None:
     """SIGKILL every process of ``namespace`` until none is left (a process may be forking)."""
     for _ in range(rounds):
@@ -183,8 +195,9 @@ class Node:
         return self.procs[-1]
 
     def pids(self) -> list[int]:
-        """Every process running on this node."""
-        return _pids(self.name)
+        """Every process running on this node (a fork server's launcher aside: the process it stands for is
+        listed, and a signal sent to both would reach that process twice)."""
+        return [pid for pid in _pids(self.name) if not _stand_in(pid)]
 
     def stopped(self) -> list[int]:
         """The processes on this node that are stopped (SIGSTOP: state T in /proc)."""

@@ -9,6 +9,7 @@ index, and still ends bitwise as the uninterrupted run. Relations only, never du
 from __future__ import annotations
 
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -122,7 +123,7 @@ def test_a_run_that_fails_saves_more_often_records_why_and_stays_exact(tmp_path:
     choice is in the index; the final parameters are the uninterrupted run's."""
     script = tmp_path / "loop.py"
     script.write_text(LOOP)
-    env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")  # as the fork server's (tests/zygote.py)
     steps = 200
 
     def attempt(run: Path, kind: str = "none", at: int = 0):
@@ -158,7 +159,7 @@ def test_a_process_that_closed_on_an_exception_but_lost_steps_is_a_failure(tmp_p
     process counts it as a failure (here a process that raises after step 30, its last save at step 1)."""
     script = tmp_path / "loop.py"
     script.write_text(LOOP)
-    env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "RAISE_AT": "30"}
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", RAISE_AT="30")
     run = tmp_path / "run"
     cmd = [sys.executable, str(script), str(run), "40", str(tmp_path / "final")]
     first = run_attempt(cmd, "none", "0", env, ok_codes=(1,), timeout=300)

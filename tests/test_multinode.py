@@ -347,7 +347,9 @@ def test_warm_spares_on_each_node_a_killed_rank_restarts_both_nodes_warm_and_the
     from unbroken.launch.worker import status
 
     spares = tmp_path / "spares"  # one folder for both nodes, as a shared home would be: a server each
-    env = dict(ENV, UNBROKEN_SPARES_DIR=str(spares), UNBROKEN_SPARES_IDLE_S="30")
+    # plain interpreters (not the fork server's children, tests/zygote.py): a worker finds its node's spares by
+    # its parent, torchrun's agent, which a forked worker does not have (its parent is the fork server)
+    env = dict(ENV, UNBROKEN_SPARES_DIR=str(spares), UNBROKEN_SPARES_IDLE_S="30", UNBROKEN_TEST_PLAIN="1")
     job = Job(nodes, tmp_path, script=["-m", "unbroken.launch.worker", SCRIPT, *args(tmp_path)])
     job.start(1, "--stop-after", "10", restarts=1, env=env)
     job.start(0, restarts=1, env=env)

@@ -10,6 +10,7 @@ bitwise as the uninterrupted run. Relations only, never durations.
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -165,7 +166,7 @@ def test_a_run_that_loses_its_ram_persists_more_often_records_why_and_stays_exac
     script = tmp_path / "loop.py"
     script.write_text(LOOP)
     ram = tmp_path / "shm"
-    env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "RAM_ROOT": str(ram)}
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", RAM_ROOT=str(ram))  # (tests/zygote.py)
     total = 400
 
     def attempt(run: Path, kind: str = "none", at: int = 0):

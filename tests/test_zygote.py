@@ -171,13 +171,16 @@ def test_what_the_zygote_cannot_give_starts_plainly(tmp_path: Path, case: str) -
 def test_what_an_import_read_from_the_environment_is_what_a_plain_interpreter_reads() -> None:
     """torchrun's agent logs at the level ``LOGLEVEL`` had when torch's elastic package was imported, which
     the zygote did with its own environment: a launch with another value must see its own (it once did not:
-    the goodput benchmark's timeline lost the agent's INFO lines whenever its torchrun came from the zygote)."""
-    code = ("import logging, torch.distributed.run\n"
-            "print(logging.getLogger('torch.distributed.elastic.agent.server.api').getEffectiveLevel())")
-    env = dict(os.environ, LOGLEVEL="INFO")
-    got = [subprocess.run([python, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=True)
-           .stdout.split()[-1] for python in (sys.executable, REAL_PYTHON)]
-    assert got == ["20", "20"], got
+    the goodput benchmark's timeline lost the agent's INFO lines whenever its torchrun came from the zygote).
+    The child sets the level of each such logger the zygote's imports made, as they would have (it is forked)."""
+    code = ("import sys; forked = 'torch' in sys.modules\nimport logging, torch.distributed.run\n"
+            "print(forked, logging.getLogger('torch.distributed.elastic.agent.server.api').getEffectiveLevel(),"
+            "logging.getLogger('torch.distributed.run').getEffectiveLevel())")
+    for level, number in (("INFO", "20"), (None, "30"), ("DEBUG", "10")):
+        env = {k: v for k, v in os.environ.items() if k != "LOGLEVEL"} | ({"LOGLEVEL": level} if level else {})
+        got = [subprocess.run([python, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=True)
+               .stdout.split()[-3:] for python in (sys.executable, REAL_PYTHON)]
+        assert got == [["True", number, number], ["False", number, number]], (level, got)
 
 
 def test_importing_unbroken_reads_nothing_of_the_environment() -> None:
@@ -223,20 +226,58 @@ def test_parse() -> None:
     assert isinstance(zygote.parse(["-"]), str) and isinstance(zygote.parse(["-X", "dev", "x.py"]), str)
 
 
+@pytest.mark.slow  # a network namespace: the whole suite's tier (docs/testing.md)
+def test_a_launch_inside_a_network_namespace_is_forked_into_it() -> None:
+    """A launcher started by ``ip netns exec`` (a node of tests/netns.py) is served: the child joins the
+    namespace's network (its interfaces) and its mounts (the namespace's own ``/sys``); the node's processes,
+    as tests/netns.py lists them, are the child, not the launcher standing for it."""
+    import json
+
+    import netns
+    if (why := netns.available()) is not None:
+        pytest.skip(why)
+    code = ("import json, os, socket, sys; print(json.dumps([os.getpid(), 'torch' in sys.modules, "
+            "os.readlink('/proc/self/ns/net'), sorted(n for _, n in socket.if_nameindex()), "
+            "sorted(os.listdir('/sys/class/net'))]), flush=True); import time; time.sleep(3600)")
+    with netns.Cluster(1) as cluster:
+        (node,) = cluster.nodes
+        proc = node.start([sys.executable, "-c", code], dict(os.environ))
+        deadline = time.monotonic() + 120
+        while not proc.lines and time.monotonic() < deadline and proc.popen.poll() is None:
+            time.sleep(0.05)
+        pid, forked, net, interfaces, in_sys = json.loads(proc.lines[0])
+        assert forked and pid != proc.popen.pid, proc.output  # served by the zygote, not a plain start
+        assert net == f"net:[{os.stat(f'/run/netns/{node.name}').st_ino}]", net
+        assert interfaces == in_sys == sorted(["lo", netns.IFNAME]), (interfaces, in_sys)
+        assert node.pids() == [pid]  # the launcher (proc.popen.pid) stands for it
+        assert proc.popen.pid in netns._pids(node.name)
+    assert proc.wait(60) is not None
+
+
 def test_the_refusals(tmp_path: Path) -> None:
     """The rules, one by one, on a server that is not listening."""
     z = zygote_server.Zygote.__new__(zygote_server.Zygote)
     z.identity, z.top, z.env = zygote.identity(), {"torch", "numpy", "unbroken"}, dict(os.environ, PYTHONHASHSEED="1")
     z.origins = {name: zygote_server._origin(importlib.import_module(name)) for name in z.top}
-    z.strict, z.read = False, {"LOGLEVEL"}
-    req = lambda args, **kw: dict(dict(args=args, env=z.env, cwd=str(tmp_path), identity=z.identity), **kw)  # noqa: E731
+    z.strict, z.read = False, {"CXX"}
+    z.place = zygote.place()
+    req = lambda args, **kw: dict(dict(args=args, env=z.env, cwd=str(tmp_path), identity=z.identity,  # noqa: E731
+                                       place=z.place), **kw)
     assert z._refuse(req(["x.py"])) is None
+    node = dict(z.place, net="net:[1]", mnt="mnt:[2]")  # a node of tests/netns.py: joined, as root
+    assert z._refuse(req(["x.py"], place=node)) == (None if os.geteuid() == 0 else
+                                                    "another network or mount namespace (joining one needs root)")
+    if os.geteuid() == 0:
+        assert z._refuse(req(["x.py"], place=dict(node, mounts=node["mounts"] + "\n0:99 / /mnt tmpfs x"))) == \
+            "other mounts"
     assert z._refuse(req(["x.py"], env=dict(z.env, PYTHONHASHSEED="2"))) == "PYTHONHASHSEED differs"
     assert "depends on its parent" in z._refuse(req(["-m", "unbroken.checkpoint.background.filewriter", "3"]))
     assert "namespace" in z._refuse(req(["x.py"], identity="Uid: 1000"))
     assert z._refuse(req(["x.py"], env=dict(z.env, TORCH_LOGS="+dynamo"))) == "TORCH_LOGS differs"
     assert z._refuse(req(["x.py"], env=dict(z.env, UNBROKEN_X="1"))) is None
-    assert z._refuse(req(["x.py"], env=dict(z.env, LOGLEVEL="INFO"))).startswith("LOGLEVEL differs (read when")
+    assert z._refuse(req(["x.py"], env=dict(z.env, CXX="clang++"))).startswith("CXX differs (read when")
+    assert z._refuse(req(["x.py"], env=dict(z.env, LOGLEVEL="INFO"))) is None  # set in the child (the loggers')
+    assert z._refuse(req(["x.py"], env=dict(z.env, LOGLEVEL="info"))) == "LOGLEVEL='info' is no level"
     (tmp_path / "torch").mkdir()
     assert z._refuse(req(["x.py"])) is None, "a folder without __init__.py is not a package"
     (tmp_path / "torch" / "__init__.py").write_text("")

@@ -30,9 +30,15 @@ variables those frameworks read at import (``HF_*``, ``DS_*``...); what the impo
 environment (transformers sets ``TORCHINDUCTOR_CACHE_DIR``) is set in its children as the imports
 would have set it (:func:`zygote_flavour.flavour`).
 
+A launcher in another network namespace (a node of tests/netns.py: ``ip netns exec`` gives it a network and a
+mount namespace of its own, with the same mounts but ``/sys``) is served too: its child joins both (``setns``,
+as root) before it takes anything else. torchrun's ``LOGLEVEL``, read when torch's elastic package makes its
+loggers, is set again in the child for each logger the zygote's imports made.
+
 The launcher starts a plain interpreter instead (``exec``, the same pid) whenever the child could
 differ from one: an option other than ``-u``, ``-B``, ``-W``, ``-X faulthandler``; another user, group,
-capability set, namespace or cgroup (a SLURM job, a network namespace); an environment that differs
+capability set, namespace (but the network's and the mounts' above) or cgroup (a SLURM job), other mounts;
+an environment that differs
 from the zygote's in a variable read at import (``TORCH*``, ``OMP_*``, ``LD_*``, locale, ``PYTHON*``..., and every
 variable the zygote's imports read, recorded while it imported them: torchrun's ``LOGLEVEL``, inductor's ``CXX``...);
 a folder on the path that would shadow a module the zygote imported; one of the library's helper
@@ -72,8 +78,9 @@ SENSITIVE = ("TORCH", "PYTORCH", "OMP_", "MKL", "KMP_", "GOMP_", "OPENBLAS", "NU
 EMULATED = {"PYTHONPATH", "PYTHONHASHSEED", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "PYTHONFAULTHANDLER",
             "PYTHONWARNINGS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCH_EXTENSIONS_DIR"}
 # read when used, not at import: torchrun's variables for its ranks, inductor's cache (set once it is used),
-# torch.cuda's way to count devices (Lightning sets it when imported)
-RUNTIME = ("TORCHELASTIC_", "TORCH_NCCL_", "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK")
+# torch.cuda's way to count devices (Lightning sets it when imported), the elastic rendezvous's store sharing
+RUNTIME = ("TORCHELASTIC_", "TORCH_NCCL_", "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK",
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
 THREADS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # set in the child: torch's threads and numpy's OpenBLAS
 # frameworks a zygote of their own imports (when a script imports them first thing), and the variables they
 # read at import, which must then be the same
@@ -119,11 +126,12 @@ def _recv(sock: socket.socket, with_fds: bool = False) -> tuple[object, list[int
 
 
 def identity() -> str:
-    """What a forked child cannot change: credentials, capabilities, namespaces, cgroup."""
+    """What a forked child cannot change: credentials, capabilities, namespaces but the network's and the mounts'
+    (:func:`place`), cgroup."""
     keep = ("Uid", "Gid", "Groups", "CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb", "NoNewPrivs", "Seccomp")
     with open("/proc/self/status") as f:
         lines = [ln for ln in f if ln.split(":")[0] in keep]
-    for ns in ("mnt", "net", "pid", "user", "uts", "ipc", "cgroup"):
+    for ns in ("pid", "user", "uts", "ipc", "cgroup"):
         try:
             lines.append(f"{ns} {os.readlink(f'/proc/self/ns/{ns}')}\n")
         except OSError:
@@ -131,6 +139,37 @@ def identity() -> str:
     with open("/proc/self/cgroup") as f:
         lines.append(f.read())
     return "".join(lines)
+
+
+STAND_IN = "zygote-launch"
+"""The launcher's process name (``/proc/PID/comm``) while it stands for a child."""
+JOINED = ("net", "mnt")
+"""The namespaces a child joins when its launcher's differ from the zygote's (``setns``, as root): a process
+started by ``ip netns exec`` (a node of tests/netns.py) is in a network namespace of its own and a mount
+namespace of its own whose mounts are the same but for ``/sys``."""
+
+
+def place() -> dict[str, str]:
+    """Where a process is that a forked child can join (:data:`JOINED`): the namespaces' ids and the mounts it
+    sees, sorted, without the mounts' ids (a mount namespace's copy lists them in another order), ``/sys``
+    aside (``ip netns exec`` mounts the namespace's own) and the namespaces' own folder (``/run/netns``, mounted by
+    the machine's first ``ip netns add``, and its files, which come and go with the other workers' nodes)."""
+    where = {}
+    for ns in JOINED:
+        try:
+            where[ns] = os.readlink(f"/proc/self/ns/{ns}")
+        except OSError:
+            where[ns] = ""
+    mounts = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields, _, fs = line.partition(" - ")
+            _id, _parent, dev, root, point = fields.split()[:5]
+            kind = fs.split()[0]
+            if kind != "nsfs" and not (point + "/").startswith(("/sys/", "/run/netns/")):
+                mounts.append(f"{dev} {root} {point} {kind} {fs.split()[1]}")
+    where["mounts"] = "\n".join(sorted(mounts))
+    return where
 
 def parse(args: list[str]) -> tuple[str, str, list[str], list[str]] | str:
     """``(kind, what, options, rest)`` of an interpreter command line (kind ``"script"``, ``"-m"`` or
@@ -180,6 +219,11 @@ def launch(sock_path: str, real: str, pids: str) -> None:
     """The launcher's whole life (``<dir>/bin/python``): have the zygote start ``sys.argv[1:]`` and
     stand for the child, or become a plain interpreter."""
     args = sys.argv[1:]
+    try:  # named for what it is (an exec of the real interpreter names it again): tests/netns.py lists it apart
+        with open("/proc/self/comm", "w") as f:
+            f.write(STAND_IN)
+    except OSError:
+        pass
     try:  # UNBROKEN_TEST_PLAIN=1: a job whose test depends on how long its processes take to start
         child, conn = _request(sock_path, args) if os.environ.get("UNBROKEN_TEST_PLAIN") != "1" else (0, None)
     except OSError:
@@ -226,7 +270,8 @@ def _request(sock_path: str, args: list[str]) -> tuple[int, socket.socket | None
         "ignored": [int(s) for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)
                     and signal.getsignal(s) == signal.SIG_IGN],
         "mask": [int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])],
-        "identity": identity(), "fds": fds, "launcher": os.getpid(), "executable": os.path.abspath(sys.argv[0]),
+        "identity": identity(), "place": place(), "fds": fds, "launcher": os.getpid(),
+        "executable": os.path.abspath(sys.argv[0]),
         "leader": os.getpgrp() == os.getpid(),
     }
     for _ in range(3):

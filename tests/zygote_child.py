@@ -7,9 +7,45 @@ import os
 import signal
 import sys
 
-from zygote import THREADS, _path0, parse
+from zygote import JOINED, THREADS, _path0, parse
 
 _HERE = os.path.abspath(__file__)
+
+
+def _join(req: dict) -> None:
+    """Enter the launcher's network and mount namespaces where they are not the zygote's (a node of
+    tests/netns.py; the server checked that the mounts are the same, ``/sys`` aside, and that it runs as root).
+    The launcher waits for its child's pid meanwhile: its namespaces are there to be joined."""
+    there = req.get("place") or {}
+    if all(there.get(ns) == os.readlink(f"/proc/self/ns/{ns}") for ns in JOINED):
+        return
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    for ns in JOINED:
+        fd = os.open(f"/proc/{req['launcher']}/ns/{ns}", os.O_RDONLY)
+        try:
+            if libc.setns(fd, 0) != 0:
+                err = ctypes.get_errno()
+                sys.stderr.write(f"zygote: cannot join the launcher's {ns} namespace: {os.strerror(err)}\n")
+                os._exit(70)
+        finally:
+            os.close(fd)
+
+
+def _logger_levels(names: list[str], env: dict[str, str]) -> None:
+    """The level torch's elastic loggers made by the zygote's imports would have had here: ``LOGLEVEL``'s, else
+    torch's default (``_setup_logger``, read when each is made)."""
+    elastic = sys.modules.get("torch.distributed.elastic.utils.logging")
+    if elastic is not None:  # the zygote's note-taker (zygote_server.record_elastic_loggers) gone
+        elastic._setup_logger = getattr(elastic._setup_logger, "__wrapped__", elastic._setup_logger)
+    if not names:
+        return
+    import logging
+
+    from torch.distributed.elastic.utils.log_level import get_log_level
+    level = env.get("LOGLEVEL", get_log_level())
+    for name in names:
+        logging.getLogger(name).setLevel(level)
 
 
 def become(req: dict, base_path: list[str]) -> None:
@@ -25,6 +61,7 @@ def become(req: dict, base_path: list[str]) -> None:
         except (OSError, ValueError):
             pass
     os.setsid()
+    _join(req)
     _take_fds(req["fds"], req["received"])
     env = req["env"]
     os.environ.clear()
@@ -34,6 +71,7 @@ def become(req: dict, base_path: list[str]) -> None:
     # default: inductor's cache folder) they would have set here
     for k in removed:
         os.environ.pop(k, None)
+    _logger_levels(req.get("loggers", []), env)
     os.chdir(req["cwd"])
     os.umask(req["umask"])
     for name, (soft, hard) in req["limits"].items():

@@ -3,6 +3,7 @@ describes the whole)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import socket
@@ -23,6 +24,7 @@ from zygote import (
     framework_env,
     identity,
     parse,
+    place,
 )
 from zygote_flavour import flavour
 
@@ -38,6 +40,24 @@ process (its signal handlers' owner, its launcher) is taken when it acts or afte
 another unbroken on its path is started plainly, as any shadowed module (:func:`_shadows`)."""
 EMULATED_AT_START = {"TMPDIR", "TEMP", "TMP"}  # read by tempfile when an import asked for a temporary folder: its
 # cache (tempfile.tempdir) is cleared in the child, which reads them again
+EMULATED_AT_FORK = {"LOGLEVEL"}  # torch's elastic loggers take their level from it when made (at import): the
+# child sets the level of each one the zygote's imports made (ELASTIC_LOGGERS) as they would have
+ELASTIC_LOGGERS: list[str] = []
+"""The loggers ``torch.distributed.elastic.utils.logging._setup_logger`` made in this zygote (its imports', and
+a framework zygote's): their level is ``LOGLEVEL``'s, read then (``zygote_child._logger_levels``)."""
+
+
+def record_elastic_loggers() -> None:
+    """From now on, note each logger torch's elastic package sets up (torchrun's agent, its rendezvous...)."""
+    from torch.distributed.elastic.utils import logging as elastic_logging
+    made = elastic_logging._setup_logger
+
+    def setup(name: str | None = None) -> Any:
+        ELASTIC_LOGGERS.append(name)  # type: ignore[arg-type]
+        return made(name)
+
+    setup.__wrapped__ = made  # type: ignore[attr-defined]
+    elastic_logging._setup_logger = setup
 MAX_FRAMEWORK_ZYGOTES = 6  # per worker (each rank of a job has its own: RANK is in the key); the least
 # recently used without a running child leaves to make room
 
@@ -118,7 +138,7 @@ class Zygote:
         self.frameworks: dict[tuple, Framework] = {}
         self.started = 0  # framework zygotes started (their sockets' numbers)
         self.strict = strict
-        self.read = set(read) - EMULATED_AT_START
+        self.read = set(read) - EMULATED_AT_START - EMULATED_AT_FORK
         self.delta: tuple[dict[str, str], list[str]] = ({}, [])  # what the imports did to the environment
         self.sel = selectors.DefaultSelector()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -128,6 +148,7 @@ class Zygote:
         self.leaders: dict[int, bool] = {}  # a child -> whether its launcher leads its process group
         self.launchers: dict[int, int] = {}  # a child -> its launcher's pid
         self.identity = identity()
+        self.place = place()
         self.env = dict(os.environ)
         self.path0 = sys.path[0]
         self.base_path = sys.path[1:]
@@ -274,10 +295,13 @@ class Zygote:
                     return served
         sys.stdout.flush()
         sys.stderr.flush()
+        gc.freeze()  # what the zygote holds is never collected in the child, nor at its exit: untouched, its
+        # pages stay shared (a child's exit cost ~1.1 s of CPU, the collections of the 300,000 objects of torch)
         pid = os.fork()
         if pid == 0:  # the child: nothing of the server stays open in it
             req["received"] = fds  # type: ignore[index]
             req["delta"] = self.delta  # type: ignore[index]
+            req["loggers"] = list(ELASTIC_LOGGERS)  # type: ignore[index]
             self._close_all(conn)
             return req  # type: ignore[return-value]
         for fd in fds:
@@ -409,11 +433,20 @@ class Zygote:
         """Why this request must start a plain interpreter (``None``: it need not)."""
         if req.get("identity") != self.identity:
             return "another user, capability set, namespace or cgroup"
+        there = req.get("place") or {}
+        if there != self.place:  # a node of tests/netns.py: the child joins the launcher's namespaces (setns)
+            if os.geteuid() != 0:
+                return "another network or mount namespace (joining one needs root)"
+            if there.get("mounts") != self.place["mounts"]:
+                return "other mounts"
         env, mine = req["env"], self.env
         for k in set(env) | set(mine):
             if (((k.startswith(SENSITIVE) or k in self.read) and not k.startswith(RUNTIME) and k not in EMULATED)
                     or (self.strict and framework_env(k))) and env.get(k) != mine.get(k):
                 return f"{k} differs" + (" (read when the zygote imported torch or a framework)" * (k in self.read))
+        level = env.get("LOGLEVEL")
+        if level is not None and level != mine.get("LOGLEVEL") and level not in _LEVELS:
+            return f"LOGLEVEL={level!r} is no level"
         wanted = {env[k] for k in THREADS if k in env}
         if any(k in mine for k in THREADS) or len(wanted) > 1 or not all(v.isdigit() and int(v) > 0 for v in wanted):
             return "a number of threads the zygote cannot set"
@@ -435,6 +468,10 @@ class Zygote:
             if shadow:
                 return f"{folder} holds {shadow}, which the zygote imported"
         return None
+
+
+_LEVELS = {"CRITICAL",  # logging's names: another value fails torch's import in a plain process as well
+            "FATAL", "ERROR", "WARN", "WARNING", "INFO", "DEBUG", "NOTSET"}
 
 
 def _origin(module: object) -> str | None:
@@ -474,6 +511,10 @@ if __name__ == "__main__":
         _defaults = len(warnings.filters)  # the interpreter's own filters (PYTHONWARNINGS unset here)
         _env = dict(os.environ)
         with reads_of_environ() as _read:
+            try:
+                record_elastic_loggers()
+            except ImportError:
+                pass
             for _name in PRELOAD:
                 try:
                     importlib.import_module(_name)
