@@ -171,6 +171,7 @@ def place() -> dict[str, str]:
     where["mounts"] = "\n".join(sorted(mounts))
     return where
 
+
 def parse(args: list[str]) -> tuple[str, str, list[str], list[str]] | str:
     """``(kind, what, options, rest)`` of an interpreter command line (kind ``"script"``, ``"-m"`` or
     ``"-c"``; ``options``: the emulated ones, ``-u``, ``-B``, ``faulthandler``, ``W:<filter>``; ``rest``: what follows

@@ -32,7 +32,7 @@ def _join(req: dict) -> None:
             os.close(fd)
 
 
-def _logger_levels(names: list[str], env: dict[str, str]) -> None:
+def _logger_levels(names: list[str | None], env: dict[str, str]) -> None:
     """The level torch's elastic loggers made by the zygote's imports would have had here: ``LOGLEVEL``'s, else
     torch's default (``_setup_logger``, read when each is made)."""
     elastic = sys.modules.get("torch.distributed.elastic.utils.logging")

@@ -4,6 +4,7 @@ describes the whole)."""
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import signal
 import socket
@@ -42,9 +43,11 @@ EMULATED_AT_START = {"TMPDIR", "TEMP", "TMP"}  # read by tempfile when an import
 # cache (tempfile.tempdir) is cleared in the child, which reads them again
 EMULATED_AT_FORK = {"LOGLEVEL"}  # torch's elastic loggers take their level from it when made (at import): the
 # child sets the level of each one the zygote's imports made (ELASTIC_LOGGERS) as they would have
-ELASTIC_LOGGERS: list[str] = []
+ELASTIC_LOGGERS: list[str | None] = []
 """The loggers ``torch.distributed.elastic.utils.logging._setup_logger`` made in this zygote (its imports', and
 a framework zygote's): their level is ``LOGLEVEL``'s, read then (``zygote_child._logger_levels``)."""
+MAX_FRAMEWORK_ZYGOTES = 6  # per worker (each rank of a job has its own: RANK is in the key); the least
+# recently used without a running child leaves to make room
 
 
 def record_elastic_loggers() -> None:
@@ -53,13 +56,11 @@ def record_elastic_loggers() -> None:
     made = elastic_logging._setup_logger
 
     def setup(name: str | None = None) -> Any:
-        ELASTIC_LOGGERS.append(name)  # type: ignore[arg-type]
+        ELASTIC_LOGGERS.append(name)
         return made(name)
 
     setup.__wrapped__ = made  # type: ignore[attr-defined]
     elastic_logging._setup_logger = setup
-MAX_FRAMEWORK_ZYGOTES = 6  # per worker (each rank of a job has its own: RANK is in the key); the least
-# recently used without a running child leaves to make room
 
 
 class reads_of_environ:
@@ -445,7 +446,8 @@ class Zygote:
                     or (self.strict and framework_env(k))) and env.get(k) != mine.get(k):
                 return f"{k} differs" + (" (read when the zygote imported torch or a framework)" * (k in self.read))
         level = env.get("LOGLEVEL")
-        if level is not None and level != mine.get("LOGLEVEL") and level not in _LEVELS:
+        if level is not None and level != mine.get("LOGLEVEL") and level not in logging.getLevelNamesMapping():
+            # (another value fails torch's import in a plain process as well)
             return f"LOGLEVEL={level!r} is no level"
         wanted = {env[k] for k in THREADS if k in env}
         if any(k in mine for k in THREADS) or len(wanted) > 1 or not all(v.isdigit() and int(v) > 0 for v in wanted):
@@ -468,10 +470,6 @@ class Zygote:
             if shadow:
                 return f"{folder} holds {shadow}, which the zygote imported"
         return None
-
-
-_LEVELS = {"CRITICAL",  # logging's names: another value fails torch's import in a plain process as well
-            "FATAL", "ERROR", "WARN", "WARNING", "INFO", "DEBUG", "NOTSET"}
 
 
 def _origin(module: object) -> str | None:
