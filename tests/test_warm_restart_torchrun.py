@@ -191,8 +191,11 @@ def test_a_sigkilled_agent_makes_the_warm_trainings_save_and_exit(tmp_path: Path
                 proc.wait(timeout=30)
         out = "\n".join(lines)
         assert sum("SIGTERM received (the launcher died)" in line for line in lines) >= 2, out
-        saved = sorted({line.split("saved step ")[1].split()[0] for line in lines if "(preemption" in line})
-        assert len(saved) == 1, out  # both ranks, the same step
+        # both ranks, the same step, saved: a preemption's save, or the scheduled save it fell on (logged as one;
+        # run 22 of docs/testing.md: the signal noticed in step 9, the save at step 10, a multiple of save_every)
+        preempted = re.findall(r"preempted at step (\d+)", out)
+        assert len(preempted) == 2 and len(set(preempted)) == 1, out
+        assert f"saved step {preempted[0]} to " in out, out
         deadline = time.monotonic() + 30
         while alive(server) and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -234,7 +234,9 @@ def test_a_launch_inside_a_network_namespace_is_forked_into_it() -> None:
     import json
 
     import netns
-    if (why := netns.available()) is not None:
+    if (why := netns.available()) is not None:  # as test_multinode.py: CI (.ci/run) requires the namespaces
+        if os.environ.get("UNBROKEN_REQUIRE_NETNS"):
+            pytest.fail(why)
         pytest.skip(why)
     code = ("import json, os, socket, sys; print(json.dumps([os.getpid(), 'torch' in sys.modules, "
             "os.readlink('/proc/self/ns/net'), sorted(n for _, n in socket.if_nameindex()), "
