@@ -237,6 +237,67 @@ def test_a_changed_variable_gives_a_cold_exec_and_a_per_launch_one_does_not(tmp_
         stop_servers(tmp_path)
 
 
+def parent_of(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_bytes()
+    return int(stat[stat.rfind(b")") + 1:].split()[1])
+
+
+PARENT_JOB = """
+import os, sys, time
+print('ran', os.getpid(), os.getppid(), flush=True)
+while sys.argv[1:] == ['wait'] and not os.path.exists('go-on'):
+    time.sleep(0.02)
+sys.exit(7)
+"""
+
+
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
+def test_spares_are_forked_from_one_interpreter_and_a_stopped_forker_costs_one_cold_start(tmp_path: Path) -> None:
+    """The server's spares are forked by its forker (one single-threaded interpreter that imported torch), the
+    training's exit status comes back through it. A forker that stops answering (SIGSTOP): a launch waits a
+    bounded time for its fork, then starts cold; the status of a training it forked is read all the same; the next
+    spares are new interpreters (the training's parent: the server)."""
+    base = env(tmp_path, TORCHELASTIC_RUN_ID="job-3", LOCAL_WORLD_SIZE="1", RANK="0")
+    forker = 0
+    try:
+        first = worker(tmp_path, PARENT_JOB, base)
+        out, err = first.communicate(timeout=240)
+        assert first.returncode == 7 and "warm start" in err, (out, err)
+        wait_ready(tmp_path, 1)
+        folder = server_folders(tmp_path)[0]
+        state = status(str(folder))
+        assert state is not None
+        server, spare = int(state["pid"]), int(state["spares"][0])
+        forker = parent_of(spare)
+        assert out.split()[2] == str(forker)  # the training was forked too
+        assert forker != server and parent_of(forker) == server
+        assert "unbroken.launch.forker" in Path(f"/proc/{forker}/cmdline").read_text()
+        assert len(os.listdir(f"/proc/{forker}/task")) == 1  # one thread: safe to fork
+        os.kill(forker, signal.SIGSTOP)
+        second = worker(tmp_path, PARENT_JOB, base, "wait")  # the ready spare; its replacement is never forked
+        assert second.stdout is not None
+        line = second.stdout.readline()
+        assert line.split()[2] == str(forker), line
+        third = worker(tmp_path, PARENT_JOB, base)  # waits for the unanswered fork (bounded), then starts cold
+        out, err = third.communicate(timeout=240)
+        assert third.returncode == 7 and "cold start: no spare became ready" in err, (out, err)
+        (tmp_path / "go-on").touch()
+        out, err = second.communicate(timeout=240)
+        assert second.returncode == 7 and "warm start" in err, (out, err)  # its status, read from its zombie
+        wait_ready(tmp_path, 1)
+        fourth = worker(tmp_path, PARENT_JOB, base)
+        out, err = fourth.communicate(timeout=240)
+        assert fourth.returncode == 7 and "warm start" in err and out.split()[2] == str(server), (out, err)
+        assert "the spare forker does not answer" in (folder / "log").read_text()
+    finally:
+        if forker:
+            try:
+                os.kill(forker, signal.SIGKILL)
+            except OSError:
+                pass
+        stop_servers(tmp_path)
+
+
 @pytest.mark.skipif(os.getuid() != 0, reason="chown to another uid needs root")
 def test_a_folder_of_another_uid_or_a_symbolic_link_is_refused(tmp_path: Path) -> None:
     job = "import os\nprint('ran', os.getpid(), flush=True)\n"

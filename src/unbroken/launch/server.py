@@ -4,8 +4,11 @@ Started by the first worker (:mod:`.worker`) of a torchrun agent that finds none
 own), as ``python [FLAGS] -m unbroken.launch.server DIR SPARES AGENT IDLE_S`` with that worker's interpreter,
 flags, working folder and environment less the per-launch variables (:data:`.wire.PER_LAUNCH`). It listens on
 ``DIR/sock`` (:mod:`.wire`) and keeps ``SPARES`` spares (:mod:`.spare`; torchrun's ``LOCAL_WORLD_SIZE``)
-started with that environment, which import torch, ``torch._dynamo``, ``torch.utils.data``,
-``torch.distributed`` and numpy (nothing of unbroken: its import reads ``RANK``), and wait.
+with that environment, which have imported torch, ``torch._dynamo``, ``torch.utils.data``,
+``torch.distributed`` and numpy (nothing of unbroken: its import reads ``RANK``), and wait. The spares are
+forked by the server's forker (:mod:`.forker`: one interpreter that imports these once; a replacement costs
+a fork, not a second of CPU per import); without one (``UNBROKEN_SPARES_FORK=0``, or after the forker died or
+stopped answering) each spare is a new interpreter that imports them itself.
 
 A worker's request (its training command, working folder, whole environment, standard streams) is taken
 by a ready spare when the interpreter, its flags and the environment are the spare's except per-launch
@@ -30,6 +33,7 @@ import threading
 import time
 
 from . import wire
+from .forker import FORK_TIMEOUT_S, Forked, Forker
 from .spare import read_answer
 
 PRELOAD = ("numpy", "torch", "torch._dynamo", "torch.utils.data", "torch.distributed")
@@ -51,12 +55,15 @@ def interpreter_flags() -> list[str]:
 
 
 class Spare:
-    """One waiting interpreter, started with the server's environment; its ``GO`` is a socket."""
+    """One waiting interpreter with the server's environment, forked by the forker (:mod:`.forker`), or
+    started as a new interpreter when there is none; its ``GO`` is a socket."""
 
-    def __init__(self, flags: list[str]) -> None:
+    def __init__(self, flags: list[str], forker: Forker | None) -> None:
         self._go, go_child = socket.socketpair()
         self._ready, ready_w = os.pipe()
-        self.proc = subprocess.Popen(
+        self.forker = forker
+        forked = forker.fork(go_child.fileno(), ready_w) if forker is not None else None
+        self.proc: subprocess.Popen[bytes] | Forked = forked or subprocess.Popen(
             [sys.executable, *flags, "-m", "unbroken.launch.spare", str(go_child.fileno()), str(ready_w),
              ",".join(PRELOAD)], pass_fds=(go_child.fileno(), ready_w), stdin=subprocess.DEVNULL,
             start_new_session=True)
@@ -66,9 +73,18 @@ class Spare:
         self._lock = threading.Lock()
 
     def wait_ready(self, timeout: float) -> bool:
-        """Whether it has imported what it preloads (within ``timeout`` seconds from now)."""
+        """Whether it has imported what it preloads (within ``timeout`` seconds from now). A forked one: once
+        its forker has imported, within :data:`.forker.FORK_TIMEOUT_S` (else the forker is stuck: killed)."""
+        forker = self.forker if isinstance(self.proc, Forked) else None
+        if forker is not None:
+            start = time.monotonic()
+            forker.imported.wait(timeout)
+            timeout = min(timeout - (time.monotonic() - start), FORK_TIMEOUT_S)
         with self._lock:
-            return self._peek(timeout)
+            ready = self._peek(timeout)
+            if forker is not None and self.answer is None and forker.imported.is_set():
+                forker.unresponsive()
+        return ready
 
     def ready_now(self) -> bool:
         """:meth:`wait_ready` without waiting, and ``False`` while another thread waits for it."""
@@ -88,6 +104,17 @@ class Spare:
         wire.send(self._go, order, fds)
         self._go.close()
 
+    def started(self) -> bool:
+        """Whether its pid is known (a forked one: the forker answered, within a bounded wait)."""
+        try:
+            return self.proc.pid > 0
+        except OSError:
+            return False
+
+    def pid(self) -> int:
+        """Its pid (0: a forked one the forker has not answered for yet)."""
+        return self.proc.known_pid() if isinstance(self.proc, Forked) else self.proc.pid
+
     def discard(self) -> None:
         """Not needed: its socket closes (a ready spare exits 0); one still importing is killed."""
         self._go.close()
@@ -96,6 +123,9 @@ class Spare:
                 os.close(self._ready)
                 self.answer = "discarded"
                 self.proc.kill()
+        if isinstance(self.proc, Forked):
+            self.proc.forget(5)
+            return
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -112,17 +142,30 @@ class Server:
         self.env = wire.stable_env(dict(os.environ))
         self.lock = threading.Lock()
         self.pool: list[Spare] = []
+        self.forker: Forker | None = None
+        self.retired: list[Forker] = []
         self.running = 0
         self.last = time.monotonic()
         self.closing = False
 
     def fill(self) -> None:
+        orphans: list[Spare] = []
         with self.lock:
+            if self.forker is not None and (not self.forker.up or self.forker.stuck):
+                how = "has ended" if not self.forker.up else "does not answer"
+                print(f"the spare forker {how}: spares start as new interpreters", file=sys.stderr, flush=True)
+                self.retired.append(self.forker)  # closed when the server ends (a stuck one is killed then)
+                self.forker = None
+                orphans = [s for s in self.pool if isinstance(s.proc, Forked)]
+                self.pool = [s for s in self.pool if s not in orphans]
             while not self.closing and len(self.pool) < self.size:
-                self.pool.append(Spare(self.flags))
+                self.pool.append(Spare(self.flags, self.forker))
+        for spare in orphans:
+            spare.discard()
 
     def take(self) -> Spare | None:
         """A ready spare, else the oldest once ready (``None``: none became ready in time)."""
+        self.fill()  # after a forker's end: its spares replaced first
         with self.lock:
             ready = [s for s in self.pool if s.ready_now()]
             choice = ready or self.pool
@@ -130,9 +173,10 @@ class Server:
             if spare is not None:
                 self.pool.remove(spare)
         self.fill()  # its replacement warms now
-        if spare is None or not spare.wait_ready(READY_TIMEOUT_S):
+        if spare is None or not spare.wait_ready(READY_TIMEOUT_S) or not spare.started():
             if spare is not None:
                 spare.discard()
+            self.fill()  # a forker found stuck: new interpreters
             return None
         return spare
 
@@ -158,7 +202,7 @@ class Server:
             if req.get("op") == "status":
                 with self.lock:
                     pool = list(self.pool)
-                wire.send(conn, {"ready": sum(s.ready_now() for s in pool), "spares": [s.proc.pid for s in pool],
+                wire.send(conn, {"ready": sum(s.ready_now() for s in pool), "spares": [s.pid() for s in pool],
                                  "pid": os.getpid()})
                 return
             try:
@@ -197,7 +241,7 @@ class Server:
                 self.running -= 1
 
     @staticmethod
-    def _relay_signals(conn: socket.socket, proc: subprocess.Popen[bytes]) -> None:
+    def _relay_signals(conn: socket.socket, proc: subprocess.Popen[bytes] | Forked) -> None:
         """Signals the worker forwards; its connection closing before the training ended kills the training."""
         try:
             while True:
@@ -210,7 +254,9 @@ class Server:
                     proc.send_signal(int(msg["signal"]))
         except (OSError, ValueError):
             pass
-        if proc.poll() is None:
+        if isinstance(proc, Forked):
+            proc.killpg()
+        elif proc.poll() is None:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)  # its own session: the training and its children
             except OSError:
@@ -232,11 +278,16 @@ class Server:
         listener.listen(64)
         with open(os.path.join(self.folder, "pid"), "w") as f:
             f.write(str(os.getpid()))
+        if os.environ.get("UNBROKEN_SPARES_FORK", "1") != "0":
+            self.forker = Forker(self.flags, PRELOAD)
         self.fill()
         try:
             while not self.done():
                 ready, _, _ = select.select([listener], [], [], 1.0)
                 if not ready:
+                    forker = self.forker
+                    if forker is not None and (not forker.up or forker.stuck):
+                        self.fill()  # its spares replaced by new interpreters
                     continue
                 conn, _ = listener.accept()
                 try:
@@ -254,6 +305,8 @@ class Server:
             listener.close()
             for spare in pool:
                 spare.discard()
+            for forker in [*self.retired, *([self.forker] if self.forker is not None else [])]:
+                forker.close()
             self._clean()
 
     def _clean(self) -> None:

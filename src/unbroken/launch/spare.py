@@ -63,6 +63,12 @@ def main(argv: list[str]) -> int:
     except BaseException as e:  # noqa: BLE001 - told to the supervisor, which then starts the command cold
         _tell(ready_fd, f"failed {type(e).__name__}: {e}\n")
         return 3
+    return serve(go_fd, ready_fd)
+
+
+def serve(go_fd: int, ready_fd: int) -> int:
+    """Say ``ready`` on ``ready_fd``, wait for the order on ``go_fd`` and run it (what a spare does once its
+    imports are done; also a spare forked by :mod:`.forker`). Returns the exit status when not needed."""
     if not _tell(ready_fd, "ready\n"):
         return 0  # the supervisor stopped listening (it is done, or gone): not needed
     os.close(ready_fd)
