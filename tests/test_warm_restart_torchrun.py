@@ -251,6 +251,30 @@ sys.exit(7)
 """
 
 
+SIGNALLED_JOB = """
+import os, signal, sys
+sig = getattr(signal, sys.argv[1])
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+os.kill(os.getpid(), sig)
+"""
+
+
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
+def test_a_training_killed_by_a_signal_ends_its_worker_by_the_same_signal(tmp_path: Path) -> None:
+    """torchrun sees the worker end as the training did: SIGKILL (whose handling cannot be set: run 24's bench
+    found the worker raising there instead) and SIGTERM."""
+    base = env(tmp_path, TORCHELASTIC_RUN_ID="job-4", LOCAL_WORLD_SIZE="1", RANK="0")
+    try:
+        for name in ("SIGKILL", "SIGTERM"):
+            proc = worker(tmp_path, SIGNALLED_JOB, base, name)
+            out, err = proc.communicate(timeout=240)
+            assert proc.returncode == -getattr(signal, name) and "warm start" in err, (name, out, err)
+            assert "Traceback" not in err, err
+            wait_ready(tmp_path, 1)
+    finally:
+        stop_servers(tmp_path)
+
+
 @pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_spares_are_forked_from_one_interpreter_and_a_stopped_forker_costs_one_cold_start(tmp_path: Path) -> None:
     """The server's spares are forked by its forker (one single-threaded interpreter that imported torch), the

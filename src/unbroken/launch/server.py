@@ -74,7 +74,8 @@ class Spare:
 
     def wait_ready(self, timeout: float) -> bool:
         """Whether it has imported what it preloads (within ``timeout`` seconds from now). A forked one: once
-        its forker has imported, within :data:`.forker.FORK_TIMEOUT_S` (else the forker is stuck: killed)."""
+        its forker has imported, within :data:`.forker.FORK_TIMEOUT_S` (else the forker is marked unresponsive:
+        no spare is asked of it again)."""
         forker = self.forker if isinstance(self.proc, Forked) else None
         if forker is not None:
             start = time.monotonic()

@@ -136,7 +136,8 @@ def status(folder: str, timeout: float = 10.0) -> dict | None:
 def _mirror(status: int) -> NoReturn:
     """Exit as the training did: its status, or killed by the same signal."""
     if status < 0:
-        signal.signal(-status, signal.SIG_DFL)
+        if -status not in (signal.SIGKILL, signal.SIGSTOP):  # (their handling cannot be set, nor needs to be)
+            signal.signal(-status, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [-status])
         os.kill(os.getpid(), -status)
         time.sleep(1)
