@@ -65,7 +65,10 @@ RESUMED1 = re.compile(r"rank 1 pid \d+ t [\d.]+ resumed from step (\d+)")
 
 
 def _ready_after(tmp: Path, since: float, out: list[float]) -> None:
-    wait_ready(tmp, 2)
+    try:
+        wait_ready(tmp, 2, timeout=60)
+    except AssertionError:
+        return  # the job ended first (after its last kill), and its server with it: not counted
     out.append(time.time() - since)
 
 
