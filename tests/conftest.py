@@ -50,7 +50,7 @@ MEASURED_S: dict[str, float] = {
     "test_examples.py": 76,
     "test_distributed.py": 73,
     "test_zygote.py": 65,
-    "test_warm_restart_torchrun.py": 62,
+    "test_warm_restart_torchrun.py": 85,
     "test_recovery.py": 60,
     "test_s3.py": 58,
     "test_data_e2e.py": 58,

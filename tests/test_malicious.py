@@ -387,6 +387,9 @@ def test_package_source_never_unpickles_or_evaluates() -> None:
     # line, never a checkpoint's bytes) and imports the modules the supervisor names (torch, ``--preload``)
     assert sorted(bad.pop("launch/spare.py", [])) == sorted(
         [r"\bimportlib\b(?!\s*\.\s*metadata\b)", r"\bimport_module\b", r"\brunpy\b", "import importlib"])
+    # the spare server's forker imports the modules the server names (its fixed ``PRELOAD``), then forks spares
+    assert sorted(bad.pop("launch/forker.py", [])) == sorted(
+        [r"\bimportlib\b(?!\s*\.\s*metadata\b)", r"\bimport_module\b", "import importlib"])
     # the package's lazy names (PEP 562): imports only its own modules, from a fixed table or a
     # subpackage name (audited by the test below)
     assert sorted(bad.pop("__init__.py", [])) == sorted(

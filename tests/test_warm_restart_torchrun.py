@@ -11,6 +11,7 @@ symbolic link is refused (cold); the training dies with its worker. No timing is
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -319,6 +320,41 @@ def test_spares_are_forked_from_one_interpreter_and_a_stopped_forker_costs_one_c
                 os.kill(forker, signal.SIGKILL)
             except OSError:
                 pass
+        stop_servers(tmp_path)
+
+
+CUDA_JOB = """
+import json, os, torch
+print(json.dumps({"at_start": torch.cuda.is_initialized()}), flush=True)
+torch.ones(1, device="cuda").sum().item()  # the training uses the GPU: its context is created now
+print(json.dumps({"after": torch.cuda.is_initialized()}), flush=True)
+"""
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_forker_and_its_spares_hold_no_cuda_context(tmp_path: Path) -> None:
+    """The CUDA side of forked spares: the forker imports torch and never touches CUDA, so a spare forked after a
+    training used the GPU starts without a context and can create one (a fork of a process with a CUDA context
+    could not), and neither the forker nor a waiting spare is among the GPU's processes."""
+    base = env(tmp_path, TORCHELASTIC_RUN_ID="job-5", LOCAL_WORLD_SIZE="1", RANK="0")
+    try:
+        for _ in range(2):
+            proc = worker(tmp_path, CUDA_JOB, base)
+            out, err = proc.communicate(timeout=300)
+            assert proc.returncode == 0 and "warm start" in err, (out, err)
+            start, after = (json.loads(line) for line in out.splitlines()[:2])
+            assert start == {"at_start": False} and after == {"after": True}, out
+            wait_ready(tmp_path, 1)
+            state = status(str(server_folders(tmp_path)[0]))
+            assert state is not None
+            spare = int(state["spares"][0])
+            forker = parent_of(spare)
+            assert forker != int(state["pid"])  # forked
+            query = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                                   capture_output=True, text=True, timeout=60)
+            on_gpu = {int(x) for x in query.stdout.split() if x.strip().isdigit()}
+            assert not {spare, forker} & on_gpu, on_gpu
+    finally:
         stop_servers(tmp_path)
 
 
