@@ -50,8 +50,8 @@ LOST = 1
 another parent reaped it)."""
 FORK_TIMEOUT_S = 10.0
 """How long the server waits for a fork (the spare's ``ready`` and the forker's answer) once the forker has
-imported: a fork takes milliseconds; a forker that does not answer (stopped) is killed and spares start as new
-interpreters."""
+imported, and for the forker's report of an end it has seen: a fork takes milliseconds; a forker that does not
+answer (stopped) is retired — an end is then read from the zombie, and spares start as new interpreters."""
 
 
 def main(argv: list[str]) -> int:
@@ -330,6 +330,11 @@ class Forker:
             spare.started(pid, fds[0] if fds else None)
         else:
             spare.ended(int(msg["code"]))
+
+    @property
+    def usable(self) -> bool:
+        """Whether spares may still be asked of it: it runs and has answered in time."""
+        return self.up and not self.stuck
 
     def unresponsive(self) -> None:
         """It left a fork or an end unanswered: no spare is asked of it again (it is not killed: the ends of the

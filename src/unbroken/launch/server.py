@@ -152,7 +152,7 @@ class Server:
     def fill(self) -> None:
         orphans: list[Spare] = []
         with self.lock:
-            if self.forker is not None and (not self.forker.up or self.forker.stuck):
+            if self.forker is not None and not self.forker.usable:
                 how = "has ended" if not self.forker.up else "does not answer"
                 print(f"the spare forker {how}: spares start as new interpreters", file=sys.stderr, flush=True)
                 self.retired.append(self.forker)  # closed when the server ends (a stuck one is killed then)
@@ -287,7 +287,7 @@ class Server:
                 ready, _, _ = select.select([listener], [], [], 1.0)
                 if not ready:
                     forker = self.forker
-                    if forker is not None and (not forker.up or forker.stuck):
+                    if forker is not None and not forker.usable:
                         self.fill()  # its spares replaced by new interpreters
                     continue
                 conn, _ = listener.accept()
