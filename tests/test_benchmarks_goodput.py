@@ -4,12 +4,13 @@ rank and an exception inside a step (one failure each), checked from the JSON it
 No timed assertions: what is checked is that the failures were injected as asked and recovered
 from, that unbroken redid at most a save interval of steps per failure and ended bitwise equal to
 its uninterrupted run, that goodput is a share of the wall time, that every configuration ran
-(the RAM tier and in-process recovery included: "not available" would be a regression), and
+(the RAM tier and in-process recovery included: "not available" would be a regression) — with
+``--one-reference``, each one bitwise equal to the one uninterrupted job of the first (same steps, same data) —, and
 that the RAM tier left no shared memory behind (its root is this test's folder, not /dev/shm),
 and that each kill's restart timeline has every mark (torchrun's agent lines, the survivor's exit,
 the new process's phases) and adds up to the measured restart + restore. The node-loss kind (network
-namespaces, root) is left to the full benchmark: it adds two relaunches per configuration. It takes 90-110 s on
-the 2 shared cores (8 jobs of a few seconds each, most of it process start-up).
+namespaces, root) is left to the full benchmark: it adds two relaunches per configuration. It takes 70-90 s on
+the 2 shared cores (6 jobs of a few seconds each, most of it process start-up).
 """
 
 from __future__ import annotations
@@ -44,14 +45,15 @@ def test_tiny_run_injects_recovers_and_reports_every_configuration(tmp_path: Pat
     work = tmp_path / "work"
     work.mkdir()
     cmd = [sys.executable, str(SCRIPT), *TINY, "--configs", ",".join(CONFIGS), "--kinds", "kill,exception",
-           "--dir", str(work), "--json", str(out), "--plot", str(tmp_path / "goodput.png")]
+           "--one-reference", "--dir", str(work), "--json", str(out), "--plot", str(tmp_path / "goodput.png")]
     shm = tmp_path / "shm"
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                        env=dict(os.environ, OMP_NUM_THREADS="1", UNBROKEN_RAM_ROOT=str(shm)))
     assert p.returncode == 0, f"stdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-3000:]}"
     doc = json.loads(out.read_text())
     rows = {(r["config"], r["kind"]): r for r in doc["rows"]}
-    expected = {(c, k) for c in CONFIGS for k in ("none", "kill", "exception") if not (c == "inproc" and k == "kill")}
+    expected = {(c, k) for c in CONFIGS for k in ("kill", "exception") if not (c == "inproc" and k == "kill")}
+    expected.add((CONFIGS[0], "none"))  # --one-reference: every configuration must equal disk's uninterrupted job
     assert set(rows) == expected, set(rows) ^ expected
     for (_config, kind), r in rows.items():
         assert "unavailable" not in r, r
@@ -100,6 +102,16 @@ except InjectedFault:
     print(f"rank {rank} raised at step 5", flush=True)
 dist.destroy_process_group()
 """
+
+
+def test_one_reference_serves_every_unbroken_configuration_of_a_package_and_each_dcp_its_own() -> None:
+    from bench_goodput import references
+
+    configs = ["dcp", "ram-auto", "disk@10", "warm-auto", "dcp@25", "disk-base", "ram-base"]
+    assert references(configs, one=False) == {c: c for c in configs}
+    assert references(configs, one=True) == {"dcp": "dcp", "ram-auto": "ram-auto", "disk@10": "ram-auto",
+                                             "warm-auto": "ram-auto", "dcp@25": "dcp@25", "disk-base": "disk-base",
+                                             "ram-base": "disk-base"}
 
 
 def test_an_exception_asked_for_between_two_ranks_checks_of_a_step_fires_on_both(tmp_path: Path) -> None:
