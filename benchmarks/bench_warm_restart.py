@@ -8,13 +8,17 @@ is done and (for the warm configuration) the spare has imported, and restarted b
 
 * ``cold``: a plain restart loop (what ``torchrun --max-restarts`` or a ``while`` loop does): a new
   ``python worker.py`` each time (``unbroken run --cold``, the same supervisor without a spare);
-* ``warm``: ``unbroken run -- python worker.py``: the spare becomes the training process.
+* ``warm``: ``unbroken run -- python worker.py``: the spare becomes the training process; spares are forked
+  from the supervisor's forker (``src/unbroken/launch/forker.py``);
+* ``warm-exec``: the same with ``UNBROKEN_SPARES_FORK=0``: each spare a new interpreter that imports torch
+  itself (right after a restart: beside the restored training).
 
 Per kill: **restored** = from the kill to the worker's ``restore()`` returning (interpreter, imports,
 model build, the checkpoint read), **first step** = to the first resumed step done (one step redone:
-the kill comes after the step that follows a save). Medians; ``warm / cold`` is the ratio. The final
-parameters of every run are compared with an uninterrupted run's (exactness). ``--json F`` writes the
-numbers.
+the kill comes after the step that follows a save), **10 steps** = from the restore to the 10th step after
+it (what the replacement spare's start costs the training: the next kill waits for them), against the run's
+first 10 steps. Medians; ``/ cold`` is the ratio. The final parameters of every run are compared with an
+uninterrupted run's (exactness). ``--json F`` writes the numbers.
 
     python benchmarks/bench_warm_restart.py [--kills 5] [--save-every 10] [--json F]
 """
@@ -70,16 +74,29 @@ open(out, "w").write(h.hexdigest())
 """
 
 
+CONFIGS = ("cold", "warm", "warm-exec")
+
+
 def spare_ready(supervisor: int, training: int) -> bool:
+    """Whether a spare of ``supervisor`` (its child, or its forker's) waits for its order (reads its pipe)."""
+    parents: dict[int, int] = {}
     for d in Path("/proc").iterdir():
-        if not d.name.isdigit() or int(d.name) == training:
+        if d.name.isdigit():
+            try:
+                parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    ours = {supervisor} | {p for p, parent in parents.items() if parent == supervisor}  # the forker among them
+    for pid, parent in parents.items():
+        if pid == training or parent not in ours:
             continue
         try:
-            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid == supervisor and b"unbroken.launch.spare" in (d / "cmdline").read_bytes():
-                if "pipe" in (d / "wchan").read_text():
-                    return True
-        except (OSError, ValueError, IndexError):
+            if b"unbroken.launch." not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                continue
+            syscall = Path(f"/proc/{pid}/syscall").read_text().split()
+            if "pipe" in Path(f"/proc/{pid}/wchan").read_text() or (syscall and syscall[0] == "0"):  # read(2)
+                return True
+        except OSError:
             continue
     return False
 
@@ -92,7 +109,8 @@ def job(tmp: Path, config: str, a: argparse.Namespace) -> dict:
     model = [str(getattr(a, k)) for k in ("layers", "dim", "vocab", "seq", "batch")]
     steps = (a.kills + 1) * a.save_every * 4
     cmd = [sys.executable, str(worker), str(base / "run"), str(steps), str(base / "final"), str(a.save_every), *model]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               UNBROKEN_SPARES_FORK="0" if config == "warm-exec" else "1")
     if config == "reference":
         subprocess.run(cmd, check=True, capture_output=True, env=env, timeout=3600)
         return {"final": (base / "final").read_text()}
@@ -102,29 +120,32 @@ def job(tmp: Path, config: str, a: argparse.Namespace) -> dict:
     assert proc.stdout is not None
     restored: list[float] = []
     first: list[float] = []
+    ten: list[float] = []  # from a restore to the 10th step after it (the first: from the first start)
     killed_at: float | None = None
-    kills_left, training = a.kills, 0
+    kills_left, training, since, restored_at = a.kills, 0, 0, 0.0
     for line in proc.stdout:
         words = line.split()
         if words[0] == "restored":
             if killed_at is not None:
                 restored.append(float(words[2]) - killed_at)
-            training = int(words[3])
+            training, since, restored_at = int(words[3]), int(words[1]), float(words[2])
         elif words[0] == "step":
             step, at = int(words[1]), float(words[2])
             if killed_at is not None and len(first) < len(restored):
                 first.append(at - killed_at)
+            if step == since + 10:
+                ten.append(at - restored_at)
             settled = killed_at is None or len(first) == len(restored)
-            if kills_left and step % a.save_every == 1 and step > 1 and settled:
+            if kills_left and step % a.save_every == 1 and step > since + 10 and settled:
                 deadline = time.monotonic() + 300
-                while config == "warm" and not spare_ready(proc.pid, training) and time.monotonic() < deadline:
+                while config != "cold" and not spare_ready(proc.pid, training) and time.monotonic() < deadline:
                     time.sleep(0.02)
                 killed_at = time.time()
                 os.kill(training, signal.SIGKILL)
                 kills_left -= 1
     proc.wait(timeout=600)
-    return {"restored_s": restored, "first_step_s": first, "status": proc.returncode,
-            "final": (base / "final").read_text() if (base / "final").exists() else None}
+    return {"restored_s": restored, "first_step_s": first, "ten_steps_s": ten[1:], "first_ten_s": ten[:1],
+            "status": proc.returncode, "final": (base / "final").read_text() if (base / "final").exists() else None}
 
 
 def main() -> int:
@@ -137,26 +158,29 @@ def main() -> int:
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="unbroken-bench-warm-") as d:
         tmp = Path(d)
-        results = {c: job(tmp, c, a) for c in ("reference", "cold", "warm")}
+        results = {c: job(tmp, c, a) for c in ("reference", *CONFIGS)}
     ref = results["reference"]["final"]
+    med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
     rows = []
-    for c in ("cold", "warm"):
+    for c in CONFIGS:
         r = results[c]
         rows.append({"config": c, "kills": len(r["restored_s"]), "status": r["status"],
-                     "restored_s": statistics.median(r["restored_s"]) if r["restored_s"] else None,
-                     "first_step_s": statistics.median(r["first_step_s"]) if r["first_step_s"] else None,
+                     "restored_s": med(r["restored_s"]), "first_step_s": med(r["first_step_s"]),
+                     "ten_steps_s": med(r["ten_steps_s"]), "first_ten_s": med(r["first_ten_s"]),
                      "exact": r["final"] == ref, "all_restored_s": r["restored_s"]})
-    cold, warm = rows
-    print(f"{'config':6}  {'kills':>5}  {'kill -> restored s':>18}  {'kill -> first step s':>20}  exact")
+    cold = rows[0]
+    ratio = lambda r, k: r[k] / cold[k] if r[k] and cold[k] else None  # noqa: E731
+    fmt = lambda x, f="{:.3f}": "-" if x is None else f.format(x)  # noqa: E731
+    print(f"{'config':9}  {'kills':>5}  {'kill -> restored s':>18}  {'kill -> first step s':>20}  "
+          f"{'10 steps after s (first 10)':>27}  exact")
     for r in rows:
-        print(f"{r['config']:6}  {r['kills']:>5}  {r['restored_s']:>18.3f}  {r['first_step_s']:>20.3f}  "
-              f"{'yes' if r['exact'] else 'NO'}")
-    ratio = warm["restored_s"] / cold["restored_s"] if cold["restored_s"] and warm["restored_s"] else None
-    ratio_step = warm["first_step_s"] / cold["first_step_s"] if cold["first_step_s"] and warm["first_step_s"] else None
-    print(f"warm / cold: restored {ratio:.3f}x, first step {ratio_step:.3f}x")
+        print(f"{r['config']:9}  {r['kills']:>5}  {fmt(r['restored_s']):>10} ({fmt(ratio(r, 'restored_s'), '{:.2f}x')})"
+              f"  {fmt(r['first_step_s']):>12} ({fmt(ratio(r, 'first_step_s'), '{:.2f}x')})"
+              f"  {fmt(r['ten_steps_s']):>19} ({fmt(r['first_ten_s'])})  {'yes' if r['exact'] else 'NO'}")
     if a.json:
-        Path(a.json).write_text(json.dumps({"rows": rows, "warm_over_cold_restored": ratio,
-                                            "warm_over_cold_first_step": ratio_step, "args": vars(a)}, indent=1))
+        Path(a.json).write_text(json.dumps({"rows": rows, "args": vars(a),
+                                            **{f"{r['config']}_over_cold_restored": ratio(r, "restored_s")
+                                               for r in rows[1:]}}, indent=1))
     return 0 if all(r["exact"] and r["status"] == 0 for r in rows) else 1
 
 

@@ -1,11 +1,13 @@
 """``unbroken run -- python train.py``: restarts after failures from a warm spare, exact, bounded.
 
 End to end with real processes: the training process SIGKILLed at steps and inside a save (once, a
-marker), each time replaced by the spare — a new process image that had imported torch before the
-failure — and the final parameters equal the uninterrupted run's bit for bit. Then what a supervisor
-must get right: a preemption (SIGTERM to the supervisor) is saved and ends the job with 75, no
-restart; the restarts are bounded; a command a spare cannot run restarts cold; a spare that cannot
-import falls back to a cold start; a supervisor SIGKILLed leaves nothing running, the training saved.
+marker), each time replaced by the spare — a process forked, before the failure, from the interpreter that
+imported torch (or, with ``UNBROKEN_SPARES_FORK=0``, a new interpreter) — and the final parameters equal the
+uninterrupted run's bit for bit. Then what a supervisor must get right: a preemption (SIGTERM to the
+supervisor, or to the job's whole process group) is saved and ends the job with 75, no restart; the restarts
+are bounded; a command a spare cannot run restarts cold; a spare that cannot import falls back to a cold
+start; a supervisor SIGKILLed leaves nothing running, the training saved; the forker SIGKILLed costs restarts,
+not exactness.
 No timing is asserted; the speed is measured by ``benchmarks/bench_warm_restart.py``.
 """
 
@@ -38,6 +40,8 @@ state = {"model": model, "optimizer": opt}
 ckpt = unbroken.Checkpointer(run, save_every=5)
 info = ckpt.restore(state)
 print(f"pid {os.getpid()} " + (f"resumed from step {ckpt.progress.step}" if info else "fresh start"), flush=True)
+with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+    print("parent", "forker" if b"unbroken.launch.forker" in f.read() else "other", flush=True)
 while ckpt.progress.step < steps:
     s = ckpt.progress.step + 1
     x = torch.randn(16, 64, generator=torch.Generator().manual_seed(s))
@@ -64,12 +68,14 @@ def env(**extra: str) -> dict[str, str]:
 
 
 def supervise(tmp: Path, *options: str, steps: int = 120, environ: dict[str, str] | None = None,
-              command: list[str] | None = None) -> subprocess.Popen[str]:
+              command: list[str] | None = None, session: bool = False) -> subprocess.Popen[str]:
+    """``unbroken run`` of the loop (or ``command``); ``session``: in a session (and process group) of its own."""
     script = tmp / "loop.py"
     script.write_text(LOOP)
     cmd = command or [sys.executable, str(script), str(tmp / "run"), str(steps), str(tmp / "final")]
     return subprocess.Popen([sys.executable, "-m", "unbroken.cli", "run", *options, "--", *cmd],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ or env(), cwd=tmp)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ or env(), cwd=tmp,
+                            start_new_session=session)
 
 
 def uninterrupted(tmp: Path, steps: int = 120) -> str:
@@ -98,10 +104,17 @@ def drive(proc: subprocess.Popen[str], kills: dict[int, int]) -> list[str]:
     return lines
 
 
+def forkers_of(supervisor: int) -> list[int]:
+    """The supervisor's spare forker (none with ``UNBROKEN_SPARES_FORK=0``)."""
+    return children(supervisor, b"unbroken.launch.forker")
+
+
 def spares_of(supervisor: int, training: int) -> list[int]:
-    """The supervisor's children started as spares (their command line names the spare module) that are not
-    the training process (a spare that became it)."""
-    return [pid for pid in children(supervisor, b"unbroken.launch.spare") if pid != training]
+    """The supervisor's spares that are not the training process (a spare that became it): forked by its forker
+    (children of the forker), or started as new interpreters (children of the supervisor naming the spare module)."""
+    forked = [pid for forker in forkers_of(supervisor) for pid in children(forker)]
+    found = children(supervisor, b"unbroken.launch.spare") + forked
+    return [pid for pid in found if pid != training]
 
 
 def wait_for_spare(supervisor: int, training: int, timeout: float = 120.0) -> None:
@@ -142,19 +155,75 @@ def test_killed_at_steps_and_inside_a_save_each_restart_is_warm_and_the_run_is_e
     assert len(starts) == 4 and "fresh start" in starts[0], starts
     assert len({line.split()[1] for line in starts}) == 4  # four processes
     assert err.count("from the warm spare") == 3, err
+    assert [line for line in lines if line.startswith("parent ")] == ["parent forker"] * 4  # each one forked
     assert (tmp_path / "final").read_text() == uninterrupted(tmp_path)
 
 
 @pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
-def test_a_killed_process_is_replaced_by_the_spare_and_the_run_is_exact(tmp_path: Path) -> None:
-    proc = supervise(tmp_path, steps=40, environ=env(HOLD_AT="12"))
+@pytest.mark.parametrize("fork", ["1", "0"], ids=["forked-spares", "new-interpreters"])
+def test_a_killed_process_is_replaced_by_the_spare_and_the_run_is_exact(tmp_path: Path, fork: str) -> None:
+    proc = supervise(tmp_path, steps=40, environ=env(HOLD_AT="12", UNBROKEN_SPARES_FORK=fork))
     lines = drive(proc, {12: 1})
     assert proc.wait(timeout=300) == 0
     err = proc.stderr.read() if proc.stderr else ""
     assert "restart 1 of 10, from the warm spare" in err, err
     assert [line.split()[2:] for line in lines if line.startswith("pid ")] == [
         ["fresh", "start"], ["resumed", "from", "step", "10"]]
+    parent = "forker" if fork == "1" else "other"
+    assert [line for line in lines if line.startswith("parent ")] == [f"parent {parent}"] * 2
     assert (tmp_path / "final").read_text() == uninterrupted(tmp_path, steps=40)
+
+
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
+def test_a_forker_sigkilled_mid_run_costs_restarts_not_steps_and_the_run_is_exact(tmp_path: Path) -> None:
+    """The forker SIGKILLed while a forked training runs and a forked spare waits: both run on (neither is its
+    child's concern), but their ends are no longer reported: each counts as a failure (``LOST``: 1) and is
+    restarted — from the last checkpoint, as any restart —, then spares are new interpreters. Exact all the same."""
+    proc = supervise(tmp_path, steps=60, environ=env(STEP_SLEEP="0.05"))
+    assert proc.stdout is not None and proc.stderr is not None
+    lines, training, killed = [], 0, False
+    for line in proc.stdout:
+        lines.append(line.strip())
+        if line.startswith("pid "):
+            training = int(line.split()[1])
+        elif line.startswith("step ") and int(line.split()[1]) >= 10 and not killed:
+            wait_for_spare(proc.pid, training)
+            (forker,) = forkers_of(proc.pid)
+            os.kill(forker, signal.SIGKILL)
+            killed = True
+    assert proc.wait(timeout=300) == 0, proc.stderr.read()
+    err = proc.stderr.read()
+    assert killed and "the spare forker has ended: spares start as new interpreters" in err, err
+    parents = [line for line in lines if line.startswith("parent ")]
+    assert parents[0] == "parent forker" and parents[-1] == "parent other", parents
+    assert (tmp_path / "final").read_text() == uninterrupted(tmp_path, steps=60)
+
+
+@pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
+def test_a_sigterm_to_the_whole_process_group_saves_and_ends_with_75(tmp_path: Path) -> None:
+    """A scheduler signals every process of the job (``kill -TERM -PGID``, SLURM's way): the forker, in the
+    job's group, must outlive it to report the training's 75 (it ignores the signal), and the waiting spare
+    goes."""
+    proc = supervise(tmp_path, steps=10_000, environ=env(STEP_SLEEP="0.02"), session=True)
+    assert proc.stdout is not None and proc.stderr is not None
+    training = 0
+    for line in proc.stdout:
+        if line.startswith("pid "):
+            training = int(line.split()[1])
+        elif line.startswith("step 20"):
+            wait_for_spare(proc.pid, training)
+            helpers = forkers_of(proc.pid) + spares_of(proc.pid, training)
+            threads = len(os.listdir(f"/proc/{helpers[0]}/task"))  # the forker forks single-threaded
+            os.killpg(proc.pid, signal.SIGTERM)
+            break
+    rest = proc.stdout.read()
+    assert proc.wait(timeout=120) == 75, proc.stderr.read()
+    assert "pid " not in rest and "restart" not in proc.stderr.read()
+    assert len(helpers) == 2 and threads == 1, (helpers, threads)  # the forker and a forked spare, gone now
+    deadline = time.monotonic() + 30
+    while any(alive(p) for p in (training, *helpers)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(p) for p in (training, *helpers))
 
 
 @pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
@@ -198,9 +267,10 @@ def test_a_spare_that_cannot_import_falls_back_to_a_cold_start(tmp_path: Path) -
 
 @pytest.mark.slow  # runs long: the whole suite, not the fast tier (docs/testing.md)
 def test_a_supervisor_sigkilled_leaves_nothing_running_the_training_saves_and_the_run_goes_on(tmp_path: Path) -> None:
-    """SIGKILL to ``unbroken run`` itself: it can forward nothing. The training process is signalled by the
-    kernel as a preempted one (its launcher died): it saves at its next step and exits, its lock released;
-    the waiting spare exits (its pipe closed). A new ``unbroken run`` resumes from that save."""
+    """SIGKILL to ``unbroken run`` itself: it can forward nothing. The training process (forked: its parent is the
+    forker) is signalled as a preempted one (its launcher died: a thread on the supervisor's pidfd): it saves at
+    its next step and exits, its lock released; the waiting spare exits (its pipe closed), the forker too (its
+    socket closed). A new ``unbroken run`` resumes from that save."""
     proc = supervise(tmp_path, steps=10_000, environ=env(STEP_SLEEP="0.05"))
     assert proc.stdout is not None and proc.stderr is not None
     training, seen = 0, 0
@@ -210,17 +280,19 @@ def test_a_supervisor_sigkilled_leaves_nothing_running_the_training_saves_and_th
         elif line.startswith("step ") and int(line.split()[1]) >= 3:
             seen = int(line.split()[1])
             break
+    forker = 0
     try:
         wait_for_spare(proc.pid, training)
         spare = spares_of(proc.pid, training)[0]
+        (forker,) = forkers_of(proc.pid)
         proc.kill()  # SIGKILL: no clean-up in the supervisor
         proc.wait(timeout=30)
         deadline = time.monotonic() + 60
-        while (alive(spare) or alive(training)) and time.monotonic() < deadline:
+        while (alive(spare) or alive(training) or alive(forker)) and time.monotonic() < deadline:
             time.sleep(0.05)
-        survivors = {"the spare": alive(spare), "the training": alive(training)}
+        survivors = {"the spare": alive(spare), "the training": alive(training), "the forker": alive(forker)}
     finally:
-        for pid in (training, *spares_of(proc.pid, training)):
+        for pid in (training, forker, *spares_of(proc.pid, training)):
             if pid and alive(pid):
                 os.kill(pid, signal.SIGKILL)
     rest, err = proc.stdout.read(), proc.stderr.read()  # to their end: every writer is gone

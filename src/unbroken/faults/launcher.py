@@ -22,6 +22,11 @@ the training, or a cold start) is the same case: its launcher is the supervisor,
 ``UNBROKEN_SUPERVISOR`` (its pid); a process whose parent is that pid watches it as a torchrun worker
 watches its agent (its own children, which inherit the variable, do not: their parent is another).
 
+A training process forked for ``unbroken run`` (its spares are forked by one interpreter, :mod:`unbroken.launch.forker`,
+which names itself in ``UNBROKEN_FORKER``) is a child of that forker, not of the supervisor: when its parent is the
+forker its environment names, the supervisor ``UNBROKEN_SUPERVISOR`` names is its launcher, watched by a thread on
+its pidfd as below (the forker's own death is not the launcher's: the training runs on).
+
 A training process started by a warm torchrun worker (:mod:`unbroken.launch.worker`) is a child of
 the spare server, not of the agent: ``UNBROKEN_WARM_CLIENT=WORKER:AGENT`` names the worker torchrun
 watches and the agent. There the launcher is the agent; its death is watched by a thread waiting
@@ -46,6 +51,7 @@ _current: int = 0  # the signal asked for now (0: none)
 _watcher: threading.Thread | None = None  # a warm worker's training: the thread watching the agent
 _CLIENT = "UNBROKEN_WARM_CLIENT"
 _SUPERVISOR = "UNBROKEN_SUPERVISOR"
+_FORKER = "UNBROKEN_FORKER"  # unbroken.launch.forker.MARK (launch/ sits above faults/)
 
 
 def _forked() -> None:
@@ -61,7 +67,8 @@ def under_launcher() -> bool:
     ``unbroken run``'s supervisor, on Linux."""
     if not sys.platform.startswith("linux"):
         return False
-    return bool(os.environ.get("TORCHELASTIC_RUN_ID")) or os.environ.get(_SUPERVISOR) == str(_PARENT)
+    return (bool(os.environ.get("TORCHELASTIC_RUN_ID")) or os.environ.get(_SUPERVISOR) == str(_PARENT)
+            or _forked_supervisor() is not None)
 
 
 def died() -> bool:
@@ -75,7 +82,26 @@ def died() -> bool:
     if warm is not None:
         worker, agent = warm
         return _ended(agent) or _ended(worker) or _parent_of(worker) != agent
+    supervisor = _forked_supervisor()
+    if supervisor is not None:
+        return _ended(supervisor)
     return os.getppid() != _PARENT or _ended(_PARENT)
+
+
+def _forked_supervisor() -> int | None:
+    """The pid of ``unbroken run``'s supervisor when its forker forked this process (the parent this process had
+    when it was forked is the forker named in its environment), else ``None``."""
+    supervisor = os.environ.get(_SUPERVISOR, "")
+    if not supervisor.isdigit() or not _PARENT or os.environ.get(_FORKER) != str(_PARENT):
+        return None
+    return int(supervisor)
+
+
+def _watched() -> int | None:
+    """The launcher a thread watches (the kernel's death signal cannot: it is not this process's parent): torchrun's
+    agent for a warm worker's training, the supervisor for a forked one; ``None`` otherwise."""
+    warm = _warm()
+    return warm[1] if warm is not None else _forked_supervisor()
 
 
 def _warm() -> tuple[int, int] | None:
@@ -98,15 +124,17 @@ def _parent_of(pid: int) -> int:
         return 0
 
 
-def _watch_agent(agent: int) -> None:
-    """The thread of a warm worker's training: at the agent's death, send the signal asked for then."""
+def _watch(launcher: int) -> None:
+    """The thread of a training whose launcher is not its parent: at the launcher's death, send the signal asked
+    for then (its pidfd readable: it has ended, whatever its pid names by the time this looks)."""
     try:
-        pidfd: int | None = os.pidfd_open(agent)
+        pidfd: int | None = os.pidfd_open(launcher)
     except OSError:
         pidfd = None
     while True:
         if pidfd is not None:
-            select.select([pidfd], [], [], 1.0)
+            if select.select([pidfd], [], [], 1.0)[0]:
+                break
         else:
             threading.Event().wait(1.0)
         if died():
@@ -142,15 +170,14 @@ def watch(sig: signal.Signals | None) -> None:
     """Be sent ``sig`` when the launcher dies (``None``: nothing); a no-op outside torchrun."""
     global _current, _watcher
     want = int(sig) if sig is not None and under_launcher() else 0
-    warm = _warm() if want or _watcher is not None else None
-    if warm is not None or _watcher is not None:  # a warm worker's training: the thread, not the kernel
+    launcher = _watched() if want or _watcher is not None else None
+    if launcher is not None or _watcher is not None:  # not the parent: the thread, not the kernel
         _current = want
-        if want and _watcher is None and warm is not None:
-            _watcher = threading.Thread(target=_watch_agent, args=(warm[1],), name="unbroken-launcher-watch",
-                                        daemon=True)
+        if want and _watcher is None and launcher is not None:
+            _watcher = threading.Thread(target=_watch, args=(launcher,), name="unbroken-launcher-watch", daemon=True)
             _watcher.start()
         if want and died():
-            log.warning("the launcher (pid %d) is gone", warm[1] if warm else _PARENT)
+            log.warning("the launcher (pid %d) is gone", launcher or _PARENT)
             os.kill(os.getpid(), want)
         return
     if want == _current or not _prctl(want):

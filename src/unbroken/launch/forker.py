@@ -8,19 +8,27 @@ docs/benchmarks.md) the steps after a warm restart ran at half speed, and the im
 the warm start had saved. A forked spare costs a ``fork`` (milliseconds), and the spares share the forker's
 pages (copy on write) instead of holding one copy of torch's import each.
 
-The server (:mod:`.server`) starts it as ``python [FLAGS] -m unbroken.launch.forker CTRL MODULES``, with the
-spares' interpreter, flags and environment; ``CTRL`` is the forker's end of a unix socket pair. It imports
+The server (:mod:`.server`) starts it as ``python [FLAGS] -m unbroken.launch.forker CTRL MODULES DETACHED``, with
+the spares' interpreter, flags and environment; ``CTRL`` is the forker's end of a unix socket pair. ``unbroken
+run``'s supervisor (:mod:`.supervisor`) starts one too, not detached (``DETACHED`` 0): the forker and its spares
+stay in the job's session and process group, as spares the supervisor starts do, with its standard input. It imports
 ``MODULES`` (never CUDA: importing torch creates no CUDA context) and serves ``{"fork": ID}`` requests, each
 bringing a spare's ``GO`` socket and ``READY`` pipe (:mod:`.spare`): it calls ``gc.freeze()`` (a child then
 neither collects nor copies the ~300,000 objects of torch's import), forks, and answers ``{"forked": ID,
 "pid": PID}`` with a pidfd of the child. The child closes what is the forker's, starts a session of its own
-(as a spare started by the server does) and is the spare from there on (:func:`.spare.serve`): it says
-``ready`` and waits for its order. The forker is the spares' parent: it reaps them and reports each one's
+when detached (as a spare started by the server does), and is the spare from there on (:func:`.spare.serve`):
+it says ``ready`` and waits for its order. The forker is the spares' parent: it reaps them and reports each one's
 end, ``{"exit": PID, "code": RETURNCODE}`` (``-N``: killed by signal N, as :class:`subprocess.Popen`'s).
 
 A clean parent: the forker runs no training code and touches nothing but its socket; nothing of a training
 process, dead or alive, is in a spare. Each child gets fresh random seeds (Python's ``random`` reseeds at a
 fork; numpy's global generator is reseeded here), as a new interpreter would.
+
+The forker ignores SIGINT, SIGTERM, SIGHUP and SIGUSR1 (a signal to the job's whole process group is the
+training's: the forker must outlive it to report the training's status — 75 after a preemption's save); a child
+gets SIGTERM, SIGHUP and SIGUSR1 back at their defaults, SIGINT once it runs its script (:mod:`.spare`). Its
+environment names it (``UNBROKEN_FORKER``, its pid), for :mod:`unbroken.faults.launcher`: a training forked for
+``unbroken run`` watches the supervisor, its launcher, though its parent is the forker.
 
 The forker ends when its socket closes (the server is done or gone); the spares it forked do not end with it
 (a waiting one exits when its ``GO`` closes, a training with its worker). When a forker cannot import, each
@@ -54,10 +62,20 @@ imported, and for the forker's report of an end it has seen: a fork takes millis
 answer (stopped) is retired — an end is then read from the zombie, and spares start as new interpreters."""
 
 
+SPARED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+"""The signals the forker ignores (a job's, sent to its process group); a forked child resets all but SIGINT (its
+script's, once it runs: :mod:`.spare`)."""
+MARK = "UNBROKEN_FORKER"
+"""The variable naming the forker (its pid) in its environment and its children's."""
+
+
 def main(argv: list[str]) -> int:
     ctrl = socket.socket(fileno=int(argv[0]))
     modules = [m for m in argv[1].split(",") if m]
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a waiting spare: a Ctrl-C is the training's
+    detached = len(argv) < 3 or argv[2] != "0"
+    for sig in SPARED:  # as a waiting spare for SIGINT: a Ctrl-C is the training's
+        signal.signal(sig, signal.SIG_IGN)
+    os.environ[MARK] = str(os.getpid())
     failed = None
     try:
         for name in modules:
@@ -66,7 +84,7 @@ def main(argv: list[str]) -> int:
         failed = f"failed {type(e).__name__}: {e}\n"
     try:
         wire.send(ctrl, {"up": failed is None})
-        spare = _serve(ctrl, failed)
+        spare = _serve(ctrl, failed, detached)
     except OSError:
         return 0  # the server went away mid-message
     if spare is None:
@@ -74,7 +92,7 @@ def main(argv: list[str]) -> int:
     return serve(*spare)  # a forked child, outside everything of the forker's: the spare from here on
 
 
-def _serve(ctrl: socket.socket, failed: str | None) -> tuple[int, int] | None:
+def _serve(ctrl: socket.socket, failed: str | None, detached: bool) -> tuple[int, int] | None:
     """Fork spares until the socket closes (``None``); in a child, its ``GO`` and ``READY``."""
     children: dict[int, int] = {}  # pidfd -> pid
     while True:
@@ -106,7 +124,10 @@ def _serve(ctrl: socket.socket, failed: str | None) -> tuple[int, int] | None:
             ctrl.close()
             for fd in children:
                 os.close(fd)
-            os.setsid()
+            if detached:
+                os.setsid()
+            for sig in SPARED[1:]:
+                signal.signal(sig, signal.SIG_DFL)
             _reseed()
             return go, ready_w
         os.close(go)
@@ -261,11 +282,17 @@ class Forked:
 class Forker:
     """The server's side of the forker process: :meth:`fork` a spare, the forker's reports read by a thread."""
 
-    def __init__(self, flags: list[str], modules: tuple[str, ...]) -> None:
+    def __init__(self, flags: list[str], modules: tuple[str, ...], *, executable: str = sys.executable,
+                 env: dict[str, str] | None = None, detached: bool = True) -> None:
+        """A forker of ``executable`` (this interpreter) with ``flags`` and ``env`` (this environment) importing
+        ``modules``; ``detached``: in a session of its own, its standard input ``/dev/null``, as the server's
+        spares (else in this process's group and with its standard input, as ``unbroken run``'s training)."""
         self._sock, child = socket.socketpair()
         self.proc = subprocess.Popen(
-            [sys.executable, *flags, "-m", "unbroken.launch.forker", str(child.fileno()), ",".join(modules)],
-            pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True)
+            [executable, *flags, "-m", "unbroken.launch.forker", str(child.fileno()), ",".join(modules),
+             "1" if detached else "0"],
+            pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL if detached else None, env=env,
+            start_new_session=detached)
         child.close()
         self._lock = threading.Lock()
         self._asked: dict[int, Forked] = {}
@@ -330,6 +357,14 @@ class Forker:
             spare.started(pid, fds[0] if fds else None)
         else:
             spare.ended(int(msg["code"]))
+
+    def ready_timeout(self, timeout: float) -> float:
+        """How long to wait for a spare forked by it to say ``ready``, out of ``timeout`` seconds: once the forker
+        has imported (waited for here, within ``timeout``), a fork takes milliseconds: :data:`FORK_TIMEOUT_S` at
+        most. A spare that has not answered by then and whose forker has imported: :meth:`unresponsive`."""
+        start = time.monotonic()
+        self.imported.wait(max(0.0, timeout))
+        return min(timeout - (time.monotonic() - start), FORK_TIMEOUT_S)
 
     @property
     def usable(self) -> bool:

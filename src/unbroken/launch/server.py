@@ -33,7 +33,7 @@ import threading
 import time
 
 from . import wire
-from .forker import FORK_TIMEOUT_S, Forked, Forker
+from .forker import Forked, Forker
 from .spare import read_answer
 
 PRELOAD = ("numpy", "torch", "torch._dynamo", "torch.utils.data", "torch.distributed")
@@ -78,9 +78,7 @@ class Spare:
         no spare is asked of it again)."""
         forker = self.forker if isinstance(self.proc, Forked) else None
         if forker is not None:
-            start = time.monotonic()
-            forker.imported.wait(timeout)
-            timeout = min(timeout - (time.monotonic() - start), FORK_TIMEOUT_S)
+            timeout = forker.ready_timeout(timeout)
         with self._lock:
             ready = self._peek(timeout)
             if forker is not None and self.answer is None and forker.imported.is_set():

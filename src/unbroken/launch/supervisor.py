@@ -2,7 +2,10 @@
 
 The supervisor runs the command and, while it trains, keeps one **spare** ready (:mod:`.spare`): an
 interpreter of the same Python with the same flags, environment and working folder that has imported
-torch (and ``--preload`` modules) and waits. When the training process dies — SIGKILL, the OOM killer,
+torch (and ``--preload`` modules) and waits. Spares are forked from one interpreter that imported these once
+(:mod:`.forker`, started with the first spare): a replacement costs a fork, not 2-3 s of CPU importing torch
+beside the restarted training (``UNBROKEN_SPARES_FORK=0``, or a forker that died or stopped answering: each
+spare a new interpreter). When the training process dies — SIGKILL, the OOM killer,
 a segfault, an exception — the spare becomes the next training process at once (no interpreter start,
 no ``import torch``: most of a cold restart), resumes from the run's newest checkpoint as any restart
 does, and a new spare starts warming behind it. A restart is exact as every resume is: the spare is a
@@ -16,12 +19,13 @@ too (a copy that also reached it directly is the same request for unbroken: :mod
 and no restart follows them.
 
 The supervisor SIGKILLed (it cannot forward anything then): a training process that uses a
-:class:`~unbroken.Checkpointer` is signalled by the kernel as if preempted (:mod:`unbroken.faults.launcher`):
-it saves at its next step boundary and exits 75, its lock released; a waiting spare exits.
+:class:`~unbroken.Checkpointer` is signalled as if preempted (:mod:`unbroken.faults.launcher`: by the kernel, or
+for a forked training by a thread waiting on the supervisor's pidfd): it saves at its next step boundary and exits
+75, its lock released; a waiting spare exits (its pipe closed), and so does the forker (its socket closed).
 
-Costs: the spare's memory (an interpreter with torch imported: about 300 MB of RAM, no GPU memory; it
-never touches CUDA) and its CPU while it imports, once per start. A command the spare cannot run
-(:mod:`.command`) restarts cold, with the reason said once.
+Costs: the forker's and the spare's memory (each an interpreter with torch imported, sharing its pages: about 300 MB
+of RAM in all, no GPU memory; neither ever touches CUDA) and the forker's CPU while it imports, once. A command the
+spare cannot run (:mod:`.command`) restarts cold, with the reason said once.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import time
 from dataclasses import dataclass
 
 from .command import Command, parse
+from .forker import Forked, Forker
 from .spare import read_answer
 
 PRELOAD = ("numpy", "torch", "torch._dynamo", "torch.utils.data", "torch.distributed", "unbroken",
@@ -59,13 +64,16 @@ def say(message: str) -> None:
 
 
 class Spare:
-    """One waiting interpreter (see :mod:`.spare`); :meth:`go` makes it the training process."""
+    """One waiting interpreter (see :mod:`.spare`), forked by ``forker`` while it is usable, else a new one;
+    :meth:`go` makes it the training process."""
 
-    def __init__(self, cmd: Command, preload: tuple[str, ...]) -> None:
+    def __init__(self, cmd: Command, preload: tuple[str, ...], forker: Forker | None) -> None:
         go_r, self._go = os.pipe()
         self._ready, ready_w = os.pipe()
         assert cmd.executable is not None
-        self.proc = subprocess.Popen(
+        forked = forker.fork(go_r, ready_w) if forker is not None and forker.usable else None
+        self.forker = forker if forked is not None else None
+        self.proc: subprocess.Popen[bytes] | Forked = forked or subprocess.Popen(
             [cmd.executable, *cmd.flags, "-m", "unbroken.launch.spare", str(go_r), str(ready_w), ",".join(preload)],
             pass_fds=(go_r, ready_w), stdin=None, env=child_env())
         os.close(go_r)
@@ -74,12 +82,17 @@ class Spare:
         self.answer: str | None = None
 
     def wait_ready(self, timeout: float) -> bool:
-        """Whether the spare has imported what it preloads (within ``timeout`` seconds from now)."""
+        """Whether the spare has imported what it preloads (within ``timeout`` seconds from now; a forked one
+        within :data:`.forker.FORK_TIMEOUT_S` of its forker's import, else the forker is not asked again)."""
         if self.answer is None:
+            if self.forker is not None:
+                timeout = self.forker.ready_timeout(timeout)
             self.answer = read_answer(self._ready, timeout)
+            if self.answer is None and self.forker is not None and self.forker.imported.is_set():
+                self.forker.unresponsive()
         return self.answer == "ready" and self.proc.poll() is None
 
-    def go(self, cmd: Command) -> subprocess.Popen[bytes]:
+    def go(self, cmd: Command) -> subprocess.Popen[bytes] | Forked:
         order = {"argv": cmd.main_argv(), "script": cmd.script, "module": cmd.module}
         os.write(self._go, (json.dumps(order) + "\n").encode())
         os.close(self._go)
@@ -93,6 +106,10 @@ class Spare:
             pass
         if self.answer is None:
             os.close(self._ready)
+            self.answer = "discarded"
+        if isinstance(self.proc, Forked):
+            self.proc.forget(5)
+            return
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -116,8 +133,10 @@ class Supervisor:
         if not warm:
             self.cmd.cold = "--cold"
         self.max_restarts, self.preload = max_restarts, PRELOAD + tuple(preload)
-        self.child: subprocess.Popen[bytes] | None = None
+        self.child: subprocess.Popen[bytes] | Forked | None = None
         self.spare: Spare | None = None
+        self.forker: Forker | None = None
+        self._retired = False  # the forker found unusable (said once)
         self.stopping: signal.Signals | None = None
 
     def _forward(self, signum: int, frame: object) -> None:
@@ -125,7 +144,19 @@ class Supervisor:
         if self.child is not None and self.child.poll() is None:
             self.child.send_signal(signum)
 
-    def _start(self) -> tuple[subprocess.Popen[bytes], bool]:
+    def _spare(self) -> Spare:
+        """A new spare; the first one starts the forker (unless ``UNBROKEN_SPARES_FORK=0``)."""
+        if self.forker is None and os.environ.get("UNBROKEN_SPARES_FORK", "1") != "0":
+            assert self.cmd.executable is not None
+            self.forker = Forker(self.cmd.flags, self.preload, executable=self.cmd.executable, env=child_env(),
+                                 detached=False)
+        elif self.forker is not None and not self.forker.usable and not self._retired:
+            how = "has ended" if not self.forker.up else "does not answer"
+            say(f"the spare forker {how}: spares start as new interpreters")
+            self._retired = True
+        return Spare(self.cmd, self.preload, self.forker)
+
+    def _start(self) -> tuple[subprocess.Popen[bytes] | Forked, bool]:
         """The next training process: the spare when it is ready, else the command started cold."""
         spare, self.spare = self.spare, None
         if spare is not None:
@@ -142,12 +173,12 @@ class Supervisor:
         restarts = warm = 0
         try:
             if self.cmd.warm:
-                self.spare = Spare(self.cmd, self.preload)
+                self.spare = self._spare()
             while True:
                 self.child, was_warm = self._start()
                 warm += was_warm
                 if self.cmd.warm and self.stopping is None:
-                    self.spare = Spare(self.cmd, self.preload)  # warms while the training runs
+                    self.spare = self._spare()  # warms while the training runs
                 status = _status(self.child.wait())
                 if status == 0 or status == PREEMPTED or self.stopping is not None:
                     return Outcome(status, restarts, warm)
@@ -161,6 +192,8 @@ class Supervisor:
         finally:
             if self.spare is not None:
                 self.spare.discard()
+            if self.forker is not None:
+                self.forker.close()
             for s, h in previous.items():
                 signal.signal(s, h)
 
