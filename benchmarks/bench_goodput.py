@@ -33,10 +33,11 @@ the same step; the process exits and torchrun restarts it, or ``recover`` restor
 ``node`` (two torchrun agents in two network namespaces, one rank each; every process of node 1
 SIGKILLed at once and its shared memory wiped (each node's RAM tier has its own folder in
 /dev/shm: a lost machine's memory is gone), the survivor fails, and the job is launched again on
-both nodes, as a scheduler requeues it: needs root and iproute2, else skipped with the reason). A failure is injected
-every ``--interval`` seconds of wall time (the first one ``--interval`` after the launch), once the job
-has made a new step since the previous one, and not in the last 3 steps. Every run trains
-``--steps`` steps; a run's numbers come from the ranks' event records (goodput_report.py says how).
+both nodes, as a scheduler requeues it: needs root and iproute2, else skipped with the reason). A failure is
+injected every ``--interval`` seconds of wall time (the first one an interval after the launch), once the job
+has made a new step since the previous one, and not in the last 3 steps; ``KIND@S`` in ``--kinds`` is that kind
+every ``S`` seconds (``--kinds kill@60,kill@600``: two rates in one run, sharing their uninterrupted jobs).
+Every run trains ``--steps`` steps; a run's numbers come from the ranks' event records (goodput_report.py says how).
 
 After each kill, where the restart went (``goodput_timeline.py``): torchrun's agent lines (its
 output is time-stamped as it is read), the survivor's exit, and the new rank 0's phases, as
@@ -107,6 +108,14 @@ def worker_config(config: str) -> tuple[bool, str]:
     if kind == WARM or kind.startswith(WARM + "-"):
         return True, kind.removeprefix(WARM).removeprefix("-") or "disk"
     return False, kind
+
+
+def _kind_ok(kind: str) -> bool:
+    try:
+        rate_of(kind, 1.0)
+    except ValueError:
+        return False
+    return True
 
 
 def references(configs: list[str], one: bool) -> dict[str, str]:
@@ -286,9 +295,21 @@ class Job:
                 os.kill(int(pid.read_text()), signal.SIGKILL)
 
 
-def run_one(a: argparse.Namespace, config: str, kind: str, tmp: Path, cluster: Any) -> dict[str, Any]:
-    """One job of ``config`` under failures of ``kind``; its metrics and final digest."""
-    base = tmp / f"{config}-{kind}"
+def rate_of(kind: str, default: float) -> tuple[str, float]:
+    """A failure kind and its seconds between failures: ``kill@600`` is ``("kill", 600.0)``, ``kill`` the ``default``
+    (``--interval``); ``ValueError`` for another kind or rate."""
+    name, at, rate = kind.partition("@")
+    seconds = float(rate) if at else default
+    if name not in KINDS or (at and (name == "none" or not seconds > 0)):
+        raise ValueError(kind)
+    return name, seconds
+
+
+def run_one(a: argparse.Namespace, config: str, named: str, tmp: Path, cluster: Any) -> dict[str, Any]:
+    """One job of ``config`` under failures of kind ``named`` (``kill``, ``kill@600``: its own rate); its metrics and
+    final digest."""
+    kind, interval = rate_of(named, a.interval)
+    base = tmp / f"{config}-{named}"
     out = base / "out"
     out.mkdir(parents=True)
     failures: list[float] = []
@@ -301,7 +322,7 @@ def run_one(a: argparse.Namespace, config: str, kind: str, tmp: Path, cluster: A
         tail = Tail(out, a.ranks)
         load0, launched = loadavg(), time.time()
         job.launch()
-        next_at, pending, deadline = launched + a.interval, None, launched + a.timeout
+        next_at, pending, deadline = launched + interval, None, launched + a.timeout
         planned = launched
         try:
             while True:
@@ -326,7 +347,7 @@ def run_one(a: argparse.Namespace, config: str, kind: str, tmp: Path, cluster: A
                              if e["ev"] == "fault" and e["step"] >= pending and e["t"] >= planned]
                     if fired:
                         failures.append(min(fired))
-                        pending, next_at = None, min(fired) + a.interval
+                        pending, next_at = None, min(fired) + interval
                 last = {e["rank"]: e["step"] for e in steps}  # where each rank is now
                 latest = max(last.values(), default=0)
                 since = failures[-1] if failures else launched
@@ -342,12 +363,12 @@ def run_one(a: argparse.Namespace, config: str, kind: str, tmp: Path, cluster: A
                         failures.append(time.time())
                         os.kill(int((out / "pid-r1").read_text()), signal.SIGKILL)
                         exits.append(watch.start())
-                        next_at = failures[-1] + a.interval
+                        next_at = failures[-1] + interval
                     else:
                         failures.append(time.time())
                         cluster.nodes[1].kill_all()
                         job.lose_memory(1)  # a replacement machine: nothing of node 1 is left
-                        next_at = failures[-1] + a.interval
+                        next_at = failures[-1] + interval
                     if a.max_failures is not None and len(failures) + (pending is not None) >= a.max_failures:
                         release.touch()  # every failure asked for is on its way: a held job may finish
                 time.sleep(0.05)
@@ -356,17 +377,18 @@ def run_one(a: argparse.Namespace, config: str, kind: str, tmp: Path, cluster: A
     codes = job.codes()
     final = out / "final.json"
     if not final.exists():
-        raise RuntimeError(f"{config}/{kind}: the job ended (exit {codes}) without finishing; see {base / 'log.txt'}")
+        raise RuntimeError(f"{config}/{named}: the job ended (exit {codes}) without finishing; see {base / 'log.txt'}")
     m = metrics(read_events(out), failures, launched, a.steps)
     if kind == "kill":
         for w in exits:
             w.thread.join(5)
         m["timeline"] = breakdown(failures, [w.ended.get(0) for w in exits], read_events(out), base / "log.txt")
-    m.update(config=config, kind=kind, launches=job.launches, final_sha256=json.loads(final.read_text())["sha256"],
+    m.update(config=config, kind=named, interval_s=interval if kind != "none" else None, launches=job.launches,
+             final_sha256=json.loads(final.read_text())["sha256"],
              loadavg=[load0, loadavg()])
-    shutil.copy(base / "log.txt", tmp / f"log-{config}-{kind}.txt")
+    shutil.copy(base / "log.txt", tmp / f"log-{config}-{named}.txt")
     for ev in out.glob("events-r*.jsonl"):
-        shutil.copy(ev, tmp / f"{ev.stem}-{config}-{kind}.jsonl")
+        shutil.copy(ev, tmp / f"{ev.stem}-{config}-{named}.jsonl")
     shutil.rmtree(base)
     return m
 
@@ -383,7 +405,9 @@ def main() -> None:
     ap.add_argument("--ram-root", default=None, help="where the nodes' RAM tiers live for 'node' (default /dev/shm)")
     ap.add_argument("--ranks", type=int, default=2, help="processes (default 2; split over 2 nodes for 'node')")
     ap.add_argument("--configs", default="dcp,disk,ram,inproc", help=f"of {','.join(CONFIGS)}")
-    ap.add_argument("--kinds", default=",".join(KINDS), help=f"of {','.join(KINDS)}")
+    ap.add_argument("--kinds", default=",".join(KINDS),
+                    help=f"of {','.join(KINDS)}; KIND@S: that kind at a failure every S seconds (kill@60,kill@600: "
+                         "two rates in one run)")
     ap.add_argument("--monitor-interval", type=float, default=0.1,
                     help="torchrun --monitor-interval for every configuration (default 0.1, torchrun's own)")
     ap.add_argument("--base-src", metavar="DIR",
@@ -407,7 +431,7 @@ def main() -> None:
     a = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the jobs and clean up on the way out
     configs, kinds = a.configs.split(","), a.kinds.split(",")
-    bad = [c for c in configs if kind_of(c) not in CONFIGS or not _every_ok(c)] + [k for k in kinds if k not in KINDS]
+    bad = [c for c in configs if kind_of(c) not in CONFIGS or not _every_ok(c)] + [k for k in kinds if not _kind_ok(k)]
     if bad:
         ap.error(f"unknown: {bad}")
     if a.base_src:
@@ -421,7 +445,7 @@ def main() -> None:
     if a.ranks < 2 or a.ranks % 2:
         ap.error("--ranks must be even and at least 2 (a rank is killed; 'node' splits them over 2 nodes)")
     if "none" not in kinds:
-        kinds.insert(0, "none")  # the reference for exactness and the ratios
+        kinds.insert(0, "none")  # the reference for exactness and the ratios (one for every rate)
     reference = references(configs, a.one_reference)
     sys.path.insert(0, str(HERE.parent / "tests"))
     tmp = Path(tempfile.mkdtemp(prefix="unbroken-bench-goodput-", dir=a.dir))
@@ -429,7 +453,8 @@ def main() -> None:
     started = time.time()
     skipped: dict[str, str] = {}
     try:
-        for kind in kinds:  # node losses last
+        for named in kinds:  # node losses last
+            kind = rate_of(named, a.interval)[0]
             cluster = None
             if kind == "node":
                 if (why := node_reason()) is not None:
@@ -447,10 +472,10 @@ def main() -> None:
                             worker_config(config)[0] and kind == "node"):  # (warm: one node's spares; not measured)
                         continue
                     if not config.endswith(BASE) and (why := unavailable(kind_of(config), kind)) is not None:
-                        rows.append({"config": config, "kind": kind, "unavailable": why})
+                        rows.append({"config": config, "kind": named, "unavailable": why})
                         continue
-                    print(f"[{config} / {kind}]", file=sys.stderr, flush=True)
-                    r = run_one(a, config, kind, tmp, cluster)
+                    print(f"[{config} / {named}]", file=sys.stderr, flush=True)
+                    r = run_one(a, config, named, tmp, cluster)
                     print(f"  goodput {r['goodput']:.3f}, {r['failures']} failures, recovery "
                           f"{r['median_recovery_s']}, redone {r['steps_redone']}", file=sys.stderr, flush=True)
                     rows.append(r)
@@ -471,7 +496,8 @@ def main() -> None:
     info = machine(Path(a.dir or tempfile.gettempdir()))
     title = (f"{a.ranks} ranks (DDP, gloo, 1 thread each), model {a.layers} layers dim {a.dim} seq {a.seq} "
              f"batch {a.batch}/rank vocab {a.vocab}; {a.steps} steps a job, disk save every {a.save_every}, "
-             f"a failure every {a.interval:g} s; took {time.time() - started:.0f} s; 1-min load average "
+             f"a failure every {a.interval:g} s (KIND@S: every S s); took {time.time() - started:.0f} s; "
+             "1-min load average "
              f"{min(loads, default=0):.1f}-{max(loads, default=0):.1f} (at the start and end of each job)")
     print(f"\n{title}\nMachine: {info}\n\n{table(rows, md=False)}")
     if timeline := median_table(rows, md=False):

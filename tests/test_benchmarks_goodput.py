@@ -1,5 +1,6 @@
 """benchmarks/bench_goodput.py with tiny settings, run for real: every configuration under a SIGKILLed
-rank and an exception inside a step (one failure each), checked from the JSON it writes.
+rank (``kill@1``: the kind with its own rate) and an exception inside a step (one failure each), checked
+from the JSON it writes.
 
 No timed assertions: what is checked is that the failures were injected as asked and recovered
 from, that unbroken redid at most a save interval of steps per failure and ended bitwise equal to
@@ -44,7 +45,7 @@ def test_tiny_run_injects_recovers_and_reports_every_configuration(tmp_path: Pat
     out = tmp_path / "goodput.json"
     work = tmp_path / "work"
     work.mkdir()
-    cmd = [sys.executable, str(SCRIPT), *TINY, "--configs", ",".join(CONFIGS), "--kinds", "kill,exception",
+    cmd = [sys.executable, str(SCRIPT), *TINY, "--configs", ",".join(CONFIGS), "--kinds", "kill@1,exception",
            "--one-reference", "--dir", str(work), "--json", str(out), "--plot", str(tmp_path / "goodput.png")]
     shm = tmp_path / "shm"
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
@@ -52,7 +53,7 @@ def test_tiny_run_injects_recovers_and_reports_every_configuration(tmp_path: Pat
     assert p.returncode == 0, f"stdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-3000:]}"
     doc = json.loads(out.read_text())
     rows = {(r["config"], r["kind"]): r for r in doc["rows"]}
-    expected = {(c, k) for c in CONFIGS for k in ("kill", "exception") if not (c == "inproc" and k == "kill")}
+    expected = {(c, k) for c in CONFIGS for k in ("kill@1", "exception") if not (c == "inproc" and k == "kill@1")}
     expected.add((CONFIGS[0], "none"))  # --one-reference: every configuration must equal disk's uninterrupted job
     assert set(rows) == expected, set(rows) ^ expected
     for (_config, kind), r in rows.items():
@@ -69,13 +70,14 @@ def test_tiny_run_injects_recovers_and_reports_every_configuration(tmp_path: Pat
         assert abs(f["restart_s"] + f["restore_s"] + f["redo_s"] - f["recovery_s"]) < 1e-6, f
         assert r["exact"] is True, r  # bitwise the uninterrupted run
         assert r["steps_redone"] <= SAVE_EVERY, r
-        if kind == "kill":  # where the restart went: every segment seen, adding up to restart + restore
+        assert r["interval_s"] == 1, r  # kill@1: its own rate (here --interval's too)
+        if kind == "kill@1":  # where the restart went: every segment seen, adding up to restart + restore
             (t,) = r["timeline"]
             assert set(t["segments"]) == {label for label, _ in SEGMENTS}, t
             assert abs(sum(t["segments"].values()) - f["restart_s"] - f["restore_s"]) < 1e-6, (t, f)
             assert set(t["info"]) == {label for label, _ in INFO}, t
             assert 0 < t["info"]["(kill to the survivor's exit)"] < f["restart_s"], t
-    assert rows[("disk", "kill")]["launches"] == 1  # torchrun restarted the group itself
+    assert rows[("disk", "kill@1")]["launches"] == 1  # torchrun restarted the group itself
     assert (tmp_path / "goodput.png").stat().st_size > 0
     assert list(work.iterdir()) == [], "the benchmark left its jobs behind"
     assert shm.is_dir() and list(shm.iterdir()) == []  # used (the tier made it), then emptied at close
@@ -112,6 +114,16 @@ def test_one_reference_serves_every_unbroken_configuration_of_a_package_and_each
     assert references(configs, one=True) == {"dcp": "dcp", "ram-auto": "ram-auto", "disk@10": "ram-auto",
                                              "warm-auto": "ram-auto", "dcp@25": "dcp@25", "disk-base": "disk-base",
                                              "ram-base": "disk-base"}
+
+
+def test_a_kind_carries_its_own_rate() -> None:
+    from bench_goodput import rate_of
+
+    assert rate_of("kill", 60.0) == ("kill", 60.0) and rate_of("kill@600", 60.0) == ("kill", 600.0)
+    assert rate_of("node@1.5", 60.0) == ("node", 1.5) and rate_of("none", 60.0) == ("none", 60.0)
+    for bad in ("none@60", "kill@0", "kill@-1", "crash@60", "kill@x"):
+        with pytest.raises(ValueError):
+            rate_of(bad, 60.0)
 
 
 def test_an_exception_asked_for_between_two_ranks_checks_of_a_step_fires_on_both(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
-"""The spare forker: one interpreter of the spare server that imports what a spare preloads, once, and forks
-every spare from it.
+"""The spare forker: one interpreter of the spare server's (or of ``unbroken run``'s supervisor's) that imports what
+a spare preloads, once, and forks every spare from it.
 
 A spare started as a new interpreter spends 2-2.5 s of CPU importing torch. The server replaces a spare
 as soon as it takes a launch, so after a failure every rank's replacement imported torch right while the
@@ -30,7 +30,7 @@ gets SIGTERM, SIGHUP and SIGUSR1 back at their defaults, SIGINT once it runs its
 environment names it (``UNBROKEN_FORKER``, its pid), for :mod:`unbroken.faults.launcher`: a training forked for
 ``unbroken run`` watches the supervisor, its launcher, though its parent is the forker.
 
-The forker ends when its socket closes (the server is done or gone); the spares it forked do not end with it
+The forker ends when its socket closes (its owner is done or gone); the spares it forked do not end with it
 (a waiting one exits when its ``GO`` closes, a training with its worker). When a forker cannot import, each
 request is answered by ``failed ...`` on its ``READY`` pipe, as a spare that cannot import answers.
 """
@@ -57,9 +57,9 @@ LOST = 1
 """The return code given to a forked process whose forker died before reporting its end (its status is unknown:
 another parent reaped it)."""
 FORK_TIMEOUT_S = 10.0
-"""How long the server waits for a fork (the spare's ``ready`` and the forker's answer) once the forker has
-imported, and for the forker's report of an end it has seen: a fork takes milliseconds; a forker that does not
-answer (stopped) is retired — an end is then read from the zombie, and spares start as new interpreters."""
+"""How long the owner (server, supervisor) waits for a fork (the spare's ``ready`` and the forker's answer) once the
+forker has imported, and for the forker's report of an end it has seen: a fork takes milliseconds; a forker that
+does not answer (stopped) is retired — an end is then read from the zombie, and spares start as new interpreters."""
 
 
 SPARED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
@@ -80,15 +80,15 @@ def main(argv: list[str]) -> int:
     try:
         for name in modules:
             importlib.import_module(name)
-    except BaseException as e:  # noqa: BLE001 - answered to every request (the server then starts cold)
+    except BaseException as e:  # noqa: BLE001 - answered to every request (its owner then starts cold)
         failed = f"failed {type(e).__name__}: {e}\n"
     try:
         wire.send(ctrl, {"up": failed is None})
         spare = _serve(ctrl, failed, detached)
     except OSError:
-        return 0  # the server went away mid-message
+        return 0  # the owner went away mid-message
     if spare is None:
-        return 0  # the server is done (or gone): its spares are not this process's concern
+        return 0  # the owner is done (or gone): its spares are not this process's concern
     return serve(*spare)  # a forked child, outside everything of the forker's: the spare from here on
 
 
@@ -154,7 +154,7 @@ def _reseed() -> None:
 
 
 class Forked:
-    """A spare forked by a :class:`Forker`, as the server sees it: the part of :class:`subprocess.Popen`'s
+    """A spare forked by a :class:`Forker`, as its owner sees it: the part of :class:`subprocess.Popen`'s
     interface it uses (``pid``, ``poll``, ``wait``, ``send_signal``, ``kill``), its end reported by the forker.
 
     The end is waited for on the process's pidfd, then the forker's report for at most :data:`FORK_TIMEOUT_S`:
@@ -280,7 +280,8 @@ class Forked:
 
 
 class Forker:
-    """The server's side of the forker process: :meth:`fork` a spare, the forker's reports read by a thread."""
+    """The owner's side of the forker process (the spare server's, or ``unbroken run``'s supervisor's): :meth:`fork`
+    a spare, the forker's reports read by a thread."""
 
     def __init__(self, flags: list[str], modules: tuple[str, ...], *, executable: str = sys.executable,
                  env: dict[str, str] | None = None, detached: bool = True) -> None:
