@@ -367,6 +367,12 @@ class Forker:
         self.imported.wait(max(0.0, timeout))
         return min(timeout - (time.monotonic() - start), FORK_TIMEOUT_S)
 
+    def unanswered(self) -> None:
+        """A spare forked by it did not say ``ready`` within :meth:`ready_timeout`: once it has imported, that is
+        the forker's fault (:meth:`unresponsive`)."""
+        if self.imported.is_set():
+            self.unresponsive()
+
     @property
     def usable(self) -> bool:
         """Whether spares may still be asked of it: it runs and has answered in time."""

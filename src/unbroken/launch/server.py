@@ -81,8 +81,8 @@ class Spare:
             timeout = forker.ready_timeout(timeout)
         with self._lock:
             ready = self._peek(timeout)
-            if forker is not None and self.answer is None and forker.imported.is_set():
-                forker.unresponsive()
+            if forker is not None and self.answer is None:
+                forker.unanswered()
         return ready
 
     def ready_now(self) -> bool:

@@ -88,8 +88,8 @@ class Spare:
             if self.forker is not None:
                 timeout = self.forker.ready_timeout(timeout)
             self.answer = read_answer(self._ready, timeout)
-            if self.answer is None and self.forker is not None and self.forker.imported.is_set():
-                self.forker.unresponsive()
+            if self.answer is None and self.forker is not None:
+                self.forker.unanswered()
         return self.answer == "ready" and self.proc.poll() is None
 
     def go(self, cmd: Command) -> subprocess.Popen[bytes] | Forked:
