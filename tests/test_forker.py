@@ -21,7 +21,7 @@ import pytest
 from procs import alive
 
 from unbroken.launch import wire
-from unbroken.launch.forker import LOST, Forked, Forker
+from unbroken.launch.forks import LOST, Forked, Forker
 from unbroken.launch.spare import read_answer
 
 pytestmark = pytest.mark.e2e

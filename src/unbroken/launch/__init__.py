@@ -7,6 +7,6 @@
 - :mod:`.supervisor`: the restart loop, the signals, the exit status;
 - under torchrun (``torchrun ... -m unbroken.launch.worker train.py``): :mod:`.worker` (the process torchrun
   starts and watches, which hands its launch to a spare), :mod:`.server` (the node's spares), :mod:`.forker`
-  (the one interpreter that imports torch and forks the server's spares) and :mod:`.wire` (their socket, its
-  checks and messages).
+  (the one interpreter that imports torch and forks the spares; its owner's side :mod:`.forks`) and :mod:`.wire`
+  (their socket, its checks and messages).
 """

@@ -33,7 +33,7 @@ import threading
 import time
 
 from . import wire
-from .forker import Forked, Forker
+from .forks import Forked, Forker
 from .spare import read_answer
 
 PRELOAD = ("numpy", "torch", "torch._dynamo", "torch.utils.data", "torch.distributed")
@@ -74,7 +74,7 @@ class Spare:
 
     def wait_ready(self, timeout: float) -> bool:
         """Whether it has imported what it preloads (within ``timeout`` seconds from now). A forked one: once
-        its forker has imported, within :data:`.forker.FORK_TIMEOUT_S` (else the forker is marked unresponsive:
+        its forker has imported, within :data:`.forks.FORK_TIMEOUT_S` (else the forker is marked unresponsive:
         no spare is asked of it again)."""
         forker = self.forker if isinstance(self.proc, Forked) else None
         if forker is not None:

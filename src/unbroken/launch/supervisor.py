@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass
 
 from .command import Command, parse
-from .forker import Forked, Forker
+from .forks import Forked, Forker
 from .spare import read_answer
 
 PRELOAD = ("numpy", "torch", "torch._dynamo", "torch.utils.data", "torch.distributed", "unbroken",
@@ -83,7 +83,7 @@ class Spare:
 
     def wait_ready(self, timeout: float) -> bool:
         """Whether the spare has imported what it preloads (within ``timeout`` seconds from now; a forked one
-        within :data:`.forker.FORK_TIMEOUT_S` of its forker's import, else the forker is not asked again)."""
+        within :data:`.forks.FORK_TIMEOUT_S` of its forker's import, else the forker is not asked again)."""
         if self.answer is None:
             if self.forker is not None:
                 timeout = self.forker.ready_timeout(timeout)
