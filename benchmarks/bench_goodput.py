@@ -76,7 +76,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from goodput_report import metrics, plot, read_events, table  # noqa: E402
+from goodput_report import chosen_intervals, intervals_table, metrics, plot, read_events, table  # noqa: E402
 from goodput_timeline import breakdown, median_table  # noqa: E402
 
 WORKER = str(HERE / "goodput_worker.py")
@@ -386,6 +386,8 @@ def run_one(a: argparse.Namespace, config: str, named: str, tmp: Path, cluster: 
     m.update(config=config, kind=named, interval_s=interval if kind != "none" else None, launches=job.launches,
              final_sha256=json.loads(final.read_text())["sha256"],
              loadavg=[load0, loadavg()])
+    if intervals := chosen_intervals(base / "run"):  # auto's choices: the run index goes with the folder
+        m["intervals"] = intervals
     shutil.copy(base / "log.txt", tmp / f"log-{config}-{named}.txt")
     for ev in out.glob("events-r*.jsonl"):
         shutil.copy(ev, tmp / f"{ev.stem}-{config}-{named}.jsonl")
@@ -500,6 +502,8 @@ def main() -> None:
              "1-min load average "
              f"{min(loads, default=0):.1f}-{max(loads, default=0):.1f} (at the start and end of each job)")
     print(f"\n{title}\nMachine: {info}\n\n{table(rows, md=False)}")
+    if chosen := intervals_table(rows, md=False):
+        print(f"\nThe intervals the auto configurations chose (their run index):\n{chosen}")
     if timeline := median_table(rows, md=False):
         print(f"\nWhere a restart after a rank SIGKILL goes (median seconds per segment):\n{timeline}")
     for k, why in skipped.items():
@@ -512,7 +516,7 @@ def main() -> None:
         Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
     if a.markdown:
         Path(a.markdown).write_text(f"{title}\n\nMachine: {info}\n\n{table(rows, md=True)}\n\n"
-                                    f"{median_table(rows, md=True)}\n")
+                                    f"{intervals_table(rows, md=True)}\n\n{median_table(rows, md=True)}\n")
     if a.plot:
         plot(rows, a.plot, title)
     if any(not w.startswith("dcp") and BASE + "/" not in w for w in wrong):

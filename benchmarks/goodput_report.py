@@ -107,6 +107,43 @@ def table(rows: list[dict[str, Any]], md: bool) -> str:
                      [fmt(b) if b[3] != "" else "  ".join(b[:3]) for b in body])
 
 
+def chosen_intervals(run_dir: Path) -> dict[str, list[float]]:
+    """The intervals (seconds) ``save_every="auto"`` (``save``) and ``persist_every="auto"`` (``persist``) chose in
+    one job, oldest first, from its run index (read before the job's folder is removed); ``{}`` for a run without
+    one (``dcp``), ``{"error": [...]}`` when it cannot be read (an older unbroken: ``--base-src``)."""
+    if not (run_dir / "index.sqlite").is_file():
+        return {}
+    try:
+        from unbroken.run.index import RunIndex
+
+        with RunIndex(run_dir, readonly=True) as index:
+            said = {k: [(e.get("data") or {}).get("seconds") for e in index.events(f"{k}_interval")]
+                    for k in ("save", "persist")}
+    except Exception as e:  # noqa: BLE001 - a report: say it and go on
+        return {"error": [f"{type(e).__name__}: {e}"]}
+    return {k: [float(x) for x in v if x is not None] for k, v in said.items() if v}
+
+
+def intervals_table(rows: list[dict[str, Any]], md: bool) -> str:
+    """The intervals the ``auto`` configurations chose, per job: first, last, range and count (``""``: none)."""
+    head = ["config", "failure", "save interval s: first -> last (min-max, choices)", "persist interval s"]
+
+    def said(xs: list[Any]) -> str:
+        if not xs or isinstance(xs[0], str):
+            return xs[0] if xs else "-"
+        return f"{xs[0]:.3g} -> {xs[-1]:.3g} ({min(xs):.3g}-{max(xs):.3g}, {len(xs)})"
+
+    body = [[r["config"], r["kind"], said(c.get("error") or c.get("save", [])), said(c.get("persist", []))]
+            for r in rows if (c := r.get("intervals"))]
+    if not body:
+        return ""
+    if md:
+        return "\n".join(["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(head)) + "|"] +
+                         ["| " + " | ".join(b) + " |" for b in body])
+    w = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
+    return "\n".join("  ".join(c.ljust(w[i]) for i, c in enumerate(b)) for b in [head, ["-" * x for x in w], *body])
+
+
 def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
     """Goodput and recovery time per configuration, one group of bars per failure kind (matplotlib's
     object API on the Agg canvas, as src/unbroken/run/index/plotting.py draws)."""

@@ -143,7 +143,14 @@ def test_a_run_that_fails_saves_more_often_records_why_and_stays_exact(tmp_path:
     third = attempt(run)
     assert third.rc == 0 and third.started.startswith("resumed from step"), third.stderr
     with RunIndex(run, readonly=True) as index:
-        said = [e["message"] for e in index.events("save_interval")]
+        chosen = index.events("save_interval")
+    said = [e["message"] for e in chosen]
+    for e in chosen:  # the interval in numbers too (bench_goodput.py reports them)
+        seconds = (e["data"] or {}).get("seconds")
+        if e["message"].startswith("save every"):
+            assert isinstance(seconds, (int, float)) and seconds > 0, e
+        else:
+            assert seconds is None, e
     assert any("no failure yet" in m for m in said), said
     assert any("1 failure in" in m for m in said), said
     assert any("2 failures in" in m for m in said), said

@@ -36,7 +36,7 @@ TINY = ["--layers", "1", "--dim", "64", "--seq", "16", "--batch", "2", "--vocab"
         "--timeout", "240"]
 """``--hold-for-failures``: a job waits before its last steps until its failure is on its way, so that a loaded
 machine (the harness slow to see the steps) never lets a job finish first (run 14 of 2026-11-30)."""
-CONFIGS = ("disk", "ram", "inproc")
+CONFIGS = ("disk", "ram-auto", "inproc")
 """unbroken's configurations; the benchmark's peer, the DIY DCP loop, is measured by ``make bench-peers``
 (benchmarks/peers/test_goodput_dcp_alone.py)."""
 
@@ -46,7 +46,8 @@ def test_tiny_run_injects_recovers_and_reports_every_configuration(tmp_path: Pat
     work = tmp_path / "work"
     work.mkdir()
     cmd = [sys.executable, str(SCRIPT), *TINY, "--configs", ",".join(CONFIGS), "--kinds", "kill@1,exception",
-           "--one-reference", "--dir", str(work), "--json", str(out), "--plot", str(tmp_path / "goodput.png")]
+           "--one-reference", "--dir", str(work), "--json", str(out), "--plot", str(tmp_path / "goodput.png"),
+           "--markdown", str(tmp_path / "goodput.md")]
     shm = tmp_path / "shm"
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                        env=dict(os.environ, OMP_NUM_THREADS="1", UNBROKEN_RAM_ROOT=str(shm)))
@@ -78,6 +79,11 @@ def test_tiny_run_injects_recovers_and_reports_every_configuration(tmp_path: Pat
             assert set(t["info"]) == {label for label, _ in INFO}, t
             assert 0 < t["info"]["(kill to the survivor's exit)"] < f["restart_s"], t
     assert rows[("disk", "kill@1")]["launches"] == 1  # torchrun restarted the group itself
+    for kind in ("kill@1", "exception"):  # what auto chose, kept from the run index the job's folder took along
+        assert "intervals" not in rows[("disk", kind)], rows[("disk", kind)]
+        chosen = rows[("ram-auto", kind)]["intervals"]
+        assert chosen["save"] and all(s > 0 for s in chosen["save"]), chosen
+    assert "save interval s: first -> last" in (tmp_path / "goodput.md").read_text()
     assert (tmp_path / "goodput.png").stat().st_size > 0
     assert list(work.iterdir()) == [], "the benchmark left its jobs behind"
     assert shm.is_dir() and list(shm.iterdir()) == []  # used (the tier made it), then emptied at close

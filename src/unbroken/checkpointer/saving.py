@@ -106,7 +106,7 @@ class Saver:
             if done and core.schedule.auto and kind != "emergency":  # save_every="auto" learns what a save costs
                 said = core.schedule.observe_save(now - entered, now)
                 if said and core.recorder is not None:
-                    core.recorder.event("save_interval", said, step=step)
+                    core.recorder.event("save_interval", said, step=step, data={"seconds": core.schedule.chosen_s})
 
     def _save(self, state: Mapping[str, Any], metrics: dict[str, Any] | None, *, kind: str, tag: str | None,
               progress: Mapping[str, int] | None, rng: Mapping[str, Any] | None) -> CheckpointInfo | None:

@@ -135,7 +135,8 @@ class Stepper:
         if persists is not None:
             persists.observe_history(losses, wall, time.monotonic())
         if self.core.schedule.auto and (said := self.core.schedule.observe_history(failures, wall, time.monotonic())):
-            recorder.event("save_interval", said, step=self.core.progress.step)
+            recorder.event("save_interval", said, step=self.core.progress.step,
+                           data={"seconds": self.core.schedule.chosen_s})
 
     def due(self, epoch_end: bool, triggers: Sequence[Trigger] | None = None) -> bool:
         """Whether this instant is to be saved: a trigger asks, and it was not saved already."""

@@ -97,6 +97,11 @@ class Schedule:
         self._told, self._last_interval = said, interval
         return said
 
+    @property
+    def chosen_s(self) -> float | None:
+        """The interval in seconds of the last choice recorded (``None``: none yet, or no save measured)."""
+        return self._last_interval
+
     def already_saved(self, step: int, metrics: Mapping[str, Any], epoch: int = 0) -> bool:
         """This instant (step and epoch: the last step of an epoch and the end of that epoch's
         end work share a step) with these metrics is committed already (no second save needed)."""
