@@ -114,12 +114,12 @@ def chosen_intervals(run_dir: Path) -> dict[str, list[float]]:
     if not (run_dir / "index.sqlite").is_file():
         return {}
     try:
-        from unbroken.run.index import RunIndex
+        from unbroken.run.index.index import RunIndex
 
         with RunIndex(run_dir, readonly=True) as index:
             said = {k: [(e.get("data") or {}).get("seconds") for e in index.events(f"{k}_interval")]
                     for k in ("save", "persist")}
-    except Exception as e:  # noqa: BLE001 - a report: say it and go on
+    except Exception as e:  # a report: say it and go on
         return {"error": [f"{type(e).__name__}: {e}"]}
     return {k: [float(x) for x in v if x is not None] for k, v in said.items() if v}
 
