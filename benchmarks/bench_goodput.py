@@ -38,6 +38,8 @@ injected every ``--interval`` seconds of wall time (the first one an interval af
 has made a new step since the previous one, and not in the last 3 steps; ``KIND@S`` in ``--kinds`` is that kind
 every ``S`` seconds (``--kinds kill@60,kill@600``: two rates in one run, sharing their uninterrupted jobs).
 Every run trains ``--steps`` steps; a run's numbers come from the ranks' event records (goodput_report.py says how).
+The intervals the ``auto`` configurations chose are read from each job's run index before its folder is removed
+(``intervals`` in the JSON, and a table).
 
 After each kill, where the restart went (``goodput_timeline.py``): torchrun's agent lines (its
 output is time-stamped as it is read), the survivor's exit, and the new rank 0's phases, as
