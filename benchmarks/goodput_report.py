@@ -107,7 +107,7 @@ def table(rows: list[dict[str, Any]], md: bool) -> str:
                      [fmt(b) if b[3] != "" else "  ".join(b[:3]) for b in body])
 
 
-def chosen_intervals(run_dir: Path) -> dict[str, list[float]]:
+def chosen_intervals(run_dir: Path) -> dict[str, list[Any]]:
     """The intervals (seconds) ``save_every="auto"`` (``save``) and ``persist_every="auto"`` (``persist``) chose in
     one job, oldest first, from its run index (read before the job's folder is removed); ``{}`` for a run without
     one (``dcp``), ``{"error": [...]}`` when it cannot be read (an older unbroken: ``--base-src``)."""
