@@ -262,9 +262,18 @@ class Forker:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=5)
+        reap(self.proc)
         self._sock.close()
+
+
+def reap(proc: subprocess.Popen[Any] | Forked, timeout: float = 5.0) -> None:
+    """Wait for the end of a process that was told to end (its socket closed), SIGKILLed if it has not ended
+    within ``timeout`` seconds; a forked one: its end, not its status (:meth:`Forked.forget`)."""
+    if isinstance(proc, Forked):
+        proc.forget(timeout)
+        return
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=timeout)

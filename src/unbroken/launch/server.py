@@ -33,7 +33,7 @@ import threading
 import time
 
 from . import wire
-from .forks import Forked, Forker
+from .forks import Forked, Forker, reap
 from .spare import read_answer
 
 PRELOAD = ("numpy", "torch", "torch._dynamo", "torch.utils.data", "torch.distributed")
@@ -122,14 +122,7 @@ class Spare:
                 os.close(self._ready)
                 self.answer = "discarded"
                 self.proc.kill()
-        if isinstance(self.proc, Forked):
-            self.proc.forget(5)
-            return
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=5)
+        reap(self.proc)
 
 
 class Server:

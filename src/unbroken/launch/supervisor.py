@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass
 
 from .command import Command, parse
-from .forks import Forked, Forker
+from .forks import Forked, Forker, reap
 from .spare import read_answer
 
 PRELOAD = ("numpy", "torch", "torch._dynamo", "torch.utils.data", "torch.distributed", "unbroken",
@@ -107,14 +107,7 @@ class Spare:
         if self.answer is None:
             os.close(self._ready)
             self.answer = "discarded"
-        if isinstance(self.proc, Forked):
-            self.proc.forget(5)
-            return
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=5)
+        reap(self.proc)
 
 
 @dataclass
