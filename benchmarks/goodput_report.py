@@ -111,11 +111,11 @@ def chosen_intervals(run_dir: Path) -> dict[str, list[Any]]:
     """The intervals (seconds) ``save_every="auto"`` (``save``) and ``persist_every="auto"`` (``persist``) chose in
     one job, oldest first, from its run index (read before the job's folder is removed); ``{}`` for a run without
     one (``dcp``), ``{"error": [...]}`` when it cannot be read (an older unbroken: ``--base-src``)."""
-    if not (run_dir / "index.sqlite").is_file():
-        return {}
     try:
-        from unbroken.run.index.index import RunIndex
+        from unbroken.run.index.index import INDEX_FILE, RunIndex
 
+        if not (run_dir / INDEX_FILE).is_file():
+            return {}
         with RunIndex(run_dir, readonly=True) as index:
             said = {k: [(e.get("data") or {}).get("seconds") for e in index.events(f"{k}_interval")]
                     for k in ("save", "persist")}
